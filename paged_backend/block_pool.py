@@ -1,0 +1,80 @@
+"""Fixed-size KV blocks, their reference counts, and the prefix cache index.
+
+Invariants (asserted by tests/test_block_pool.py):
+- a block's `ref_cnt` equals the number of live requests whose block table holds it;
+- a block is in the free queue iff `ref_cnt == 0`;
+- the free queue order is the eviction order: allocation takes the head (and drops the block's
+  hash if it had one), freed blocks join the tail;
+- `cached[h]` is a block whose `block_hash == h`, and every hashed block is in `cached`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks
+        )
+        self.cached: dict[int, KVCacheBlock] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def lookup(self, block_hash: int) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def allocate(self, n: int) -> list[KVCacheBlock]:
+        if n > len(self.free_queue):
+            raise RuntimeError(f"asked for {n} blocks, {len(self.free_queue)} free")
+        blocks = []
+        for _ in range(n):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            blocks.append(block)
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on cache hits; a hit on a free block takes it out of the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference each, in the given order (callers pass tail blocks first, so a
+        request's last blocks are evicted before its prefix)."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of block {block.block_id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def cache(self, block: KVCacheBlock, block_hash: int) -> None:
+        """Register a full block. If an equal block is cached already, this one stays private."""
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def reset_cache(self) -> None:
+        """Forget every cached hash (blocks in use stay allocated)."""
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()

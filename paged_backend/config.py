@@ -1,0 +1,161 @@
+"""Engine and model configuration: plain dataclasses, validated once at construction."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelConfig:
+    """The subset of a Hugging Face `config.json` our Llama-family modules need."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_dir(cls, path: Path) -> ModelConfig:
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"model directory {path} has no config.json")
+        raw = json.loads(config_file.read_text())
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs} in {config_file}; "
+                f"expected one of {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        rope = raw.get("rope_parameters") or {}
+        scaling = raw.get("rope_scaling") or rope
+        rope_type = (
+            scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+        )
+        if rope_type not in ("default", "llama3", "linear"):
+            raise ValueError(f"unsupported rope scaling type {rope_type!r} in {config_file}")
+        eos = raw.get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        num_heads = raw["num_attention_heads"]
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+            rope_scaling=None if rope_type == "default" else dict(scaling, rope_type=rope_type),
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            qkv_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass
+class EngineConfig:
+    """Everything that shapes an engine; `LLM(**kwargs)` and `AsyncEngine.from_model` take these."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    attention_backend: str = "auto"
+    device: str = "auto"
+    num_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {list(_DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size % 16:
+            raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= block_size ({self.block_size}), "
+                f"got {self.max_num_batched_tokens}"
+            )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                "attention_backend must be 'auto', 'torch' or 'triton', "
+                f"got {self.attention_backend!r}"
+            )
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        """bf16 where the hardware runs it natively (CUDA, AVX-512 bf16 CPUs), else fp32."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+
+    def resolve_backend(self, device: torch.device) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if device.type == "cuda" else "torch"
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("PAGED_BACKEND_CACHE") or Path.home() / ".cache" / "paged_backend"
+    return Path(root)

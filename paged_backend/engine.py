@@ -1,0 +1,310 @@
+"""`LLMEngine`: one synchronous step loop. request -> scheduler -> runner -> sampler -> detokenizer.
+
+Not thread-safe: `LLM` drives it directly and `AsyncEngine` from its one background thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from paged_backend.config import EngineConfig, ModelConfig
+from paged_backend.detokenizer import IncrementalDetokenizer
+from paged_backend.kv_cache_manager import KVCacheManager
+from paged_backend.model_loader import DEFAULT_MODEL_NAME, resolve_model_path
+from paged_backend.model_runner import ModelRunner
+from paged_backend.outputs import CompletionOutput, RequestOutput
+from paged_backend.request import Request, RequestStatus
+from paged_backend.sampler import Sampler, to_logprob_dict
+from paged_backend.sampling_params import SamplingParams
+from paged_backend.scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+PromptType = str | Sequence[int]
+
+
+@dataclass
+class _Parent:
+    """A user request: its prompt and its `n` sequences."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.status is RequestStatus.FINISHED for c in self.children)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
+        config = config or EngineConfig(**kwargs)
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_path = resolve_model_path(config.model)
+        self.model_name = DEFAULT_MODEL_NAME if config.model is None else self.model_path.name
+        self.model_config = ModelConfig.from_dir(self.model_path)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.runner = ModelRunner(config, self.model_config, self.model_path, self.max_model_len)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
+        )
+        self.eos_token_ids = self._eos_ids()
+        self.sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids, config.seed)
+        self.parents: dict[str, _Parent] = {}
+        self._pending: list[RequestOutput] = []  # outputs produced outside a step (aborts)
+        self._ids = itertools.count()
+        self.max_batch_size = 0
+        self.num_generated_tokens = 0
+
+    def _eos_ids(self) -> list[int]:
+        ids = list(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.append(self.tokenizer.eos_token_id)
+        return ids
+
+    # ---- input ---------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
+        kwargs.setdefault("add_generation_prompt", True)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+
+    def tokenize(self, prompt: PromptType, *, add_special_tokens: bool = True) -> list[int]:
+        """Validate a prompt (text or token ids) and return its token ids."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must be a non-empty string or token id list, got ''")
+            ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+        elif isinstance(prompt, Sequence) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            if any(t < 0 or t >= vocab for t in ids):
+                raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        else:
+            raise TypeError(
+                f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise ValueError("prompt must be a non-empty string or token id list, got []")
+        return ids
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Reject, before any work, a request that could never be served."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params.check_vocab(self.model_config.vocab_size)
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens; it must be shorter than max_model_len "
+                f"({self.max_model_len}) to leave room for at least one new token"
+            )
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "
+                f"({self.max_model_len}); max_tokens must be <= {self.max_model_len - n}"
+            )
+        total = n + (params.max_tokens or self.max_model_len - n)
+        if self.kv.blocks_needed(total) > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens ({total} tokens) needs {self.kv.blocks_needed(total)} KV "
+                f"blocks but the cache has {self.kv.num_blocks}; lower max_tokens or raise "
+                "num_kv_blocks / kv_cache_memory_bytes"
+            )
+
+    def add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        prompt_token_ids: list[int] | None = None,
+    ) -> str:
+        """Queue a request (validated first); returns its id. `prompt_token_ids` skips
+        tokenizing when the caller already did it (e.g. a chat template)."""
+        params = params if params is not None else SamplingParams()
+        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
+        self.validate(ids, params)
+        if not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        children = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop_strings,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+            children.append(
+                Request(
+                    child_id,
+                    ids,
+                    params,
+                    parent_id=request_id,
+                    index=i,
+                    priority=priority,
+                    seed=seed,
+                    max_tokens=params.max_tokens or self.max_model_len - len(ids),
+                    detokenizer=detokenizer,
+                )
+            )
+        self.parents[request_id] = _Parent(
+            prompt if isinstance(prompt, str) else None, ids, children
+        )
+        for req in children:
+            self.scheduler.add(req)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Finish a request now (`finish_reason="abort"`) and free its blocks. Unknown ids are
+        ignored: the request may have just finished."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return
+        for req in parent.children:
+            self.scheduler.finish(req, "abort")
+        self._pending.append(self._make_output(request_id, parent))
+
+    # ---- the step ------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if not sched.num_scheduled:
+            return outputs
+        scheduled = list(sched.num_scheduled.items())
+        self.max_batch_size = max(self.max_batch_size, len(scheduled))
+        try:
+            tables = [self.kv.block_ids(r) for r, _ in scheduled]
+            logits, sampling = self.runner.execute(scheduled, tables)
+            sampled = self.sampler(logits, [scheduled[i][0] for i in sampling])
+        except Exception as exc:  # one bad step fails its requests, never the engine
+            logger.exception("engine step failed")
+            return outputs + self._fail_step(sched, exc)
+        self.scheduler.update(sched)
+        touched: dict[str, _Parent] = {}
+        for j, i in enumerate(sampling):
+            request = scheduled[i][0]
+            self._append_token(request, sampled.token_ids[j], sampled.logprobs[j])
+            touched[request.parent_id] = self.parents[request.parent_id]
+        self.num_generated_tokens += len(sampling)
+        outputs.extend(self._make_output(pid, parent) for pid, parent in touched.items())
+        return outputs
+
+    def _append_token(self, request: Request, token: int, logprobs) -> None:
+        request.append_output(token)
+        if logprobs is not None:
+            chosen, entries = logprobs
+            request.cumulative_logprob += chosen
+            request.logprobs.append(to_logprob_dict(entries, self._decode_one))
+        params = request.params
+        num_out = len(request.output_token_ids)
+        reason = stop_reason = None
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                reason = "stop"
+            elif token in params.stop_token_ids:
+                reason, stop_reason = "stop", token
+        if reason is None or params.include_stop_str_in_output:
+            matched = request.detokenizer.add_token(token, check_stop=num_out >= params.min_tokens)
+            if matched is not None and reason is None:
+                reason, stop_reason = "stop", matched
+        if reason is None and (
+            num_out >= request.max_tokens or request.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            request.stop_reason = stop_reason
+            self.scheduler.finish(request, reason)
+
+    def _decode_one(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        failed = {}
+        for request in sched.num_scheduled:
+            self.scheduler.finish(request, "error")
+            failed[request.parent_id] = self.parents[request.parent_id]
+        # Blocks hashed for this step's tokens hold no valid K/V: forget every cached prefix.
+        self.kv.pool.reset_cache()
+        outputs = []
+        for pid, parent in failed.items():
+            for child in parent.children:
+                self.scheduler.finish(child, "error")
+            parent.error = message
+            outputs.append(self._make_output(pid, parent))
+        return outputs
+
+    def _make_output(self, request_id: str, parent: _Parent) -> RequestOutput:
+        completions = []
+        for req in parent.children:
+            done = req.status is RequestStatus.FINISHED
+            delta = req.detokenizer.delta(done)
+            new_ids = req.output_token_ids[req.num_emitted_tokens :]
+            req.num_emitted_tokens = len(req.output_token_ids)
+            completions.append(
+                CompletionOutput(
+                    index=req.index,
+                    text=req.detokenizer.text[: req.detokenizer.num_emitted],
+                    token_ids=list(req.output_token_ids),
+                    cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+                    logprobs=req.logprobs,
+                    finish_reason=req.finish_reason,
+                    stop_reason=req.stop_reason,
+                    delta_text=delta,
+                    delta_token_ids=new_ids,
+                )
+            )
+        finished = parent.finished
+        if finished:
+            del self.parents[request_id]
+        return RequestOutput(
+            request_id=request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=max(parent.children[0].num_cached_tokens, 0),
+            error=parent.error,
+        )
+
+    # ---- introspection -------------------------------------------------------------------
+    def stats(self) -> dict:
+        kv = self.kv
+        return {
+            "kv_blocks_total": kv.num_blocks,
+            "kv_blocks_free": kv.pool.num_free,
+            "prefix_cache_queries": kv.prefix_queries,
+            "prefix_cache_hits": kv.prefix_hits,
+            "prefix_cache_hit_rate": kv.prefix_hits / kv.prefix_queries
+            if kv.prefix_queries
+            else 0.0,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "max_batch_size": self.max_batch_size,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_generated_tokens": self.num_generated_tokens,
+        }

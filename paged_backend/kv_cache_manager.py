@@ -1,0 +1,77 @@
+"""Per-request block tables on top of the `BlockPool`, with automatic prefix caching."""
+
+from __future__ import annotations
+
+from paged_backend.block_pool import BlockPool, KVCacheBlock
+from paged_backend.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_tables: dict[str, list[KVCacheBlock]] = {}
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of which found in the cache
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.pool.blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of full blocks. Never the whole prompt: the last token is always
+        computed so that there are logits to sample from."""
+        if not self.enable_caching:
+            return [], 0
+        hashes = request.update_block_hashes(self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed: list[KVCacheBlock] = ()
+    ) -> bool:
+        """Give `request` blocks for `num_new_tokens` more tokens after its computed ones (and
+        after the cache hits `computed`, which it takes a reference on). False if too few free."""
+        table = self.block_tables.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        total = num_computed + num_new_tokens
+        need = self.blocks_needed(total) - len(table) - len(computed)
+        hits_in_free_queue = sum(1 for b in computed if b.ref_cnt == 0)
+        if need > self.pool.num_free - hits_in_free_queue:
+            if not table:
+                del self.block_tables[request.request_id]
+            return False
+        self.pool.touch(computed)
+        table.extend(computed)
+        if need > 0:
+            table.extend(self.pool.allocate(need))
+        if self.enable_caching:
+            # Tokens scheduled now are known, so their full blocks can be found by later requests
+            # (also ones scheduled in this same step: K/V are written before attention reads).
+            hashes = request.update_block_hashes(self.block_size)
+            num_full = min(total // self.block_size, len(hashes))
+            for i in range(request.num_hashed_blocks, num_full):
+                self.pool.cache(table[i], hashes[i])
+            request.num_hashed_blocks = max(request.num_hashed_blocks, num_full)
+        return True
+
+    def free(self, request: Request) -> None:
+        table = self.block_tables.pop(request.request_id, [])
+        self.pool.free(reversed(table))
+        request.num_hashed_blocks = 0
+
+    def block_ids(self, request: Request) -> list[int]:
+        return [b.block_id for b in self.block_tables[request.request_id]]

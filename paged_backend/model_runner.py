@@ -1,0 +1,127 @@
+"""Owns the model weights and the KV cache; turns a scheduled step into one forward pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from paged_backend.attention import AttentionMetadata, get_backend
+from paged_backend.config import EngineConfig, ModelConfig
+from paged_backend.model_loader import load_safetensors
+from paged_backend.models import LlamaForCausalLM
+from paged_backend.request import Request
+
+_DEFAULT_KV_FRACTION = 0.2
+_DEFAULT_KV_CAP = 4 << 30
+
+
+def _available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+class ModelRunner:
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, model_path: Path, max_model_len: int
+    ) -> None:
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device)
+        self.block_size = config.block_size
+        self.backend = get_backend(config.resolve_backend(self.device))
+        self.model_config = model_config
+        with torch.device(self.device):
+            model = LlamaForCausalLM(model_config, max_model_len)
+        load_safetensors(model, model_path, model.checkpoint_name_map)
+        model.to(self.dtype)
+        self.model = model.eval().requires_grad_(False)
+        self.num_blocks = self._num_blocks(config)
+        mc = model_config
+        shape = (mc.num_layers, 2, self.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
+
+    def _num_blocks(self, config: EngineConfig) -> int:
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        mc = self.model_config
+        per_block = (
+            2
+            * mc.num_layers
+            * config.block_size
+            * mc.num_kv_heads
+            * mc.head_dim
+            * torch.finfo(self.dtype).bits
+            // 8
+        )
+        budget = config.kv_cache_memory_bytes
+        if budget is None:
+            budget = min(
+                int(_available_memory(self.device) * _DEFAULT_KV_FRACTION), _DEFAULT_KV_CAP
+            )
+        num = budget // per_block
+        if num < 2:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} holds fewer than 2 blocks of {per_block} bytes"
+            )
+        return num
+
+    @torch.inference_mode()
+    def execute(
+        self, scheduled: list[tuple[Request, int]], block_tables: list[list[int]]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Run the new tokens of every scheduled request, decodes (one token) first.
+
+        Returns logits for the requests that reach the end of their known tokens (those sample)
+        and their indices into `scheduled`."""
+        order = sorted(range(len(scheduled)), key=lambda i: scheduled[i][1] != 1)
+        bs = self.block_size
+        ids, positions, qsl, seq_lens, logit_rows, sampling = [], [], [0], [], [], []
+        max_blocks = max(len(t) for t in block_tables)
+        tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
+        for row, i in enumerate(order):
+            request, num_new = scheduled[i]
+            start = request.num_computed_tokens
+            end = start + num_new
+            ids.extend(request.all_token_ids[start:end])
+            positions.append(np.arange(start, end))
+            qsl.append(qsl[-1] + num_new)
+            seq_lens.append(end)
+            tables[row, : len(block_tables[i])] = block_tables[i]
+            if end == request.num_tokens:
+                logit_rows.append(qsl[-1] - 1)
+                sampling.append(i)
+        pos = np.concatenate(positions)
+        tables_t = torch.from_numpy(tables)
+        flat_rows = torch.from_numpy(
+            tables[np.repeat(np.arange(len(order)), np.diff(qsl)), pos // bs]
+        )
+        slots = flat_rows.long() * bs + torch.from_numpy(pos % bs)
+        num_decodes = sum(1 for i in order if scheduled[i][1] == 1)
+        meta = AttentionMetadata(
+            num_decodes=num_decodes,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_tables=tables_t.to(self.device),
+            slot_mapping=slots.to(self.device),
+            block_size=bs,
+        )
+        self.backend.prepare(meta)
+        logits = self.model(
+            torch.tensor(ids, device=self.device),
+            torch.from_numpy(pos).to(self.device),
+            self.kv_caches,
+            self.backend,
+            meta,
+            torch.tensor(logit_rows, device=self.device),
+        )
+        return logits.cpu(), sampling

@@ -1,0 +1,87 @@
+"""A request as the scheduler sees it: tokens, progress through the KV cache, stop state."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from paged_backend.outputs import Logprob
+from paged_backend.sampling_params import SamplingParams
+
+_arrivals = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """One sequence. A user request with `n > 1` becomes `n` of these sharing `parent_id`."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        parent_id: str | None = None,
+        index: int = 0,
+        priority: int = 0,
+        seed: int | None = None,
+        max_tokens: int | None = None,
+        detokenizer=None,
+    ) -> None:
+        self.request_id = request_id
+        self.parent_id = parent_id or request_id
+        self.index = index
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.priority = priority
+        self.arrival = next(_arrivals)
+        self.status = RequestStatus.WAITING
+        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
+        self.block_hashes: list[int] = []
+        self.num_hashed_blocks = 0  # how many of this request's blocks are registered in the cache
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.max_tokens = max_tokens if max_tokens is not None else params.max_tokens
+        self.detokenizer = detokenizer
+        self.num_emitted_tokens = 0  # output tokens already reported in a RequestOutput
+        self.generator = None
+        if seed is not None:
+            self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def sort_key(self, policy: str) -> tuple[int, ...]:
+        """Smaller is more urgent. The scheduler's queues and preemption use only this."""
+        return (self.priority, self.arrival) if policy == "priority" else (self.arrival,)
+
+    def update_block_hashes(self, block_size: int) -> list[int]:
+        """Chained hashes of every full block: hash(i) = H(hash(i-1), tokens of block i)."""
+        tokens = self.all_token_ids
+        for i in range(len(self.block_hashes), len(tokens) // block_size):
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(
+                hash((parent, tuple(tokens[i * block_size : (i + 1) * block_size])))
+            )
+        return self.block_hashes

@@ -1,0 +1,135 @@
+"""Vectorized sampling over the batch's logits: penalties, bias, temperature, top-k/p, min-p.
+
+Greedy rows skip all full-vocabulary work but the argmax. Random rows draw with the exponential
+race (argmax of p / Exp(1) noise), which consumes exactly one vocabulary-sized draw per step per
+request: a seeded request's tokens depend only on its own generator, whatever else is batched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from paged_backend.outputs import Logprob
+from paged_backend.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[tuple[float, dict[int, tuple[float, int]]] | None]  # (chosen, {tok: (lp, rank)})
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], seed: int) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        logits = logits[:, : self.vocab_size]
+        want_lp = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
+        logits = self._adjust(logits, requests)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if random_rows:
+            tokens[random_rows] = self._sample(
+                logits[random_rows], [requests[i] for i in random_rows]
+            )
+        token_list = tokens.tolist()
+        lps: list = [None] * len(requests)
+        for j, i in enumerate(want_lp):
+            lps[i] = _top_logprobs(raw_logprobs[j], token_list[i], requests[i].params.logprobs)
+        return SamplerOutput(token_list, lps)
+
+    def _adjust(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Logit bias, min_tokens and penalties, applied only to the rows that ask for them."""
+        rows = [i for i, r in enumerate(requests) if _needs_adjust(r)]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            r, p = requests[i], requests[i].params
+            row = logits[i]
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+                row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
+            if len(r.output_token_ids) < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+                row[banned] = float("-inf")
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(r.all_token_ids, dtype=torch.long).unique()
+                vals = row[seen]
+                row[seen] = torch.where(
+                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                )
+            if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+                counts = torch.bincount(torch.tensor(r.output_token_ids), minlength=row.shape[0])
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        temps = torch.tensor([r.params.temperature for r in requests]).unsqueeze(1)
+        logits = logits / temps
+        top_k = [r.params.top_k for r in requests]
+        top_p = [r.params.top_p for r in requests]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = _apply_top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        min_p = torch.tensor([r.params.min_p for r in requests]).unsqueeze(1)
+        if (min_p > 0).any():
+            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(requests) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(
+                generator=self.generator
+            )
+        for i, r in enumerate(requests):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _needs_adjust(r: Request) -> bool:
+    p = r.params
+    return bool(
+        p.logit_bias
+        or len(r.output_token_ids) < p.min_tokens
+        or p.repetition_penalty != 1.0
+        or p.presence_penalty
+        or p.frequency_penalty
+    )
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[1]
+    ks = torch.tensor([k if k > 0 else vocab for k in top_k]).clamp(max=vocab)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    drop = ranks >= ks.unsqueeze(1)
+    ps = torch.tensor(top_p).unsqueeze(1)
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
+    drop |= (probs.cumsum(dim=-1) - probs) >= ps
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _top_logprobs(
+    row: torch.Tensor, token: int, k: int
+) -> tuple[float, dict[int, tuple[float, int]]]:
+    chosen = row[token].item()
+    rank = int((row > chosen).sum().item()) + 1
+    entries = {token: (chosen, rank)}
+    if k:
+        values, ids = row.topk(k)
+        for r, (v, t) in enumerate(zip(values.tolist(), ids.tolist(), strict=True), start=1):
+            entries.setdefault(t, (v, r))
+    return chosen, entries
+
+
+def to_logprob_dict(entries: dict[int, tuple[float, int]], decode) -> dict[int, Logprob]:
+    return {t: Logprob(lp, rank, decode(t)) for t, (lp, rank) in entries.items()}

@@ -1,0 +1,123 @@
+"""`SamplingParams`: vLLM's names and meanings, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _check(ok: bool, name: str, allowed: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no limit
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
+        _check(self.temperature >= 0, "temperature", ">= 0 (0 means greedy)", self.temperature)
+        _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _check(
+            isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
+            "top_k",
+            "-1, 0 (no limit) or a positive integer",
+            self.top_k,
+        )
+        _check(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        _check(
+            -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            "in [-2, 2]",
+            self.presence_penalty,
+        )
+        _check(
+            -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            "in [-2, 2]",
+            self.frequency_penalty,
+        )
+        _check(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
+        _check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            "max_tokens",
+            "None or an integer >= 1",
+            self.max_tokens,
+        )
+        _check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            "min_tokens",
+            "an integer >= 0",
+            self.min_tokens,
+        )
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"<= max_tokens ({self.max_tokens})",
+                self.min_tokens,
+            )
+        _check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            "logprobs",
+            "None or an integer in [0, 20]",
+            self.logprobs,
+        )
+        _check(
+            self.seed is None or isinstance(self.seed, int), "seed", "None or an integer", self.seed
+        )
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        _check(
+            all(isinstance(s, str) and s for s in stops),
+            "stop",
+            "a non-empty string or a list of non-empty strings",
+            self.stop,
+        )
+        self.stop_strings = stops
+        ids = list(self.stop_token_ids or [])
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in ids),
+            "stop_token_ids",
+            "a list of non-negative token ids",
+            self.stop_token_ids,
+        )
+        self.stop_token_ids = ids
+        for token, bias in (self.logit_bias or {}).items():
+            _check(
+                isinstance(token, int) and token >= 0,
+                "logit_bias",
+                "keyed by token ids >= 0",
+                token,
+            )
+            _check(-100 <= bias <= 100, "logit_bias", "values in [-100, 100]", bias)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids named in the params must exist in the model's vocabulary."""
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", list(self.logit_bias or {})),
+        ):
+            bad = [t for t in ids if t >= vocab_size]
+            _check(not bad, name, f"token ids in [0, {vocab_size})", bad)

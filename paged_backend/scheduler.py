@@ -1,0 +1,123 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption by recompute.
+
+There are no prefill and decode phases: each request has `num_computed_tokens`, and a step gives
+each request some of its uncomputed tokens within `max_num_batched_tokens` and `max_num_seqs`.
+Running requests are served first, most urgent first; then waiting ones in queue order. When
+blocks run out, the least urgent running request is preempted: its blocks are freed (their
+hashes stay, so its re-prefill usually hits the prefix cache) and it goes back to `waiting`.
+Urgency is `Request.sort_key`: arrival order (fcfs) or (priority, arrival) (priority).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from paged_backend.kv_cache_manager import KVCacheManager
+from paged_backend.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    num_scheduled: dict[Request, int] = field(default_factory=dict)  # request -> new tokens
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled.values())
+
+
+class Scheduler:
+    def __init__(
+        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, policy: str
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.waiting: list[Request] = []  # sorted by sort_key
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def _key(self, request: Request) -> tuple[int, ...]:
+        return request.sort_key(self.policy)
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=self._key)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        for request in sorted(self.running, key=self._key):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = max(self.running, key=self._key)
+                budget += self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.num_scheduled[request] = num_new
+                budget -= num_new
+
+        if out.preempted:
+            return out  # blocks are short: admitting newcomers would only preempt again
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            computed, num_hit = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(request, num_new, computed):
+                # fcfs never preempts for a newcomer; under priority a more urgent arrival may
+                # preempt less urgent running requests.
+                victim = max(self.running, key=self._key, default=None)
+                if (
+                    self.policy != "priority"
+                    or victim is None
+                    or self._key(victim) <= self._key(request)
+                ):
+                    break
+                budget += self._preempt(victim, out)
+                continue
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            self.running.append(request)
+            out.num_scheduled[request] = num_new
+            budget -= num_new
+        return out
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> int:
+        """Free a running request's blocks and requeue it; returns the budget it gave back."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        self.add(request)
+        self.num_preemptions += 1
+        out.preempted.append(request)
+        return out.num_scheduled.pop(request, 0)
+
+    def update(self, out: SchedulerOutput) -> None:
+        """Advance progress after the model ran the scheduled tokens."""
+        for request, num_new in out.num_scheduled.items():
+            request.num_computed_tokens += num_new
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Remove a request wherever it is and free its blocks. Idempotent."""
+        if request.status is RequestStatus.FINISHED:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = request.finish_reason or reason

@@ -1,0 +1,85 @@
+"""Shared fixtures: the real default model (fp32, for exact parity) and tiny random models."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from paged_backend.model_loader import resolve_model_path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    return resolve_model_path(None)
+
+
+@pytest.fixture(scope="session")
+def llm_fp32():
+    """One fp32 engine on the real model, shared by the correctness tests."""
+    from paged_backend import LLM
+
+    return LLM(dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
+
+
+def make_tiny_model(
+    path: Path, default_model_path: Path, architecture: str = "LlamaForCausalLM", **overrides
+) -> Path:
+    """Save a random-weight transformers model of the given architecture, with the default
+    model's tokenizer, so our engine and transformers can be compared on it."""
+    import transformers
+
+    config_cls = {
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "MistralForCausalLM": transformers.MistralConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
+    }[architecture]
+    fields = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    fields.update(overrides)
+    config = config_cls(**fields)
+    config.architectures = [architecture]
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(config).to(torch.float32)
+    with torch.no_grad():  # larger weights than the default init: more varied greedy output
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        if (default_model_path / name).exists():
+            shutil.copy(default_model_path / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, default_model_path) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), default_model_path)
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
