@@ -71,6 +71,8 @@ def _unified_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     query_pos = local_tile * BLOCK_Q + offs_m // GROUP
     head = kv_head * GROUP + offs_m % GROUP
+    # Rows past BLOCK_Q * GROUP would hold the next tile's first position: that tile's program
+    # writes it, and this one does not load all of its keys.
     row_mask = (offs_m < BLOCK_Q * GROUP) & (query_pos < query_len)
     d_mask = offs_d < HEAD_DIM
 
@@ -109,7 +111,7 @@ def _unified_attention_kernel(
         visible = row_mask[:, None] & (key_pos[None, :] <= visible_to[:, None])
         s = tl.where(visible, s, float("-inf"))
 
-        # Online softmax; rows with nothing visible yet keep m = -inf, so use 0 as the shift.
+        # Online softmax. Padding rows see no key: a shift of 0 keeps their p at 0, not NaN.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_new = tl.where(m_new > float("-inf"), m_new, 0.0)
         p = tl.exp2(s - m_new[:, None])

@@ -14,13 +14,13 @@ from paged_backend.attention import AttentionMetadata, KVCache
 
 @dataclass
 class _TritonPrepared:
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, on the cache's device
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, on the block tables' device
     seq_lens: torch.Tensor  # [num_seqs] int32
     max_query_len: int
 
 
 class TritonAttention:
-    """Same results as `TorchAttention` for any batch layout, in one kernel launch per layer.
+    """Same results as `TorchAttention` for any batch layout, in two launches per layer.
 
     The kernel does not rely on decodes coming first: every sequence is causal attention of
     its new tokens over `seq_len` cached tokens.

@@ -41,7 +41,7 @@ def _rms_norm_kernel(
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm over the last dim of x [T, hidden]; with `residual`, of x + residual.
+    """RMSNorm of x [T, hidden] (contiguous rows); with `residual`, of x + residual.
 
     With a residual, returns (normed, x + residual) so that the residual add of a layer and
     the norm of the next one are one launch.

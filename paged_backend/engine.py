@@ -127,7 +127,7 @@ class LLMEngine:
 
     def add_request(
         self,
-        prompt: PromptType,
+        prompt: PromptType | None,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         *,

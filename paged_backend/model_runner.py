@@ -13,8 +13,8 @@ from paged_backend.model_loader import load_safetensors
 from paged_backend.models import LlamaForCausalLM
 from paged_backend.request import Request
 
-_DEFAULT_KV_FRACTION = 0.2
-_DEFAULT_KV_CAP = 4 << 30
+_DEFAULT_KV_FRACTION = 0.1
+_DEFAULT_KV_CAP = 2 << 30
 
 
 def _available_memory(device: torch.device) -> int:
@@ -122,6 +122,6 @@ class ModelRunner:
             self.kv_caches,
             self.backend,
             meta,
-            torch.tensor(logit_rows, device=self.device),
+            torch.tensor(logit_rows, dtype=torch.long, device=self.device),
         )
         return logits.cpu(), sampling

@@ -1,26 +1,29 @@
-"""Triton kernels against torch references, run on CPU by the Triton interpreter.
+"""Triton kernels against torch references.
 
-The interpreter costs ~4 ms per (program x inner iteration), so shapes are small and tiles
-large. A pass here checks the arithmetic and the indexing; `test_kernels_compile_for_gpu`
-checks that the kernels compile for a GPU.
+Without CUDA they run on CPU in the Triton interpreter, which costs ~4 ms per (program x
+inner iteration): shapes are small and tiles large. A CPU pass checks the arithmetic and the
+indexing; `test_kernels_compile_for_gpu` checks that the kernels compile for a GPU.
 """
 
 import os
 import sys
 
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # @triton.jit reads TRITON_INTERPRET when it decorates, and triton decorates its own library
 # (tl.max, tl.sigmoid, ...) when first imported: it must be set before `import triton`.
 TRITON_IMPORTED_EARLIER = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-os.environ["TRITON_INTERPRET"] = "1"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import random  # noqa: E402
 import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 pytest.importorskip("triton")
-if TRITON_IMPORTED_EARLIER:
+if DEVICE == "cpu" and TRITON_IMPORTED_EARLIER:
     pytest.skip(
         "triton was imported in this process before TRITON_INTERPRET=1 was set: run this file "
         "in its own pytest process or set the variable in conftest.py",
@@ -49,6 +52,7 @@ class PagedBatch:
 
     The context's K/V is already in the cache; the new tokens' K/V is in `k`, `v` with its
     slots in `slot_mapping`. Unused cache slots hold NaN, so reading one shows in the output.
+    Built on CPU; the kernels' inputs then move to DEVICE, the unpaged `keys`/`values` stay.
     """
 
     def __init__(
@@ -86,6 +90,8 @@ class PagedBatch:
         query_lens = [q for _, q in seqs]
         self.query_start_loc = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
         self.seq_lens = [c + q for c, q in seqs]
+        for name in ("q", "k", "v", "k_cache", "v_cache", "block_tables", "slot_mapping"):
+            setattr(self, name, getattr(self, name).to(DEVICE))
 
     def reference(self) -> torch.Tensor:
         """Dense causal attention per sequence in fp32, from the unpaged K/V."""
@@ -93,7 +99,7 @@ class PagedBatch:
         group = self.q.shape[1] // self.keys[0].shape[1]
         for i, (context, query_len) in enumerate(self.seqs):
             start = self.query_start_loc[i]
-            q = self.q[start : start + query_len].float().transpose(0, 1)
+            q = self.q[start : start + query_len].float().cpu().transpose(0, 1)
             k = self.keys[i].float().repeat_interleave(group, 1).transpose(0, 1)
             v = self.values[i].float().repeat_interleave(group, 1).transpose(0, 1)
             scores = q @ k.transpose(1, 2) / q.shape[-1] ** 0.5
@@ -103,6 +109,18 @@ class PagedBatch:
             probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
             outs.append((probs @ v).transpose(0, 1))
         return torch.cat(outs)
+
+    def attend(self, *, max_query_len: int | None, tile_n: int) -> torch.Tensor:
+        """Write the new K/V into the cache, then run unified_attention; the output on CPU."""
+        reshape_and_cache(self.k, self.v, self.k_cache, self.v_cache, self.slot_mapping)
+        out = unified_attention(
+            self.q, self.k_cache, self.v_cache, torch.empty_like(self.q),
+            torch.tensor(self.query_start_loc, dtype=torch.int32, device=DEVICE),
+            torch.tensor(self.seq_lens, dtype=torch.int32, device=DEVICE),
+            self.block_tables, self.q.shape[-1] ** -0.5,
+            max_query_len=max_query_len, tile_n=tile_n,
+        )
+        return out.float().cpu()
 
     def metadata(self) -> AttentionMetadata:
         num_decodes = next((i for i, (_, q) in enumerate(self.seqs) if q > 1), len(self.seqs))
@@ -146,16 +164,8 @@ def test_unified_attention(group, num_kv_heads, block_size, head_dim, dtype, til
         random_seqs(rng), num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
         block_size=block_size, dtype=dtype, seed=seed,
     )
-    reshape_and_cache(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.slot_mapping)
-    out = torch.empty_like(batch.q)
-    unified_attention(
-        batch.q, batch.k_cache, batch.v_cache, out,
-        torch.tensor(batch.query_start_loc, dtype=torch.int32),
-        torch.tensor(batch.seq_lens, dtype=torch.int32),
-        batch.block_tables, head_dim**-0.5,
-        max_query_len=max(q for _, q in batch.seqs), tile_n=tile_n,
-    )
-    torch.testing.assert_close(out.float(), batch.reference(), atol=ATOL[dtype], rtol=1e-2)
+    out = batch.attend(max_query_len=max(q for _, q in batch.seqs), tile_n=tile_n)
+    torch.testing.assert_close(out, batch.reference(), atol=ATOL[dtype], rtol=1e-2)
 
 
 def test_unified_attention_without_max_query_len():
@@ -164,13 +174,7 @@ def test_unified_attention_without_max_query_len():
         [(40, 1), (0, 20), (17, 1)], num_kv_heads=1, group=3, head_dim=64, block_size=16,
         dtype=torch.float32, seed=3,
     )
-    reshape_and_cache(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.slot_mapping)
-    out = unified_attention(
-        batch.q, batch.k_cache, batch.v_cache, torch.empty_like(batch.q),
-        torch.tensor(batch.query_start_loc, dtype=torch.int32),
-        torch.tensor(batch.seq_lens, dtype=torch.int32),
-        batch.block_tables, 64**-0.5, tile_n=64,
-    )
+    out = batch.attend(max_query_len=None, tile_n=64)
     torch.testing.assert_close(out, batch.reference(), atol=ATOL[torch.float32], rtol=1e-2)
 
 
@@ -178,11 +182,11 @@ def test_unified_attention_without_max_query_len():
 def test_reshape_and_cache_skips_negative_slots(dtype):
     gen = torch.Generator().manual_seed(0)
     num_blocks, block_size, kvh, d = 4, 16, 3, 64
-    k = torch.randn(40, kvh, d, generator=gen).to(dtype)
-    v = torch.randn(40, kvh, d, generator=gen).to(dtype)
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:40]
+    k = torch.randn(40, kvh, d, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(40, kvh, d, generator=gen).to(DEVICE, dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:40].to(DEVICE)
     slots[::7] = -1
-    k_cache = torch.zeros(num_blocks, block_size, kvh, d, dtype=dtype)
+    k_cache = torch.zeros(num_blocks, block_size, kvh, d, dtype=dtype, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
     reshape_and_cache(k, v, k_cache, v_cache, slots)
 
@@ -234,9 +238,9 @@ def test_triton_backend_matches_torch_backend(seqs, num_kv_heads, group, dtype):
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm(dtype, with_residual):
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 576, generator=gen).to(dtype)
-    weight = (1 + 0.1 * torch.randn(576, generator=gen)).to(dtype)
-    residual = torch.randn(5, 576, generator=gen).to(dtype) if with_residual else None
+    x = torch.randn(5, 576, generator=gen).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(576, generator=gen)).to(DEVICE, dtype)
+    residual = torch.randn(5, 576, generator=gen).to(DEVICE, dtype) if with_residual else None
     got = rms_norm(x, weight, 1e-5, residual)
     want = rms_norm_ref(x, weight, 1e-5, residual)
     tol = {"atol": ATOL[dtype], "rtol": 1e-2}
@@ -255,8 +259,8 @@ def test_rotary_embedding(dtype):
     positions = torch.randint(0, 8192, (6,), generator=gen)
     freqs = torch.outer(positions.float(), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-    x = torch.randn(6, 9, head_dim, generator=gen).to(dtype)
+    cos, sin = emb.cos().to(DEVICE, dtype), emb.sin().to(DEVICE, dtype)
+    x = torch.randn(6, 9, head_dim, generator=gen).to(DEVICE, dtype)
     torch.testing.assert_close(
         rotary_embedding(x, cos, sin), rotary_embedding_ref(x, cos, sin),
         atol=ATOL[dtype], rtol=1e-2,
@@ -266,7 +270,7 @@ def test_rotary_embedding(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_silu_and_mul(dtype):
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 2 * 1536, generator=gen).to(dtype)
+    x = torch.randn(3, 2 * 1536, generator=gen).to(DEVICE, dtype)
     torch.testing.assert_close(
         silu_and_mul(x), silu_and_mul_ref(x), atol=ATOL[dtype], rtol=1e-2,
     )

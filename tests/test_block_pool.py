@@ -1,0 +1,143 @@
+"""Property tests: random add / step / abort / finish sequences keep the KV cache invariants."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from paged_backend.kv_cache_manager import KVCacheManager
+from paged_backend.request import Request, RequestStatus
+from paged_backend.sampling_params import SamplingParams
+from paged_backend.scheduler import Scheduler
+
+BLOCK = 16
+
+
+def check_invariants(kv: KVCacheManager) -> None:
+    pool = kv.pool
+    holders = Counter(b.block_id for table in kv.block_tables.values() for b in table)
+    for block in pool.blocks:
+        assert block.ref_cnt == holders[block.block_id], block
+        assert (block.block_id in pool.free_queue) == (block.ref_cnt == 0), block
+        if block.block_hash is not None:
+            assert pool.cached[block.block_hash] is block
+    assert all(b.block_hash == h for h, b in pool.cached.items())
+    for table in kv.block_tables.values():
+        assert len(set(map(id, table))) == len(table)  # no block twice in one table
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Drives the real Scheduler and KVCacheManager with a fake model (tokens drawn by data)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = "fcfs"
+        self.kv = KVCacheManager(num_blocks=24, block_size=BLOCK, enable_caching=True)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=4, max_num_batched_tokens=64,
+                                   policy=self.policy)
+        self.live: list[Request] = []
+        self.count = 0
+
+    @rule(
+        prefix=st.sampled_from([0, 1, 2]),
+        length=st.integers(1, 80),
+        max_tokens=st.integers(1, 40),
+        priority=st.integers(0, 3),
+        policy=st.sampled_from(["fcfs", "priority"]),
+    )
+    def add(self, prefix, length, max_tokens, priority, policy):
+        if not self.live:  # switch policy only while idle, like a fresh engine
+            self.scheduler.policy = policy
+        # A few shared prefixes make cache hits (and hits on free, evictable blocks) common.
+        tokens = [prefix * 100 + (i % 7) for i in range(length)]
+        self.count += 1
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        if self.kv.blocks_needed(length + max_tokens) > self.kv.num_blocks:
+            return
+        req = Request(f"r{self.count}", tokens, params, priority=priority)
+        self.scheduler.add(req)
+        self.live.append(req)
+
+    @rule(token=st.integers(0, 9))
+    def step(self, token):
+        out = self.scheduler.schedule()
+        assert out.num_tokens <= self.scheduler.max_num_batched_tokens
+        assert len(self.scheduler.running) <= self.scheduler.max_num_seqs
+        for req, n in out.num_scheduled.items():
+            table = self.kv.block_tables[req.request_id]
+            assert len(table) * BLOCK >= req.num_computed_tokens + n
+        self.scheduler.update(out)
+        for req in list(out.num_scheduled):
+            if req.num_computed_tokens == req.num_tokens:
+                req.append_output(token)
+                if len(req.output_token_ids) >= req.max_tokens:
+                    self.scheduler.finish(req, "length")
+                    self.live.remove(req)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 100))
+    def abort(self, index):
+        req = self.live.pop(index % len(self.live))
+        self.scheduler.finish(req, "abort")
+        self.scheduler.finish(req, "abort")  # a second finish is a no-op, never a double free
+        assert req.status is RequestStatus.FINISHED
+
+    @invariant()
+    def invariants_hold(self):
+        check_invariants(self.kv)
+
+    def teardown(self):
+        for req in self.live:
+            self.scheduler.finish(req, "abort")
+        check_invariants(self.kv)
+        assert self.kv.pool.num_free == self.kv.num_blocks
+        assert not self.kv.block_tables
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+def test_all_requests_finish_and_free_everything():
+    """Stepping until done serves every request, however tight the cache."""
+    kv = KVCacheManager(num_blocks=10, block_size=BLOCK, enable_caching=True)
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=32, policy="fcfs")
+    reqs = [Request(f"r{i}", [i % 3] * (20 + 7 * i), SamplingParams(max_tokens=30))
+            for i in range(8)]
+    for r in reqs:
+        scheduler.add(r)
+    for _ in range(2000):
+        if not scheduler.has_unfinished():
+            break
+        out = scheduler.schedule()
+        scheduler.update(out)
+        for req in list(out.num_scheduled):
+            if req.num_computed_tokens == req.num_tokens:
+                req.append_output(5)
+                if len(req.output_token_ids) >= req.max_tokens:
+                    scheduler.finish(req, "length")
+        check_invariants(kv)
+    assert all(len(r.output_token_ids) == 30 for r in reqs)
+    assert scheduler.num_preemptions > 0
+    assert kv.pool.num_free == kv.num_blocks
+
+
+def test_lru_eviction_order_and_hash_drop():
+    kv = KVCacheManager(num_blocks=4, block_size=BLOCK, enable_caching=True)
+    a = Request("a", list(range(33)), SamplingParams())
+    assert kv.allocate_slots(a, 33)
+    kv.free(a)
+    # Freed tail-first: the partial last block is evicted before the prefix blocks.
+    order = [b.block_id for b in kv.pool.free_queue.values()]
+    table_ids = [0, 1, 2]
+    assert order[-3:] == list(reversed(table_ids))
+    b = Request("b", list(range(33)), SamplingParams())
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 32 and [h.block_id for h in hits] == [0, 1]
+    c = Request("c", [7] * 64, SamplingParams())
+    assert kv.allocate_slots(c, 64)  # takes every free block: a's cached ones lose their hash
+    assert kv.get_computed_blocks(b)[1] == 0
+    assert set(map(id, kv.pool.cached.values())) == set(map(id, kv.block_tables["c"]))
