@@ -1,15 +1,16 @@
 """Attention over the paged KV cache: the backend interface and the torch (CPU/reference) backend.
 
-The KV cache of one layer is a pair of tensors `[num_blocks, block_size, num_kv_heads, head_dim]`
-(K and V; views into one `[layers, 2, num_blocks, ...]` allocation). A step's flattened batch
-puts decode sequences (query length 1) first so they can be attended to in one batched call.
+Each backend owns its KV cache layout (`allocate_kv_cache`). A step's flattened batch puts
+decode sequences (query length 1) first; `AttentionMetadata` describes it once for all layers.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -24,6 +25,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
     slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot of each new token (< 0: skip)
     block_size: int
+    block_tables_cpu: np.ndarray | None = None  # the same table on the host, for planning
     prepared: object = None  # backend-specific, built once per step by `AttentionBackend.prepare`
 
 
@@ -32,6 +34,18 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 class AttentionBackend(Protocol):
     name: str
+
+    def allocate_kv_cache(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> list[KVCache]:
+        """Zeroed (K, V) cache tensors per layer, in this backend's layout."""
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Precompute per-step tensors (gather indices, masks) once for all layers."""
@@ -47,104 +61,245 @@ class AttentionBackend(Protocol):
         """Write the new k/v into the cache, then attend: q [T, H, D] -> [T, H, D]."""
 
 
-@dataclass
-class _DecodeGroup:
-    gather: torch.Tensor  # flattened block ids of every decode sequence, padded
-    mask: torch.Tensor  # [B, 1, 1, padded_len] True where the key is in context
-    padded_len: int
+# ---- torch backend ---------------------------------------------------------------------------
+_MIN_SHARED_BLOCKS = 2  # shorter shared prefixes are not worth a separate pass
 
 
 @dataclass
-class _PrefillSeq:
+class _Shared:
+    """Cascade attention: a prefix of blocks every member sequence holds and has fully in its
+    context, attended once for all their query rows."""
+
+    rows: torch.Tensor  # flattened token rows of the member sequences
+    blocks: torch.Tensor  # the shared block ids
+
+
+@dataclass
+class _Decodes:
+    blocks: torch.Tensor  # [nd * n] block ids (each sequence's blocks after its shared prefix)
+    mask: torch.Tensor  # [1, nd, 1, n * block_size] True where the key is in context
+    members: torch.Tensor | None  # decode indices that take part in the shared prefix
+    shared_pos: torch.Tensor | None  # ... and the positions of their rows in `_Shared.rows`
+
+
+@dataclass
+class _Prefill:
+    seq: int
     start: int
     end: int
-    context: int  # tokens before this chunk (cached prefix or earlier chunks)
-    gather: torch.Tensor | None  # block ids covering the whole sequence, None if context == 0
-    mask: torch.Tensor | None  # [q_len, seq_len]
+    blocks: torch.Tensor | None  # blocks from `first_key` on; None: attend to the new k/v only
+    mask: torch.Tensor | None  # [1, q_len * group, keys] causal mask over those keys
+    shared_pos: torch.Tensor | None  # positions of this sequence's rows in `_Shared.rows`
 
 
 @dataclass
 class _TorchPrepared:
-    decode: _DecodeGroup | None
-    prefills: list[_PrefillSeq]
+    shared: _Shared | None
+    decodes: _Decodes | None
+    prefills: list[_Prefill]
+
+
+def _shared_prefix(meta: AttentionMetadata) -> tuple[list[int], int]:
+    """The sequences that share the most common leading block, and how many leading blocks they
+    all share within their cached context (0 when cascading is not worth it)."""
+    tables = meta.block_tables_cpu
+    bs = meta.block_size
+    qsl = meta.query_start_loc
+    context_blocks = [
+        (seq_len - (qsl[i + 1] - qsl[i])) // bs for i, seq_len in enumerate(meta.seq_lens)
+    ]
+    firsts = Counter(tables[i, 0] for i, c in enumerate(context_blocks) if c > 0)
+    if not firsts:
+        return [], 0
+    first, count = firsts.most_common(1)[0]
+    if count < 2:
+        return [], 0
+    members = [i for i, c in enumerate(context_blocks) if c > 0 and tables[i, 0] == first]
+    limit = min(context_blocks[i] for i in members)
+    sub = tables[members, :limit]
+    same = (sub == sub[0]).all(axis=0)
+    num = int(limit if same.all() else same.argmin())
+    return (members, num) if num >= _MIN_SHARED_BLOCKS else ([], 0)
+
+
+def _partial(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask, scale: float):
+    """Unnormalised attention with its running max and sum, for merging partial results."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True)
+    e = torch.exp_(scores.sub_(m))
+    return torch.matmul(e, vals), m, e.sum(dim=-1, keepdim=True)
 
 
 class TorchAttention:
-    """Reference backend: gathers paged K/V with `index_select` and runs SDPA.
+    """Reference backend in plain torch, laid out for CPU matmuls.
 
-    Decodes are batched with the query heads of one KV head packed as the query dimension,
-    so each gathered K/V row serves its whole GQA group without repeat_interleave.
+    The cache of a layer is `[num_kv_heads, num_blocks * block_size, head_dim]` (head-major), so
+    gathering a sequence's blocks gives contiguous `[kv_heads, tokens, head_dim]` operands with
+    the query heads of one KV head stacked as rows (GQA without repeating K/V). Blocks that many
+    sequences share (a RAG system prompt and context) are attended once for all of them
+    (cascade attention) and merged with each sequence's own tail by log-sum-exp.
     """
 
     name = "torch"
 
+    def allocate_kv_cache(
+        self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device
+    ) -> list[KVCache]:
+        shape = (num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim)
+        cache = torch.zeros(shape, dtype=dtype, device=device)
+        return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]
+
+    def __init__(self, num_heads: int, num_kv_heads: int) -> None:
+        self.group = num_heads // num_kv_heads
+
     def prepare(self, meta: AttentionMetadata) -> None:
-        bs = meta.block_size
+        bs, group = meta.block_size, self.group
         device = meta.block_tables.device
-        decode = None
+        qsl = meta.query_start_loc
+        if meta.block_tables_cpu is None:
+            meta.block_tables_cpu = meta.block_tables.cpu().numpy()
+        tables = meta.block_tables_cpu
+        members, num_shared = _shared_prefix(meta)
+        shared = None
+        skip = [0] * len(meta.seq_lens)  # leading blocks each sequence gets from `shared`
+        row_pos: dict[int, list[int]] = {}  # member -> positions of its rows in `shared.rows`
+        if num_shared:
+            rows: list[int] = []
+            for i in members:
+                skip[i] = num_shared
+                row_pos[i] = list(range(len(rows), len(rows) + qsl[i + 1] - qsl[i]))
+                rows.extend(range(qsl[i], qsl[i + 1]))
+            shared = _Shared(
+                torch.tensor(rows, device=device),
+                torch.from_numpy(tables[members[0], :num_shared]).to(device),
+            )
+
+        def positions(seqs: list[int]) -> torch.Tensor | None:
+            return torch.tensor([p for i in seqs for p in row_pos[i]], device=device)
+
         nd = meta.num_decodes
+        decodes = None
         if nd:
-            lens = torch.tensor(meta.seq_lens[:nd], device=device)
-            num_blocks = (max(meta.seq_lens[:nd]) + bs - 1) // bs
-            padded = num_blocks * bs
-            gather = meta.block_tables[:nd, :num_blocks].reshape(-1)
-            mask = torch.arange(padded, device=device)[None, :] < lens[:, None]
-            decode = _DecodeGroup(gather, mask.view(nd, 1, 1, padded), padded)
+            lens = np.array(meta.seq_lens[:nd])
+            first = np.array(skip[:nd])
+            n = int(((lens + bs - 1) // bs - first).max())
+            cols = first[:, None] + np.arange(n)[None, :]
+            blocks = np.take_along_axis(tables[:nd], np.minimum(cols, tables.shape[1] - 1), 1)
+            key_pos = cols[:, :, None] * bs + np.arange(bs)[None, None, :]
+            mask = (key_pos.reshape(nd, -1) < lens[:, None]).reshape(1, nd, 1, -1)
+            dec_members = [i for i in range(nd) if i in row_pos]
+            decodes = _Decodes(
+                torch.from_numpy(blocks.reshape(-1)).to(device),
+                torch.from_numpy(mask).to(device),
+                torch.tensor(dec_members, device=device) if dec_members else None,
+                positions(dec_members) if dec_members else None,
+            )
         prefills = []
         for i in range(nd, len(meta.seq_lens)):
-            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            seq_len = meta.seq_lens[i]
+            start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens[i]
             context = seq_len - (end - start)
-            gather = mask = None
-            if context:
-                gather = meta.block_tables[i, : (seq_len + bs - 1) // bs]
-                q_pos = torch.arange(context, seq_len, device=device)
-                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
-            prefills.append(_PrefillSeq(start, end, context, gather, mask))
-        meta.prepared = _TorchPrepared(decode, prefills)
+            if context == 0:
+                prefills.append(_Prefill(i, start, end, None, None, None))
+                continue
+            first_key = skip[i] * bs
+            blocks = torch.from_numpy(tables[i, skip[i] : (seq_len + bs - 1) // bs]).to(device)
+            q_pos = torch.arange(context, seq_len, device=device)
+            k_pos = torch.arange(first_key, first_key + len(blocks) * bs, device=device)
+            mask = (k_pos[None, :] <= q_pos[:, None]).repeat_interleave(group, dim=0)
+            prefills.append(
+                _Prefill(
+                    i,
+                    start,
+                    end,
+                    blocks,
+                    mask.unsqueeze(0),
+                    positions([i]) if i in row_pos else None,
+                )
+            )
+        meta.prepared = _TorchPrepared(shared, decodes, prefills)
 
     def forward(self, q, k, v, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        kv_heads, head_dim = k_cache.shape[2:]
-        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        kvh, _, d = k_cache.shape
+        bs = meta.block_size
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         prep: _TorchPrepared = meta.prepared
-        num_heads = q.shape[1]
-        group = num_heads // kv_heads
-        out = torch.empty_like(q)
-        if prep.decode is not None:
-            d = prep.decode
-            nd = d.mask.shape[0]
-            keys = k_cache.index_select(0, d.gather).view(nd, d.padded_len, kv_heads, head_dim)
-            vals = v_cache.index_select(0, d.gather).view(nd, d.padded_len, kv_heads, head_dim)
-            qd = q[:nd].view(nd, kv_heads, group, head_dim)
-            o = F.scaled_dot_product_attention(
-                qd, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=d.mask
+        num_tokens, num_heads, _ = q.shape
+        group = num_heads // kvh
+        scale = d**-0.5
+        qf = q.float().view(num_tokens, kvh, group, d)
+        out = torch.empty(num_tokens, kvh, group, d)
+
+        def gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+            picked = cache.view(kvh, -1, bs, d).index_select(1, blocks)
+            return picked.view(kvh, -1, d).float()
+
+        shared = None
+        if prep.shared is not None:
+            s = prep.shared
+            rows = qf.index_select(0, s.rows)  # [n, kvh, g, d]
+            o, m, den = _partial(
+                rows.permute(1, 0, 2, 3).reshape(kvh, -1, d),
+                gather(k_cache, s.blocks),
+                gather(v_cache, s.blocks),
+                None,
+                scale,
             )
-            out[:nd] = o.reshape(nd, num_heads, head_dim)
+            shape = (kvh, len(s.rows), group, -1)
+            shared = (o.view(shape), m.view(shape), den.view(shape))
+
+        def merge(o, m, den, pos: torch.Tensor) -> torch.Tensor:
+            """Combine a partial result [kvh, n, g, *] with the shared prefix's rows `pos`."""
+            so, sm, sl = (t.index_select(1, pos) for t in shared)
+            mx = torch.maximum(m, sm)
+            a, b = torch.exp(m - mx), torch.exp(sm - mx)
+            return (o * a + so * b) / (den * a + sl * b)
+
+        if prep.decodes is not None:
+            dec = prep.decodes
+            nd = dec.mask.shape[1]
+            keys = gather(k_cache, dec.blocks).view(kvh, nd, -1, d)
+            vals = gather(v_cache, dec.blocks).view(kvh, nd, -1, d)
+            o, m, den = _partial(qf[:nd].permute(1, 0, 2, 3), keys, vals, dec.mask, scale)
+            res = o / den
+            if dec.members is not None:
+                sel = dec.members
+                res[:, sel] = merge(o[:, sel], m[:, sel], den[:, sel], dec.shared_pos)
+            out[:nd] = res.permute(1, 0, 2, 3)
         for p in prep.prefills:
-            qp = q[p.start : p.end].transpose(0, 1)
-            if p.gather is None:
-                keys, vals = k[p.start : p.end], v[p.start : p.end]
-            else:
-                seq_len = p.mask.shape[1]
-                keys = k_cache.index_select(0, p.gather).view(-1, kv_heads, head_dim)[:seq_len]
-                vals = v_cache.index_select(0, p.gather).view(-1, kv_heads, head_dim)[:seq_len]
-            o = F.scaled_dot_product_attention(
-                qp,
-                keys.transpose(0, 1),
-                vals.transpose(0, 1),
-                attn_mask=p.mask,
-                is_causal=p.gather is None,
-                enable_gqa=group > 1,
+            qp = qf[p.start : p.end]  # [n, kvh, g, d]
+            if p.blocks is None:
+                # 4-D strided views take torch's flash kernel (3-D inputs fall back to math).
+                o = F.scaled_dot_product_attention(
+                    q[p.start : p.end].transpose(0, 1).unsqueeze(0),
+                    k[p.start : p.end].transpose(0, 1).unsqueeze(0),
+                    v[p.start : p.end].transpose(0, 1).unsqueeze(0),
+                    is_causal=True,
+                    enable_gqa=group > 1,
+                )
+                out[p.start : p.end] = o[0].transpose(0, 1).reshape(-1, kvh, group, d)
+                continue
+            n = p.end - p.start
+            o, m, den = _partial(
+                qp.permute(1, 0, 2, 3).reshape(kvh, n * group, d),
+                gather(k_cache, p.blocks),
+                gather(v_cache, p.blocks),
+                p.mask,
+                scale,
             )
-            out[p.start : p.end] = o.transpose(0, 1)
-        return out
+            shape = (kvh, n, group, -1)
+            o, m, den = o.view(shape), m.view(shape), den.view(shape)
+            res = o / den if p.shared_pos is None else merge(o, m, den, p.shared_pos)
+            out[p.start : p.end] = res.permute(1, 0, 2, 3)
+        return out.view(num_tokens, num_heads, d).to(q.dtype)
 
 
-def get_backend(name: str) -> AttentionBackend:
+def get_backend(name: str, num_heads: int, num_kv_heads: int) -> AttentionBackend:
     if name == "torch":
-        return TorchAttention()
+        return TorchAttention(num_heads, num_kv_heads)
     if name == "triton":
         from paged_backend.kernels.backend import TritonAttention
 

@@ -14,10 +14,14 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paged-backend", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--model", default=None, help="HF model directory or .gguf file "
-                        "(default: the embedded SmolLM2-135M-Instruct)")
-    common.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
-                                                             "float16"])
+    common.add_argument(
+        "--model",
+        default=None,
+        help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    common.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
     common.add_argument("--max-tokens", type=int, default=256)
     common.add_argument("--temperature", type=float, default=0.7)
     common.add_argument("--top-p", type=float, default=0.95)
@@ -30,8 +34,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="prompt text ('-' reads standard input)")
     chat = sub.add_parser("chat", parents=[common], help="chat with the model's template")
     chat.add_argument("--system", default=None, help="system prompt")
-    chat.add_argument("--message", default=None, help="one user message, then exit "
-                      "(default: interactive, one message per line)")
+    chat.add_argument(
+        "--message",
+        default=None,
+        help="one user message, then exit (default: interactive, one message per line)",
+    )
     return parser
 
 
@@ -51,8 +58,13 @@ def _stream(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, ou
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, seed=args.seed, max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
         stop=args.stop,
     )
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))

@@ -37,6 +37,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
@@ -62,6 +64,10 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         num_heads = raw["num_attention_heads"]
+        # Llama and Qwen3 put `attention_bias` on q, k, v and o; Qwen2 always has q/k/v biases
+        # and no o bias; Mistral has none. Only Llama reads `mlp_bias`.
+        llama_like = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+        attention_bias = llama_like and bool(raw.get("attention_bias", False))
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -76,8 +82,10 @@ class ModelConfig:
             rope_scaling=None if rope_type == "default" else dict(scaling, rope_type=rope_type),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            qkv_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
+            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
             qk_norm=arch == "Qwen3ForCausalLM",
+            o_proj_bias=attention_bias,
+            mlp_bias=arch == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False)),
             eos_token_ids=eos_ids,
         )
 

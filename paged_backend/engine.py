@@ -68,6 +68,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.max_batch_size = 0
         self.num_generated_tokens = 0
+        self.num_steps = 0
 
     def _eos_ids(self) -> list[int]:
         ids = list(self.model_config.eos_token_ids)
@@ -195,6 +196,7 @@ class LLMEngine:
         if not sched.num_scheduled:
             return outputs
         scheduled = list(sched.num_scheduled.items())
+        self.num_steps += 1
         self.max_batch_size = max(self.max_batch_size, len(scheduled))
         try:
             tables = [self.kv.block_ids(r) for r, _ in scheduled]
@@ -307,4 +309,5 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_generated_tokens": self.num_generated_tokens,
+            "num_steps": self.num_steps,
         }

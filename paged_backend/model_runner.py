@@ -37,7 +37,9 @@ class ModelRunner:
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         self.block_size = config.block_size
-        self.backend = get_backend(config.resolve_backend(self.device))
+        self.backend = get_backend(
+            config.resolve_backend(self.device), model_config.num_heads, model_config.num_kv_heads
+        )
         self.model_config = model_config
         with torch.device(self.device):
             model = LlamaForCausalLM(model_config, max_model_len)
@@ -46,9 +48,15 @@ class ModelRunner:
         self.model = model.eval().requires_grad_(False)
         self.num_blocks = self._num_blocks(config)
         mc = model_config
-        shape = (mc.num_layers, 2, self.num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
+        self.kv_caches = self.backend.allocate_kv_cache(
+            mc.num_layers,
+            self.num_blocks,
+            config.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            self.dtype,
+            self.device,
+        )
 
     def _num_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
@@ -114,6 +122,7 @@ class ModelRunner:
             block_tables=tables_t.to(self.device),
             slot_mapping=slots.to(self.device),
             block_size=bs,
+            block_tables_cpu=tables,
         )
         self.backend.prepare(meta)
         logits = self.model(

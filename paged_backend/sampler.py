@@ -112,8 +112,9 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     drop = ranks >= ks.unsqueeze(1)
     ps = torch.tensor(top_p).unsqueeze(1)
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
-    drop |= (probs.cumsum(dim=-1) - probs) >= ps
+    # Keep the smallest prefix whose mass reaches top_p (the token crossing it included). Rows
+    # with top_p == 1 keep all: an fp32 cumsum can reach 1.0 before the tail of the vocabulary.
+    drop |= ((probs.cumsum(dim=-1) - probs) >= ps) & (ps < 1.0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 

@@ -85,7 +85,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -108,8 +108,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        bias = config.mlp_bias
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -174,8 +175,8 @@ class LlamaForCausalLM(nn.Module):
             attn = self.layers[0].self_attn
             sizes = (attn.q_size, attn.kv_size, attn.kv_size)
             return f"{m[1]}qkv_proj.{m[3]}", "qkv".index(m[2]), sizes
-        m = re.fullmatch(r"(layers\.\d+\.mlp\.)(gate|up)_proj\.weight", name)
+        m = re.fullmatch(r"(layers\.\d+\.mlp\.)(gate|up)_proj\.(weight|bias)", name)
         if m:
             size = self.config.intermediate_size
-            return f"{m[1]}gate_up_proj.weight", ("gate", "up").index(m[2]), (size, size)
+            return f"{m[1]}gate_up_proj.{m[3]}", ("gate", "up").index(m[2]), (size, size)
         return name, None, None

@@ -1,0 +1,273 @@
+"""The async engine: many loops and threads share one continuous batch; aborts, errors,
+backpressure and shutdown stay local to the requests they concern."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+
+from paged_backend import (
+    LLM,
+    AsyncEngine,
+    EngineOverloadedError,
+    EngineShutdownError,
+    RequestFailedError,
+    SamplingParams,
+    get_engine,
+    release_engine,
+)
+
+PROMPTS = [f"Item {i}: the {w} of the {v}" for i, (w, v) in enumerate(
+    [(w, v) for w in ("colour", "shape", "weight", "price") for v in
+     ("apple", "river", "engine", "book", "mountain", "violin", "garden", "letter",
+      "window", "cloud", "bridge", "clock", "lamp", "harbour", "forest", "street")])]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+ENGINE_ARGS = dict(dtype="float32", num_kv_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def serial_texts(tiny_model):
+    """Each prompt run alone: the reference every concurrent run must reproduce."""
+    llm = LLM(model=str(tiny_model), **ENGINE_ARGS)
+    return {p: llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+            for p in PROMPTS}
+
+
+@pytest.fixture
+def engine(tiny_model):
+    eng = AsyncEngine.from_model(str(tiny_model), **ENGINE_ARGS)
+    yield eng
+    eng.shutdown()
+
+
+def assert_all_blocks_free(eng: AsyncEngine, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = eng.stats()
+        if stats["kv_blocks_free"] == stats["kv_blocks_total"] and not stats["num_running"]:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"blocks still held: {eng.stats()}")
+
+
+async def _consume(eng, prompt, results):
+    last = None
+    text = ""
+    async for out in eng.generate(prompt, GREEDY):
+        text += out.outputs[0].delta_text
+        last = out
+    assert last.finished and text == last.outputs[0].text
+    results[prompt] = last.outputs[0].token_ids
+
+
+def test_64_requests_from_two_loops_and_four_threads(engine, serial_texts):
+    results: dict[str, list[int]] = {}
+    loop_prompts = [PROMPTS[0:16], PROMPTS[16:32]]
+    thread_prompts = [PROMPTS[32 + 8 * i : 40 + 8 * i] for i in range(4)]
+    errors = []
+
+    def run_loop(prompts):
+        async def main():
+            await asyncio.gather(*(_consume(engine, p, results) for p in prompts))
+        try:
+            asyncio.run(main())
+        except Exception as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    def run_thread(prompts):
+        try:
+            for p in prompts:  # each thread streams its requests concurrently with the others
+                outs = list(engine.generate_stream(p, GREEDY))
+                results[p] = outs[-1].outputs[0].token_ids
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run_loop, args=(p,)) for p in loop_prompts]
+    threads += [threading.Thread(target=run_thread, args=(p,)) for p in thread_prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors
+    assert results == serial_texts
+    assert engine.stats()["max_batch_size"] > 8
+    assert_all_blocks_free(engine)
+
+
+async def test_random_aborts_leave_others_untouched(engine, serial_texts):
+    rng = random.Random(1234)
+    prompts = PROMPTS[:24]
+    victims = set(rng.sample(prompts, 8))
+    results = {}
+
+    async def run(prompt):
+        stop_after = rng.randint(0, 6) if prompt in victims else None
+        seen = 0
+        async for out in engine.generate(prompt, GREEDY, request_id=f"id-{prompt}"):
+            seen += 1
+            if stop_after is not None and seen > stop_after:
+                if stop_after % 2:
+                    await engine.abort(f"id-{prompt}")  # explicit abort, keep reading
+                else:
+                    break  # leaving the loop aborts too
+            if out.finished:
+                results[prompt] = out.outputs[0]
+
+    await asyncio.gather(*(run(p) for p in prompts))
+    for p in prompts:
+        if p not in victims:
+            assert results[p].token_ids == serial_texts[p]
+        elif p in results:  # explicitly aborted ones end with an abort output
+            assert results[p].finish_reason in ("abort", "length")
+    assert_all_blocks_free(engine)
+
+
+async def test_cancelling_the_task_frees_blocks(engine):
+    started = asyncio.Event()
+
+    async def run():
+        async for _ in engine.generate(PROMPTS[0], SamplingParams(max_tokens=500, ignore_eos=True)):
+            started.set()
+
+    task = asyncio.create_task(run())
+    await asyncio.wait_for(started.wait(), 30)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert_all_blocks_free(engine)
+
+
+def test_closing_a_sync_iterator_aborts(engine):
+    it = engine.generate_stream(PROMPTS[1], SamplingParams(max_tokens=500, ignore_eos=True))
+    next(it)
+    it.close()
+    assert_all_blocks_free(engine)
+
+
+def test_consumer_that_stops_reading_does_not_stall_others(engine, serial_texts):
+    stalled = engine.generate_stream(PROMPTS[2], SamplingParams(max_tokens=200, ignore_eos=True))
+    next(stalled)  # then never read again
+    outs = list(engine.generate_stream(PROMPTS[3], GREEDY))
+    assert outs[-1].outputs[0].token_ids == serial_texts[PROMPTS[3]]
+    stalled.close()
+    assert_all_blocks_free(engine)
+
+
+def test_short_request_interleaves_with_long_prefills(tiny_model):
+    eng = AsyncEngine.from_model(str(tiny_model), dtype="float32", max_num_batched_tokens=64)
+    try:
+        long_prompt = "word " * 600
+        longs = [eng.generate_stream(long_prompt + str(i), SamplingParams(max_tokens=2))
+                 for i in range(4)]
+        for it in longs:
+            next(it)  # consume nothing more; the prefills go on in the engine
+        while eng.stats()["num_steps"] < 2:
+            time.sleep(0.01)
+        steps_before = eng.stats()["num_steps"]
+        first = next(eng.generate_stream("Hi", SamplingParams(max_tokens=3)))
+        assert first.outputs[0].token_ids
+        # 4 x 600 prompt tokens need ~37 steps of 64; the short one is served within a few.
+        assert eng.stats()["num_steps"] - steps_before <= 4
+        for it in longs:
+            it.close()
+    finally:
+        eng.shutdown()
+
+
+def test_failed_step_fails_only_its_requests(engine, serial_texts, monkeypatch):
+    runner = engine.engine.runner
+    real = runner.execute
+    state = {"fail": True}
+
+    def flaky(scheduled, tables):
+        if state["fail"]:
+            state["fail"] = False
+            raise MemoryError("simulated out of memory")
+        return real(scheduled, tables)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+    with pytest.raises(RequestFailedError, match="simulated out of memory"):
+        list(engine.generate_stream(PROMPTS[4], GREEDY))
+    outs = list(engine.generate_stream(PROMPTS[5], GREEDY))
+    assert outs[-1].outputs[0].token_ids == serial_texts[PROMPTS[5]]
+    assert_all_blocks_free(engine)
+
+
+def test_bad_input_raises_in_the_caller(engine):
+    with pytest.raises(ValueError, match="prompt"):
+        engine.generate_stream("", GREEDY)
+    with pytest.raises(TypeError, match="prompt"):
+        engine.generate_stream(12, GREEDY)
+    assert list(engine.generate_stream(PROMPTS[6], GREEDY))[-1].finished
+
+
+def test_overload_error(tiny_model):
+    eng = AsyncEngine.from_model(str(tiny_model), dtype="float32", max_waiting_requests=2,
+                                 max_num_seqs=1)
+    try:
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        streams = [eng.generate_stream(PROMPTS[0], params)]
+        next(streams[0])  # running; the next two fill the waiting queue
+        streams += [eng.generate_stream(PROMPTS[i], params) for i in (1, 2)]
+        with pytest.raises(EngineOverloadedError, match="max_waiting_requests"):
+            eng.generate_stream(PROMPTS[3], params)
+        for s in streams:
+            s.close()
+    finally:
+        eng.shutdown()
+
+
+def test_shutdown_ends_in_flight_requests_promptly(tiny_model):
+    eng = AsyncEngine.from_model(str(tiny_model), dtype="float32")
+    it = eng.generate_stream(PROMPTS[7], SamplingParams(max_tokens=900, ignore_eos=True))
+    next(it)
+    start = time.monotonic()
+    eng.shutdown()
+    assert time.monotonic() - start < 5
+    with pytest.raises(EngineShutdownError):
+        for _ in it:
+            pass
+    with pytest.raises(EngineShutdownError, match="shut down"):
+        eng.generate_stream(PROMPTS[8], GREEDY)
+
+
+def test_asyncio_run_in_worker_thread_and_shared_engines(tiny_model, serial_texts):
+    a = get_engine(str(tiny_model), **ENGINE_ARGS)
+    b = get_engine(str(tiny_model), **ENGINE_ARGS)
+    assert a is b
+    out = {}
+
+    def worker():
+        async def main():
+            await _consume(a, PROMPTS[9], out)
+        asyncio.run(main())
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(60)
+    assert out[PROMPTS[9]] == serial_texts[PROMPTS[9]]
+    release_engine(a)
+    assert not a.is_closed
+    release_engine(b)
+    assert a.is_closed
+    c = get_engine(str(tiny_model), **ENGINE_ARGS)
+    assert c is not a
+    release_engine(c)
+
+
+def test_stats_and_prometheus_gauges(engine):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    list(engine.generate_stream(PROMPTS[10], GREEDY))
+    stats = engine.stats()
+    for key in ("kv_blocks_total", "kv_blocks_free", "prefix_cache_queries", "prefix_cache_hits",
+                "num_preemptions", "max_batch_size", "num_running", "num_waiting",
+                "prefix_cache_hit_rate", "generation_tokens_per_s"):
+        assert key in stats
+    assert stats["generation_tokens_per_s"] > 0
+    value = prometheus_client.REGISTRY.get_sample_value(
+        "paged_backend_kv_blocks_total", {"model": engine.model_name})
+    assert value == stats["kv_blocks_total"]

@@ -1,0 +1,235 @@
+"""Our Llama-family modules and loader against transformers, on tiny random checkpoints."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TOKENIZER_FILES, make_tiny_model
+from safetensors.torch import load_file, save_file
+
+from paged_backend import LLM, SamplingParams
+from paged_backend.config import ModelConfig
+from paged_backend.model_loader import default_model_file, resolve_model_path
+
+PROMPTS = [
+    "The capital of France is",
+    "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n    pivot = arr[0]",
+    "Q: 17 x 23?\nA:",
+]
+NUM_TOKENS = 24
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # Small, so that the tiny head_dim has low, medium and high frequency bands.
+    "original_max_position_embeddings": 64,
+}
+ARCHITECTURES = [
+    pytest.param("LlamaForCausalLM", {}, id="llama"),
+    pytest.param("LlamaForCausalLM", {"tie_word_embeddings": True}, id="llama-tied"),
+    pytest.param("LlamaForCausalLM", {"rope_scaling": LLAMA3_ROPE}, id="llama3-rope"),
+    pytest.param(
+        "LlamaForCausalLM", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, id="linear"
+    ),
+    pytest.param("LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}, id="llama-biases"),
+    pytest.param("MistralForCausalLM", {"num_key_value_heads": 4}, id="mistral-mha"),
+    pytest.param("Qwen2ForCausalLM", {"num_key_value_heads": 1}, id="qwen2-mqa"),
+    pytest.param("Qwen3ForCausalLM", {"head_dim": 32}, id="qwen3"),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models run fastest on one thread, and the 2 shared cores are often busy."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def perturb_vectors(path: Path) -> None:
+    """Randomize norm weights and biases: their init values (ones, zeros) would hide a
+    weight that is loaded into the wrong place or not used at all."""
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    gen = torch.Generator().manual_seed(1)
+    for name, t in tensors.items():
+        if t.dim() == 1:
+            tensors[name] = t + 0.5 * torch.randn(t.shape, generator=gen)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy loop with its own KV cache, never stopping at EOS."""
+    # transformers 5.x renamed `past_key_values` to `cache`.
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    ids, cache, tokens = torch.tensor([prompt_ids]), None, []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            out = model(ids, use_cache=True, **{name: cache})
+            cache = out[name]
+            ids = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(ids.item())
+    return tokens
+
+
+def our_greedy(path: Path) -> tuple[list[list[int]], list[list[int]]]:
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    return [o.prompt_token_ids for o in outs], [o.outputs[0].token_ids for o in outs]
+
+
+def clone_dir(src: Path, dst: Path, skip: tuple[str, ...] = (), config: dict | None = None) -> Path:
+    """Link a model directory's files into `dst`, leaving out `skip`, updating config.json."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name not in skip and f.name != "config.json":
+            (dst / f.name).symlink_to(f)
+    raw = json.loads((src / "config.json").read_text())
+    raw.update(config or {})
+    (dst / "config.json").write_text(json.dumps(raw))
+    return dst
+
+
+@pytest.mark.parametrize(("architecture", "overrides"), ARCHITECTURES)
+def test_greedy_matches_transformers(tmp_path, default_model_path, architecture, overrides):
+    """Every supported architecture variant decodes token for token like transformers (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(tmp_path, default_model_path, architecture, **overrides)
+    perturb_vectors(path)
+    config = ModelConfig.from_dir(path)
+    assert config.architecture == architecture
+    if "rope_scaling" in overrides:
+        assert config.rope_scaling["rope_type"] == overrides["rope_scaling"]["rope_type"]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt_ids, ours = our_greedy(path)
+    for ids, tokens in zip(prompt_ids, ours, strict=True):
+        assert tokens == hf_greedy(hf, ids, NUM_TOKENS)
+
+
+def test_sharded_checkpoint_loads_the_same(tmp_path, default_model_path):
+    """Weights split over several safetensors files (with an index) give the same model."""
+    from transformers import AutoModelForCausalLM
+
+    single = make_tiny_model(tmp_path / "single", default_model_path)
+    perturb_vectors(single)
+    hf = AutoModelForCausalLM.from_pretrained(single, dtype=torch.float32)
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, max_shard_size="100KB")
+    for name in TOKENIZER_FILES:
+        if (single / name).exists():
+            (sharded / name).write_bytes((single / name).read_bytes())
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    assert our_greedy(sharded) == our_greedy(single)
+
+
+def test_missing_path_is_named(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+        LLM(model=str(missing))
+
+
+def test_non_gguf_file_is_refused(tmp_path):
+    file = tmp_path / "weights.pt"
+    file.write_bytes(b"not a model")
+    with pytest.raises(ValueError, match=re.escape(str(file))):
+        resolve_model_path(file)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    """A real checkpoint of another family fails on its architecture, before any weights."""
+    path = tmp_path / "gpt2"
+    path.mkdir()
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 8}
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({"wte.weight": torch.zeros(8, 4)}, path / "model.safetensors")
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        LLM(model=str(path))
+
+
+def test_unsupported_rope_scaling_is_named(tmp_path, tiny_model):
+    """A rope type we do not implement must be refused, not silently run as plain RoPE."""
+    path = clone_dir(tiny_model, tmp_path / "m", config={"rope_scaling": {"rope_type": "yarn"}})
+    with pytest.raises(ValueError, match="yarn"):
+        LLM(model=str(path), dtype="float32", num_kv_blocks=8)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bad-header", "empty"])
+def test_corrupt_safetensors_names_the_file(tmp_path, tiny_model, damage):
+    data = (tiny_model / "model.safetensors").read_bytes()
+    broken = {
+        "truncated": data[: len(data) // 2],
+        "bad-header": data[:8] + b"{garbage" + data[16:],
+        "empty": b"",
+    }[damage]
+    path = clone_dir(tiny_model, tmp_path / "m", skip=("model.safetensors",))
+    (path / "model.safetensors").write_bytes(broken)
+    with pytest.raises(ValueError, match=re.escape(str(path / "model.safetensors"))):
+        LLM(model=str(path), dtype="float32", num_kv_blocks=8)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        # One shard of a fused parameter missing: the fused qkv must not count as loaded.
+        ("drop model.layers.0.self_attn.k_proj.weight", "layers.0.self_attn.qkv_proj.weight"),
+        ("drop model.norm.weight", "norm.weight"),
+        ("reshape model.layers.1.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"),
+        ("add model.layers.0.self_attn.extra.weight", "model.layers.0.self_attn.extra.weight"),
+    ],
+)
+def test_incomplete_checkpoint_is_refused(tmp_path, tiny_model, edit, message):
+    action, name = edit.split()
+    tensors = load_file(tiny_model / "model.safetensors")
+    if action == "drop":
+        del tensors[name]
+    elif action == "reshape":
+        tensors[name] = tensors[name][:, :-1].contiguous()
+    else:
+        tensors[name] = torch.zeros(4, 4)
+    path = clone_dir(tiny_model, tmp_path / "m", skip=("model.safetensors",))
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLM(model=str(path), dtype="float32", num_kv_blocks=8)
+
+
+def _no_unpickling(*args, **kwargs):
+    raise AssertionError("torch.load (pickle) must never run on model files")
+
+
+def test_pickle_only_checkpoint_is_refused(tmp_path, tiny_model, monkeypatch):
+    path = clone_dir(tiny_model, tmp_path / "m", skip=("model.safetensors",))
+    torch.save({"model.norm.weight": torch.ones(64)}, path / "pytorch_model.bin")
+    monkeypatch.setattr(torch, "load", _no_unpickling)
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        LLM(model=str(path), dtype="float32", num_kv_blocks=8)
+
+
+def test_pickle_beside_safetensors_is_ignored(tmp_path, tiny_model, monkeypatch):
+    """With both formats present only the safetensors are read (the .bin is not even valid)."""
+    path = clone_dir(tiny_model, tmp_path / "m")
+    (path / "pytorch_model.bin").write_bytes(b"\x80\x04 not a pickle")
+    monkeypatch.setattr(torch, "load", _no_unpickling)
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=8)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    assert llm.generate("Hi", params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_gguf_path_resolves_to_the_default_conversion(default_model_path):
+    """Naming the default GGUF file goes through the same (cached) conversion as model=None."""
+    gguf = default_model_file()
+    assert gguf.suffix == ".gguf"
+    converted = resolve_model_path(gguf)
+    assert converted == default_model_path
+    assert (converted / "config.json").is_file()
+    assert (converted / "model.safetensors").is_file()
+    assert ModelConfig.from_dir(converted).architecture == "LlamaForCausalLM"
