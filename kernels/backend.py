@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 import torch
-from paged_backend.kernels.attention import unified_attention
-from paged_backend.kernels.cache import reshape_and_cache
 
 from paged_backend.attention import AttentionMetadata, KVCache
+from paged_backend.kernels.attention import unified_attention
+from paged_backend.kernels.cache import reshape_and_cache
 
 
 @dataclass
@@ -27,6 +27,13 @@ class TritonAttention:
     """
 
     name = "triton"
+
+    def allocate_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim,
+                          dtype, device) -> list[KVCache]:
+        """Per layer K and V as `[num_blocks, block_size, num_kv_heads, head_dim]` views."""
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        cache = torch.zeros(shape, dtype=dtype, device=device)
+        return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]
 
     def prepare(self, meta: AttentionMetadata) -> None:
         device = meta.block_tables.device

@@ -83,3 +83,11 @@ def tiny_model(tmp_path_factory, default_model_path) -> Path:
 
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
+
+
+# Triton kernels run in its CPU interpreter when there is no GPU; the variable must be set
+# before triton is first imported anywhere in the test process.
+if not torch.cuda.is_available():
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")

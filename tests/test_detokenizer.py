@@ -118,6 +118,7 @@ def reference_held(text: str, stops: list[str]) -> int:
         ["answer is 4"],  # spans several tokens
         ["s 42, an"],  # starts and ends inside tokens
         ["question", "42"],  # the earlier one in the text wins
+        ["tion", "ques"],  # both completed by one token: the earlier in the text wins
         ["still unknown."],  # completed by the last token
         ["The"],  # completed by the first token
         ["is 43", "is s"],  # prefixes seen and held, never completed

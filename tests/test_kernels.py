@@ -30,6 +30,7 @@ if DEVICE == "cpu" and TRITON_IMPORTED_EARLIER:
         allow_module_level=True,
     )
 
+from paged_backend.attention import AttentionMetadata, TorchAttention  # noqa: E402
 from paged_backend.kernels.attention import unified_attention  # noqa: E402
 from paged_backend.kernels.backend import TritonAttention  # noqa: E402
 from paged_backend.kernels.cache import reshape_and_cache  # noqa: E402
@@ -41,8 +42,6 @@ from paged_backend.kernels.fused import (  # noqa: E402
     silu_and_mul,
     silu_and_mul_ref,
 )
-
-from paged_backend.attention import AttentionMetadata, TorchAttention  # noqa: E402
 
 ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -222,16 +221,20 @@ def test_triton_backend_matches_torch_backend(seqs, num_kv_heads, group, dtype):
     k = k.view(-1, num_kv_heads, head_dim)
     v = v.view(-1, num_kv_heads, head_dim)
 
-    outs, caches = [], []
-    for backend in (TorchAttention(), TritonAttention()):
-        # TorchAttention multiplies masked-out V rows by 0: unused slots must not hold NaN.
-        cache = torch.stack([batch.k_cache, batch.v_cache]).nan_to_num_(0.0)
+    # TorchAttention multiplies masked-out V rows by 0: unused slots must not hold NaN.
+    paged = torch.stack([batch.k_cache, batch.v_cache]).nan_to_num_(0.0)  # [2, NB, bs, kvh, d]
+    num_blocks, block_size = paged.shape[1:3]
+    # The torch backend keeps each layer head-major: [kv_heads, num_blocks * block_size, d].
+    head_major = paged.permute(0, 3, 1, 2, 4).reshape(2, num_kv_heads, -1, head_dim).clone()
+    outs = []
+    for backend, cache in ((TorchAttention(num_heads, num_kv_heads), head_major),
+                           (TritonAttention(), paged)):
         meta = batch.metadata()
         backend.prepare(meta)
         outs.append(backend.forward(q, k, v, (cache[0], cache[1]), meta))
-        caches.append(cache)
+    written = head_major.view(2, num_kv_heads, num_blocks, block_size, head_dim)
     torch.testing.assert_close(outs[1], outs[0], atol=ATOL[dtype], rtol=1e-2)
-    assert torch.equal(caches[1], caches[0])
+    assert torch.equal(written.permute(0, 2, 3, 1, 4), paged)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)

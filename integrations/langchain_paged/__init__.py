@@ -1,0 +1,1 @@
+"""LangChain integration (filled in by the integration work)."""

@@ -1,0 +1,1 @@
+"""LlamaIndex integration (filled in by the integration work)."""

@@ -1,0 +1,66 @@
+"""What the LangChain and LlamaIndex adapters share: a lazily acquired shared engine, and
+building `SamplingParams` from adapter fields, call kwargs and stop sequences."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+
+from paged_backend.async_engine import AsyncEngine
+from paged_backend.sampling_params import SamplingParams
+from paged_backend.shared_engines import get_engine, release_engine
+
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+
+
+class EngineHandle:
+    """Acquires the process-wide engine for (model, engine_args) on first use, so adapter
+    construction stays cheap, and releases it when the adapter is garbage-collected."""
+
+    def __init__(self, model: str | None, engine_args: dict | None = None) -> None:
+        self.model = model
+        self.engine_args = dict(engine_args or {})
+        self._engine: AsyncEngine | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> AsyncEngine:
+        with self._lock:
+            if self._engine is None or self._engine.is_closed:
+                self._engine = get_engine(self.model, **self.engine_args)
+                weakref.finalize(self, _release, self._engine)
+            return self._engine
+
+    @property
+    def started(self) -> bool:
+        return self._engine is not None
+
+
+def _release(engine: AsyncEngine) -> None:
+    if not engine.is_closed:
+        release_engine(engine)
+
+
+def merge_stop(*stops: str | list[str] | None) -> list[str] | None:
+    """Union of stop sequences, in order, without duplicates; None when there are none. A None
+    never overwrites stops given elsewhere (constructor stops survive `stop=None` calls)."""
+    merged: list[str] = []
+    for stop in stops:
+        for s in [stop] if isinstance(stop, str) else stop or []:
+            if s not in merged:
+                merged.append(s)
+    return merged or None
+
+
+def build_sampling_params(defaults: dict, overrides: dict, *stops) -> SamplingParams:
+    """SamplingParams from adapter defaults, then per-call overrides (None means unset), with
+    every stop sequence merged. Unknown override keys raise, naming the allowed ones."""
+    unknown = set(overrides) - set(SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(
+            f"unknown sampling argument(s) {sorted(unknown)}; allowed: {', '.join(SAMPLING_FIELDS)}"
+        )
+    values = {k: v for k, v in defaults.items() if k in SAMPLING_FIELDS and v is not None}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    values["stop"] = merge_stop(values.pop("stop", None), *stops)
+    return SamplingParams(**values)
