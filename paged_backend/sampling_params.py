@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check(ok: bool, name: str, allowed: str, value) -> None:
     if not ok:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
@@ -33,11 +37,16 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
-        _check(self.temperature >= 0, "temperature", ">= 0 (0 means greedy)", self.temperature)
+        _check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
+        _check(
+            0 <= self.temperature < float("inf"),
+            "temperature",
+            "finite and >= 0 (0 means greedy)",
+            self.temperature,
+        )
         _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         _check(
-            isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
+            _is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1),
             "top_k",
             "-1, 0 (no limit) or a positive integer",
             self.top_k,
@@ -57,13 +66,13 @@ class SamplingParams:
         )
         _check(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
         _check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
             "max_tokens",
             "None or an integer >= 1",
             self.max_tokens,
         )
         _check(
-            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            _is_int(self.min_tokens) and self.min_tokens >= 0,
             "min_tokens",
             "an integer >= 0",
             self.min_tokens,
@@ -76,14 +85,12 @@ class SamplingParams:
                 self.min_tokens,
             )
         _check(
-            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
             "logprobs",
             "None or an integer in [0, 20]",
             self.logprobs,
         )
-        _check(
-            self.seed is None or isinstance(self.seed, int), "seed", "None or an integer", self.seed
-        )
+        _check(self.seed is None or _is_int(self.seed), "seed", "None or an integer", self.seed)
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         _check(
             all(isinstance(s, str) and s for s in stops),
