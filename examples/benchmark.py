@@ -1,156 +1,427 @@
-"""Throughput benchmark: paged-backend vs transformers `generate` one request at a time.
+"""Performance record: paged-backend against what RAG users would otherwise run, in one process.
 
 Workloads (default model, greedy, EOS ignored so every request makes the same number of tokens):
-  rag       32 requests sharing a ~900-token system prompt + retrieved context, distinct questions
-  distinct  32 requests with no shared prefix
-transformers runs the way HuggingFacePipeline does: one request at a time. It is slow, so it runs
-on the first `--hf-requests` requests of each workload and its tokens/s is taken from those.
+  rag       32 requests arriving together, sharing a ~900-token system prompt + retrieved context
+  distinct  32 requests arriving together, no shared prefix
+  single    one request at a time (decode speed of a single stream)
+  chat      a many-turn chat: each turn's prompt extends the previous turn's prompt and answer
+Engines: ours; transformers one request at a time (what HuggingFacePipeline does; slow, so it
+runs on the first --hf-requests requests and its rate is taken from those); transformers with all
+requests in one left-padded static batch (its best case); llama-cpp-python on the same GGUF when
+it is installed. Reported: output tokens/s, ratios, TTFT median/p90, prefix-cache hit rate, peak
+RSS, KV slot utilisation, and achieved GFLOP/s against a bf16 matmul peak measured in this run.
 
-    python examples/benchmark.py [--workloads rag,distinct] [--requests 32] [--max-tokens 64]
+    python examples/benchmark.py [--workloads rag,distinct,single,chat] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import time
 
 import torch
 
 from paged_backend import EngineConfig, LLMEngine, SamplingParams
+from paged_backend.model_loader import default_model_file
 
-TOPICS = ["solar panels", "the French revolution", "protein folding", "jazz harmony",
-          "volcanoes", "sourdough bread", "black holes", "the Roman roads", "coral reefs",
-          "compilers", "honey bees", "glaciers", "chess openings", "the printing press",
-          "tea cultivation", "plate tectonics"]
+TOPICS = [
+    "solar panels",
+    "the French revolution",
+    "protein folding",
+    "jazz harmony",
+    "volcanoes",
+    "sourdough bread",
+    "black holes",
+    "the Roman roads",
+    "coral reefs",
+    "compilers",
+    "honey bees",
+    "glaciers",
+    "chess openings",
+    "the printing press",
+    "tea cultivation",
+    "plate tectonics",
+]
+PASSAGE = (
+    "Document {i}: The municipal archive of Lindenfeld was founded in 1873 to preserve the "
+    "records of the town council, the parish registers and the guild books. Its reading room is "
+    "open to researchers on weekdays, and its collection of maps covers the river valley from "
+    "the sixteenth century onwards. "
+)
+
+
+# ---- workloads --------------------------------------------------------------------------------
+def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    return list(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)[
+            "input_ids"
+        ]
+    )
 
 
 def rag_prompts(tokenizer, n: int, context_tokens: int = 900) -> list[list[int]]:
-    passage = (
-        "Document {i}: The municipal archive of Lindenfeld was founded in 1873 to preserve the "
-        "records of the town council, the parish registers and the guild books. Its reading "
-        "room is open to researchers on weekdays, and its collection of maps covers the river "
-        "valley from the sixteenth century onwards. "
-    )
-    context = ""
-    i = 0
+    context, i = "", 0
     while len(tokenizer(context).input_ids) < context_tokens:
-        context += passage.format(i=i)
+        context += PASSAGE.format(i=i)
         i += 1
-    questions = [f"Question {k}: what does the archive say about {TOPICS[k % len(TOPICS)]}?"
-                 for k in range(n)]
     system = "You answer questions using only the retrieved documents.\n\n" + context
     return [
-        tokenizer.apply_chat_template(
-            [{"role": "system", "content": system}, {"role": "user", "content": q}],
-            add_generation_prompt=True, return_dict=True,
-        )["input_ids"]
-        for q in questions
-    ]
-
-
-def distinct_prompts(tokenizer, n: int) -> list[list[int]]:
-    return [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"Request {k}: write a short paragraph about "
-              f"{TOPICS[k % len(TOPICS)]}, number {k}, for a school magazine."}],
-            add_generation_prompt=True, return_dict=True,
-        )["input_ids"]
+        _chat_ids(
+            tokenizer,
+            [
+                {"role": "system", "content": system},
+                {
+                    "role": "user",
+                    "content": f"Question {k}: what does the archive say about "
+                    f"{TOPICS[k % len(TOPICS)]}?",
+                },
+            ],
+        )
         for k in range(n)
     ]
 
 
-def run_ours(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    before = engine.stats()
-    start = time.perf_counter()
-    first_token: dict[str, float] = {}
-    for p in prompts:
-        engine.add_request(None, params, prompt_token_ids=list(p))
-    generated = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            first_token.setdefault(out.request_id, time.perf_counter() - start)
-            if out.finished:
-                generated += len(out.outputs[0].token_ids)
-    elapsed = time.perf_counter() - start
-    after = engine.stats()
-    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
-    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
-    ttft = sorted(first_token.values())
+def distinct_prompts(tokenizer, n: int) -> list[list[int]]:
+    # The user turn comes first so that no two prompts share a full block.
+    return [
+        tokenizer(
+            f"Request {k}: write a short paragraph about {TOPICS[k % len(TOPICS)]}, "
+            f"number {k}, for a school magazine.\nAnswer:"
+        ).input_ids
+        for k in range(n)
+    ]
+
+
+CHAT_TURNS = [
+    "Hi! I am planning a trip to the mountains.",
+    "What should I pack?",
+    "How do I stay safe on a glacier?",
+    "And what should I eat?",
+    "Can you summarize all of that?",
+    "Thanks! Any last advice?",
+]
+
+
+# ---- engines ----------------------------------------------------------------------------------
+class Ours:
+    name = "paged-backend"
+
+    def __init__(self, dtype: str) -> None:
+        self.engine = LLMEngine(EngineConfig(dtype=dtype))
+        self.tokenizer = self.engine.tokenizer
+        self.decode_steps: list[tuple[int, float]] = []  # (batch size, seconds), decode-only
+        self.kv_usage: list[float] = []
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[float]]:
+        engine = self.engine
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        ids = [engine.add_request(None, params, prompt_token_ids=list(p)) for p in prompts]
+        first: dict[str, float] = {}
+        outputs: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            decode_only = (
+                all(r.num_computed_tokens == r.num_tokens - 1 for r in engine.scheduler.running)
+                and not engine.scheduler.waiting
+            )
+            batch = len(engine.scheduler.running)
+            t0 = time.perf_counter()
+            outs = engine.step()
+            if decode_only and batch:
+                self.decode_steps.append((batch, time.perf_counter() - t0))
+            stats = engine.stats()
+            if stats["kv_slots_allocated"]:
+                self.kv_usage.append(stats["kv_tokens_stored"] / stats["kv_slots_allocated"])
+            for out in outs:
+                first.setdefault(out.request_id, time.perf_counter() - start)
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0].token_ids
+        return [outputs[i] for i in ids], [first[i] for i in ids]
+
+
+class TransformersSequential:
+    name = "transformers (one at a time)"
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def run(self, prompts, max_tokens):
+        outs, ttfts = [], []
+        for p in prompts:
+            ids = torch.tensor([p])
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                self.model(ids)  # time to first token = one forward over the prompt
+                ttfts.append(time.perf_counter() - t0)
+                out = self.model.generate(
+                    ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
+                )
+            outs.append(out[0, ids.shape[1] :].tolist())
+        return outs, ttfts
+
+
+class TransformersStaticBatch:
+    name = "transformers (padded static batch)"
+
+    def __init__(self, model, pad_id: int) -> None:
+        self.model, self.pad_id = model, pad_id
+
+    def run(self, prompts, max_tokens):
+        width = max(map(len, prompts))
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = self.model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=self.pad_id,
+            )
+        elapsed = time.perf_counter() - t0
+        # Every request gets its first token after the whole padded prefill: about one step.
+        ttft = elapsed / max_tokens
+        return [row[width:].tolist() for row in out], [ttft] * len(prompts)
+
+
+class LlamaCpp:
+    name = "llama-cpp-python"
+
+    def __init__(self, eos_id: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(
+            model_path=str(default_model_file()),
+            n_ctx=4096,
+            n_threads=torch.get_num_threads(),
+            verbose=False,
+        )
+        self.eos_id = eos_id
+
+    def run(self, prompts, max_tokens):
+        outs, ttfts = [], []
+        for p in prompts:  # no batching: one request at a time, reusing the previous prefix
+            t0 = time.perf_counter()
+            tokens = []
+            for tok in self.llm.generate(p, temp=0.0, reset=False, logits_processor=self._no_eos):
+                if not tokens:
+                    ttfts.append(time.perf_counter() - t0)
+                tokens.append(tok)
+                if len(tokens) == max_tokens:
+                    break
+            outs.append(tokens)
+        return outs, ttfts
+
+    def _no_eos(self, _ids, logits):
+        logits[self.eos_id] = -float("inf")
+        return logits
+
+
+# ---- measuring --------------------------------------------------------------------------------
+def matmul_peak_gflops(dtype: torch.dtype) -> float:
+    a, b = torch.randn(1024, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    n, t0 = 50, time.perf_counter()
+    for _ in range(n):
+        a @ b
+    return 2 * 1024 * 576 * 1536 * n / (time.perf_counter() - t0) / 1e9
+
+
+def flops_per_token(engine: LLMEngine) -> float:
+    """Linear-layer FLOPs of one token through the model (embedding lookup excluded)."""
+    mc = engine.model_config
+    per_layer = (
+        mc.hidden_size * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
+        + mc.num_heads * mc.head_dim * mc.hidden_size
+        + 3 * mc.hidden_size * mc.intermediate_size
+    )
+    return 2.0 * per_layer * mc.num_layers
+
+
+def summarize(outputs, ttfts, elapsed) -> dict:
+    tokens = sum(map(len, outputs))
+    ttfts = sorted(ttfts)
     return {
-        "tokens_per_s": generated / elapsed,
+        "output_tokens": tokens,
         "elapsed_s": elapsed,
-        "ttft_median_s": statistics.median(ttft),
-        "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
-        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-        "max_batch_size": after["max_batch_size"],
+        "tokens_per_s": tokens / elapsed,
+        "ttft_median_s": statistics.median(ttfts),
+        "ttft_p90_s": ttfts[round(0.9 * (len(ttfts) - 1))],
     }
 
 
-def run_transformers(model, prompts: list[list[int]], max_tokens: int) -> dict:
-    generated, ttfts = 0, []
+def run_workload(engine, name: str, prompts, max_tokens: int, serial_prompts: int | None = None):
+    """Run `prompts` (chat: turn by turn, each prompt built from the previous answer)."""
+    if name == "chat":
+        return run_chat(engine, max_tokens)
+    if name == "single":
+        outs, ttfts, start = [], [], time.perf_counter()
+        for p in prompts:
+            o, t = engine.run([p], max_tokens)
+            outs += o
+            ttfts += t
+        return summarize(outs, ttfts, time.perf_counter() - start)
+    if serial_prompts is not None:
+        prompts = prompts[:serial_prompts]
     start = time.perf_counter()
-    for p in prompts:
-        t0 = time.perf_counter()
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            first = model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-            ttfts.append(time.perf_counter() - t0)
-            out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                 do_sample=False)
-        assert first.shape[1] == ids.shape[1] + 1
-        generated += out.shape[1] - ids.shape[1]
-    # The first-token probe ran the prompt twice; count only the full generate calls' time.
-    elapsed = time.perf_counter() - start - sum(ttfts)
-    return {"tokens_per_s": generated / elapsed, "elapsed_s": elapsed,
-            "ttft_median_s": statistics.median(ttfts), "requests": len(prompts)}
+    outs, ttfts = engine.run(prompts, max_tokens)
+    return summarize(outs, ttfts, time.perf_counter() - start)
+
+
+def run_chat(engine, max_tokens: int) -> dict:
+    tokenizer = run_chat.tokenizer
+    messages: list[dict] = [{"role": "system", "content": "You are a helpful travel assistant."}]
+    outs, ttfts, start = [], [], time.perf_counter()
+    for turn in CHAT_TURNS:
+        messages.append({"role": "user", "content": turn})
+        o, t = engine.run([_chat_ids(tokenizer, messages)], max_tokens)
+        outs += o
+        ttfts += t
+        messages.append(
+            {"role": "assistant", "content": tokenizer.decode(o[0], skip_special_tokens=True)}
+        )
+    return summarize(outs, ttfts, time.perf_counter() - start)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--workloads", default="rag,distinct")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--workloads", default="rag,distinct,single,chat")
+    parser.add_argument("--engines", default="ours,hf-seq,hf-batch,llama-cpp")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--hf-requests", type=int, default=3)
+    parser.add_argument(
+        "--hf-requests",
+        type=int,
+        default=3,
+        help="requests transformers runs one at a time (its rate is measured)",
+    )
     parser.add_argument("--hf-dtype", default="float32", help="transformers' CPU default")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    workloads = args.workloads.split(",")
+    wanted = set(args.engines.split(","))
 
-    engine = LLMEngine(EngineConfig(dtype=args.dtype))
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=getattr(torch, args.hf_dtype))
-    tok = engine.tokenizer
-    results = {}
-    for name in args.workloads.split(","):
-        prompts = (rag_prompts if name == "rag" else distinct_prompts)(tok, args.requests)
-        engine.kv.pool.reset_cache()  # every workload starts cold
-        ours = run_ours(engine, prompts, args.max_tokens)
-        ref = run_transformers(hf, prompts[: args.hf_requests], args.max_tokens)
-        results[name] = {
-            "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
-            "ours": ours,
-            "transformers_sequential": ref,
-            "speedup": ours["tokens_per_s"] / ref["tokens_per_s"],
+    ours = Ours(args.dtype)
+    tok = ours.tokenizer
+    run_chat.tokenizer = tok
+    prompts = {
+        "rag": rag_prompts(tok, args.requests),
+        "distinct": distinct_prompts(tok, args.requests),
+        "single": distinct_prompts(tok, 2),
+        "chat": None,
+    }
+    peak = matmul_peak_gflops(ours.engine.runner.dtype)
+    fpt = flops_per_token(ours.engine)
+    results: dict = {
+        "config": {
+            "dtype": str(ours.engine.runner.dtype),
+            "threads": torch.get_num_threads(),
+            "hf_dtype": args.hf_dtype,
+            "matmul_peak_gflops": peak,
+            "requests": args.requests,
+            "max_tokens": args.max_tokens,
         }
+    }
+    for name in workloads:
+        ours.engine.kv.pool.reset_cache()  # every workload starts cold
+        before = ours.engine.stats()
+        ours.decode_steps.clear()
+        ours.kv_usage.clear()
+        r = run_workload(ours, name, prompts[name], args.max_tokens)
+        after = ours.engine.stats()
+        queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+        hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+        r["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
+        r["kv_utilization_min"] = min(ours.kv_usage) if ours.kv_usage else None
+        r["kv_utilization_mean"] = statistics.mean(ours.kv_usage) if ours.kv_usage else None
+        computed = queries - hits + r["output_tokens"]
+        r["gflops_achieved"] = computed * fpt / r["elapsed_s"] / 1e9
+        big = [(b, s) for b, s in ours.decode_steps if b >= min(32, args.requests)]
+        if big:
+            r["decode_step_ms_at_max_batch"] = 1000 * statistics.median(s for _, s in big)
+            r["decode_gflops_at_max_batch"] = statistics.median(b * fpt / s / 1e9 for b, s in big)
+            r["decode_fraction_of_peak"] = r["decode_gflops_at_max_batch"] / peak
+        results.setdefault(name, {})["ours"] = r
+    results["peak_rss_mb_ours"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    peers = []
+    if wanted & {"hf-seq", "hf-batch"}:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(
+            ours.engine.model_path, dtype=getattr(torch, args.hf_dtype)
+        ).eval()
+        if "hf-seq" in wanted:
+            peers.append(("hf_sequential", TransformersSequential(hf), args.hf_requests))
+        if "hf-batch" in wanted:
+            peers.append(
+                ("hf_static_batch", TransformersStaticBatch(hf, tok.pad_token_id or 0), None)
+            )
+    if "llama-cpp" in wanted:
+        try:
+            peers.append(("llama_cpp", LlamaCpp(ours.engine.eos_token_ids[0]), None))
+        except ImportError:
+            results["llama_cpp"] = "not installed (pip install llama-cpp-python)"
+    for key, peer, serial in peers:
+        for name in workloads:
+            if key == "hf_static_batch" and name in ("single", "chat"):
+                continue  # one request at a time: same as sequential
+            r = run_workload(
+                peer,
+                name,
+                prompts[name],
+                args.max_tokens,
+                serial if name in ("rag", "distinct") else None,
+            )
+            results[name][key] = r
+            results[name][key]["ours_speedup"] = (
+                results[name]["ours"]["tokens_per_s"] / r["tokens_per_s"]
+            )
+    results["peak_rss_mb_total"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.json:
         print(json.dumps(results, indent=2))
-        return
-    print(f"engine dtype {engine.runner.dtype}, transformers dtype {args.hf_dtype}, "
-          f"{torch.get_num_threads()} threads")
-    for name, r in results.items():
-        o, h = r["ours"], r["transformers_sequential"]
-        print(f"[{name}] {args.requests} requests, {r['prompt_tokens_mean']:.0f} prompt tokens, "
-              f"{args.max_tokens} new tokens each")
-        print(f"  paged-backend : {o['tokens_per_s']:8.1f} tok/s  TTFT median "
-              f"{o['ttft_median_s']:.2f}s p90 {o['ttft_p90_s']:.2f}s  prefix-cache hit rate "
-              f"{o['prefix_cache_hit_rate']:.1%}  max batch {o['max_batch_size']}")
-        print(f"  transformers  : {h['tokens_per_s']:8.1f} tok/s  TTFT median "
-              f"{h['ttft_median_s']:.2f}s  (one at a time, {h['requests']} requests)")
-        print(f"  speedup       : {r['speedup']:.1f}x")
+    else:
+        print_table(results, workloads)
+
+
+def print_table(results: dict, workloads: list[str]) -> None:
+    c = results["config"]
+    print(
+        f"dtype {c['dtype']} (transformers {c['hf_dtype']}), {c['threads']} threads, "
+        f"bf16 matmul peak {c['matmul_peak_gflops']:.0f} GFLOP/s, "
+        f"peak RSS ours {results['peak_rss_mb_ours']:.0f} MB"
+    )
+    for name in workloads:
+        print(f"\n[{name}]")
+        for key, r in results[name].items():
+            line = (
+                f"  {key:16s} {r['tokens_per_s']:8.1f} tok/s  TTFT median "
+                f"{r['ttft_median_s']:6.2f}s p90 {r['ttft_p90_s']:6.2f}s"
+            )
+            if key == "ours":
+                line += f"  hit rate {r['prefix_cache_hit_rate']:.1%}"
+                if r.get("kv_utilization_mean") is not None:
+                    line += f"  KV use {r['kv_utilization_mean']:.1%}"
+                line += f"  {r['gflops_achieved']:.0f} GFLOP/s"
+                if "decode_gflops_at_max_batch" in r:
+                    line += (
+                        f"  decode@batch {r['decode_step_ms_at_max_batch']:.0f} ms/step "
+                        f"{r['decode_fraction_of_peak']:.0%} of peak"
+                    )
+            else:
+                line += f"  ours {r['ours_speedup']:.1f}x"
+            print(line)
+    if isinstance(results.get("llama_cpp"), str):
+        print(f"\nllama-cpp-python: {results['llama_cpp']}")
 
 
 if __name__ == "__main__":
