@@ -1,17 +1,27 @@
-"""What the LangChain and LlamaIndex adapters share: a lazily acquired shared engine, and
-building `SamplingParams` from adapter fields, call kwargs and stop sequences."""
+"""What the LangChain and LlamaIndex adapters share: a lazily acquired shared engine, building
+`SamplingParams` from adapter fields, call kwargs and stop sequences, and model facts (context
+window, tokenizer) that are available without starting an engine."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import weakref
+from pathlib import Path
 
 from paged_backend.async_engine import AsyncEngine
+from paged_backend.config import EngineConfig, ModelConfig
+from paged_backend.model_loader import DEFAULT_MODEL_NAME, resolve_model_path
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.shared_engines import get_engine, release_engine
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+# What `get_engine(model, **engine_args)` accepts besides the model.
+ENGINE_ARGS = (
+    *(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"),
+    "max_waiting_requests",
+)
 
 
 class EngineHandle:
@@ -34,6 +44,11 @@ class EngineHandle:
     @property
     def started(self) -> bool:
         return self._engine is not None
+
+    @property
+    def model_name(self) -> str:
+        """The name users know the model by, known before the engine exists (for tracing)."""
+        return DEFAULT_MODEL_NAME if self.model is None else Path(self.model).expanduser().name
 
 
 def _release(engine: AsyncEngine) -> None:
@@ -64,3 +79,33 @@ def build_sampling_params(defaults: dict, overrides: dict, *stops) -> SamplingPa
     values.update({k: v for k, v in overrides.items() if v is not None})
     values["stop"] = merge_stop(values.pop("stop", None), *stops)
     return SamplingParams(**values)
+
+
+def check_engine_args(engine_args: dict) -> None:
+    """Reject unknown engine arguments when an adapter is built, not at its first call."""
+    unknown = set(engine_args) - set(ENGINE_ARGS)
+    if unknown:
+        raise TypeError(
+            f"unknown engine argument(s) {sorted(unknown)}; allowed: {', '.join(ENGINE_ARGS)}"
+        )
+
+
+@functools.lru_cache(maxsize=16)
+def _model_path(model: str | None) -> Path:
+    return resolve_model_path(model)
+
+
+def context_window(model: str | None, engine_args: dict) -> int:
+    """The engine's `max_model_len` for these arguments, from the model's config.json alone
+    (the rule of `LLMEngine._max_model_len`: a sliding window caps the length)."""
+    config = ModelConfig.from_dir(_model_path(model))
+    limit = min(config.max_position_embeddings, config.sliding_window or 1 << 62)
+    return engine_args.get("max_model_len") or limit
+
+
+@functools.lru_cache(maxsize=16)
+def model_tokenizer(model: str | None):
+    """The model's own tokenizer, for counting tokens without loading weights or a KV cache."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_model_path(model))

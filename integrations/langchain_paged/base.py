@@ -1,0 +1,171 @@
+"""What `ChatPaged` and `PagedLLM` share: their fields (the model, engine arguments and every
+`SamplingParams` field), the lazily started shared engine, and usage/metadata of an output."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from langchain_core.language_models.base import LangSmithParams
+from langchain_core.messages.ai import UsageMetadata
+from pydantic import BaseModel, Field, PrivateAttr, model_validator
+
+from paged_backend import AsyncEngine, CompletionOutput, RequestOutput, SamplingParams
+from paged_backend.adapters import (
+    SAMPLING_FIELDS,
+    EngineHandle,
+    build_sampling_params,
+    check_engine_args,
+    merge_stop,
+    model_tokenizer,
+)
+
+PROVIDER = "paged"
+
+
+class PagedParams(BaseModel):
+    """Mixed into both LangChain classes. Sampling fields left at None take `SamplingParams`'
+    defaults; any other keyword argument is an engine argument (dtype, num_kv_blocks, ...)."""
+
+    model: str | None = None
+    """Hugging Face model directory or `.gguf` file; None is the embedded SmolLM2-135M."""
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """Engine arguments; adapters with the same model and arguments share one engine."""
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = 512
+    """New tokens at most; None runs to EOS or the context window (`SamplingParams`' own
+    default, 16, is too short for an answer)."""
+    min_tokens: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    ignore_eos: bool | None = None
+    logprobs: int | None = None
+    skip_special_tokens: bool | None = None
+    logit_bias: dict[int, float] | None = None
+
+    _handle: EngineHandle = PrivateAttr()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _collect_engine_args(cls, values: Any) -> Any:
+        """`ChatPaged(dtype="float32")` is `ChatPaged(engine_args={"dtype": "float32"})`."""
+        if not isinstance(values, dict):
+            return values
+        extra = {k: v for k, v in values.items() if k not in cls.model_fields}
+        if not extra:
+            return values
+        rest = {k: v for k, v in values.items() if k in cls.model_fields}
+        return {**rest, "engine_args": {**(rest.get("engine_args") or {}), **extra}}
+
+    @model_validator(mode="after")
+    def _check(self) -> PagedParams:
+        """Bad sampling values and unknown engine arguments fail here, before any work."""
+        check_engine_args(self.engine_args)
+        self._sampling_params(None, {})
+        self._handle = EngineHandle(self.model, self.engine_args)
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self._handle.model_name
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The shared engine (started on first access), e.g. for `engine.stats()`."""
+        return self._handle.get()
+
+    def _sampling_params(self, stop: list[str] | None, kwargs: dict) -> SamplingParams:
+        # A SamplingParams field not declared above is a call kwarg only (e.g. a per-call schema).
+        defaults = {name: getattr(self, name, None) for name in SAMPLING_FIELDS}
+        params = build_sampling_params(defaults, kwargs, stop)
+        if self.max_tokens is None and kwargs.get("max_tokens") is None:
+            params = dataclasses.replace(params, max_tokens=None)  # None there means "unset"
+        return params
+
+    def _prepare(
+        self, stop: list[str] | None, kwargs: dict, *, stream: bool = False
+    ) -> tuple[AsyncEngine, SamplingParams]:
+        """Validate the call's parameters, then (only then) start or reuse the engine."""
+        params = self._sampling_params(stop, kwargs)
+        if stream and params.n != 1:
+            raise ValueError(f"n must be 1 when streaming, got {params.n}")
+        return self._handle.get(), params
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        sampling = {k: v for k in SAMPLING_FIELDS if (v := getattr(self, k, None)) is not None}
+        return {"model": self.model, **sampling, "engine_args": self.engine_args}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = PROVIDER
+        params["ls_model_name"] = kwargs.get("model") or self.model_name
+        stops = merge_stop(self.stop, stop)
+        if stops:
+            params["ls_stop"] = stops
+        return params
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids from the model's own tokenizer (the engine need not be running)."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
+        return model_tokenizer(self.model)(text, add_special_tokens=False).input_ids
+
+
+def usage_metadata(
+    out: RequestOutput, completions: list[CompletionOutput] | None = None
+) -> UsageMetadata:
+    """Token counts of a request (or of some of its `n` completions); `cache_read` is the
+    prompt tokens served from the prefix cache."""
+    prompt = len(out.prompt_token_ids)
+    generated = sum(len(c.token_ids) for c in completions or out.outputs)
+    return UsageMetadata(
+        input_tokens=prompt,
+        output_tokens=generated,
+        total_tokens=prompt + generated,
+        input_token_details={"cache_read": out.num_cached_tokens},
+    )
+
+
+def completion_metadata(completion: CompletionOutput, model_name: str) -> dict[str, Any]:
+    """`finish_reason` ("stop", "length", "abort"), the matched stop and, when asked for,
+    per-token logprobs (a list per position of the sampled and top tokens)."""
+    meta: dict[str, Any] = {
+        "finish_reason": completion.finish_reason,
+        "stop_reason": completion.stop_reason,
+        "model_name": model_name,
+    }
+    if completion.logprobs is not None:
+        meta["logprobs"] = [
+            [
+                {"token_id": t, "token": lp.decoded_token, "logprob": lp.logprob, "rank": lp.rank}
+                for t, lp in position.items()
+            ]
+            for position in completion.logprobs
+        ]
+    return meta
+
+
+def last_output(outputs: Iterator[RequestOutput]) -> RequestOutput:
+    """Run a request to the end. An error or interrupt arrives inside the engine's iterator,
+    whose cleanup aborts the request."""
+    return collections.deque(outputs, maxlen=1)[0]
+
+
+async def alast_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """`last_output` for the async engine stream (cancellation aborts the request)."""
+    last = None
+    async for out in outputs:
+        last = out
+    return last

@@ -1,0 +1,87 @@
+"""LangChain's own standard test suites for chat models, run against `ChatPaged` on the default
+model. Capabilities not built yet (tools, structured output, JSON mode, multimodal) are off."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain_tests.integration_tests import ChatModelIntegrationTests
+from langchain_tests.unit_tests import ChatModelUnitTests
+
+from langchain_paged import ChatPaged
+from paged_backend import get_engine, release_engine
+
+ENGINE_ARGS = {"num_kv_blocks": 512}
+# Short greedy answers: a quick suite that sees the same text on every run.
+SAMPLING = {"temperature": 0, "max_tokens": 32}
+
+
+class PagedChatTestConfig:
+    """What `ChatPaged` is and what it can do, for both suites."""
+
+    @property
+    def chat_model_class(self) -> type[ChatPaged]:
+        return ChatPaged
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return dict(ENGINE_ARGS)
+
+    has_tool_calling = False
+    has_tool_choice = False
+    has_structured_output = False
+    supports_json_mode = False
+    supports_image_inputs = False
+    supports_image_urls = False
+    supports_pdf_inputs = False
+    supports_audio_inputs = False
+    supports_video_inputs = False
+    supports_image_tool_message = False
+    supports_pdf_tool_message = False
+    supports_anthropic_inputs = False
+    supports_model_override = False  # one engine serves one model
+    returns_usage_metadata = True
+
+
+class TestChatPagedUnit(PagedChatTestConfig, ChatModelUnitTests):
+    @property
+    def standard_chat_model_params(self) -> dict[str, Any]:
+        """A local model has no API key, network timeout or retries: those stay out."""
+        params = super().standard_chat_model_params
+        for name in ("api_key", "timeout", "max_retries"):
+            params.pop(name)
+        return params
+
+
+@pytest.mark.slow
+class TestChatPagedIntegration(PagedChatTestConfig, ChatModelIntegrationTests):
+    @pytest.fixture(autouse=True, scope="class")
+    def _shared_engine(self):
+        """Keep the suite's engine alive between tests: each test builds its own ChatPaged,
+        and the last adapter to go would otherwise shut the engine down."""
+        engine = get_engine(None, **ENGINE_ARGS)
+        yield
+        release_engine(engine)
+
+    @property
+    def standard_chat_model_params(self) -> dict[str, Any]:
+        return dict(SAMPLING)
+
+    @property
+    def supported_usage_metadata_details(self) -> dict[str, list[str]]:
+        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
+        """The second of two requests with the same long system prompt reads it from cache."""
+        model = ChatPaged(**ENGINE_ARGS, temperature=0, max_tokens=4)
+        system = "You answer questions about the solar system. " * 12
+        messages = [SystemMessage(system), HumanMessage("Which planet is largest?")]
+        model.invoke(messages)
+        if not stream:
+            return model.invoke(messages)
+        full = None
+        for chunk in model.stream(messages):
+            full = chunk if full is None else full + chunk
+        return full
