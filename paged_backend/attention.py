@@ -272,11 +272,12 @@ class TorchAttention:
         for p in prep.prefills:
             qp = qf[p.start : p.end]  # [n, kvh, g, d]
             if p.blocks is None:
-                # 4-D strided views take torch's flash kernel (3-D inputs fall back to math).
+                # 4-D strided views take torch's flash kernel (3-D inputs fall back to math);
+                # fp32 costs no more there than bf16 and keeps bf16 models on the reference.
                 o = F.scaled_dot_product_attention(
-                    q[p.start : p.end].transpose(0, 1).unsqueeze(0),
-                    k[p.start : p.end].transpose(0, 1).unsqueeze(0),
-                    v[p.start : p.end].transpose(0, 1).unsqueeze(0),
+                    qf[p.start : p.end].view(-1, num_heads, d).transpose(0, 1).unsqueeze(0),
+                    k[p.start : p.end].float().transpose(0, 1).unsqueeze(0),
+                    v[p.start : p.end].float().transpose(0, 1).unsqueeze(0),
                     is_causal=True,
                     enable_gqa=group > 1,
                 )
