@@ -25,10 +25,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like the reference implementation, scale in the model dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # One fused op (it accumulates in fp32): at this model size op count is the cost.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -93,13 +91,21 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, kv_cache, backend: AttentionBackend, meta) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:  # rotate q and k heads together: half the ops
+            qk = qkv[:, : self.q_size + self.kv_size].view(
+                -1, self.num_heads + self.num_kv_heads, self.head_dim
+            )
+            q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q = self.q_norm(qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(
+                qkv[:, self.q_size : self.q_size + self.kv_size].view(
+                    -1, self.num_kv_heads, self.head_dim
+                )
+            )
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = backend.forward(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
