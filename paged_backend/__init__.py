@@ -14,6 +14,7 @@ from paged_backend.llm import LLM
 from paged_backend.outputs import CompletionOutput, Logprob, RequestOutput
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.shared_engines import get_engine, release_engine
+from paged_backend.structured_output import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -28,6 +29,7 @@ __all__ = [
     "RequestFailedError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "get_engine",
     "release_engine",
 ]

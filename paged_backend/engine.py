@@ -22,6 +22,7 @@ from paged_backend.request import Request, RequestStatus
 from paged_backend.sampler import Sampler, to_logprob_dict
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.scheduler import Scheduler, SchedulerOutput
+from paged_backend.structured_output import GrammarCache
 
 logger = logging.getLogger(__name__)
 PromptType = str | Sequence[int]
@@ -63,6 +64,9 @@ class LLMEngine:
         )
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids, config.seed)
+        self.grammars = GrammarCache(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+        )
         self.parents: dict[str, _Parent] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside a step (aborts)
         self._ids = itertools.count()
@@ -124,6 +128,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params.check_vocab(self.model_config.vocab_size)
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # invalid specs raise here
         n = len(prompt_ids)
         if n >= self.max_model_len:
             raise ValueError(
@@ -184,6 +190,7 @@ class LLMEngine:
                     seed=seed,
                     max_tokens=params.max_tokens or self.max_model_len - len(ids),
                     detokenizer=detokenizer,
+                    grammar=self._new_grammar(params),
                 )
             )
         self.parents[request_id] = _Parent(
@@ -232,7 +239,18 @@ class LLMEngine:
         outputs.extend(self._make_output(pid, parent) for pid, parent in touched.items())
         return outputs
 
+    def _new_grammar(self, params: SamplingParams):
+        if params.structured_outputs is None:
+            return None
+        return self.grammars.matcher(params.structured_outputs, params.stop_token_ids)
+
     def _append_token(self, request: Request, token: int, logprobs) -> None:
+        # The grammar advances here only, once per appended token (never on recompute).
+        if request.grammar is not None and not request.grammar.accept_token(token):
+            # Every token the grammar allowed was banned: min_tokens bans the stop tokens that
+            # must end a complete structure. It is complete, so stop without the banned token.
+            self.scheduler.finish(request, "stop")
+            return
         request.append_output(token)
         if logprobs is not None:
             chosen, entries = logprobs
@@ -246,6 +264,8 @@ class LLMEngine:
                 reason = "stop"
             elif token in params.stop_token_ids:
                 reason, stop_reason = "stop", token
+        if reason is None and request.grammar is not None and request.grammar.is_terminated():
+            reason = "stop"  # the grammar's EOS with ignore_eos: nothing may follow it
         if reason is None or params.include_stop_str_in_output:
             matched = request.detokenizer.add_token(token, check_stop=num_out >= params.min_tokens)
             if matched is not None and reason is None:

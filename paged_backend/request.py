@@ -6,6 +6,7 @@ import enum
 import itertools
 
 import torch
+from xgrammar import GrammarMatcher
 
 from paged_backend.outputs import Logprob
 from paged_backend.sampling_params import SamplingParams
@@ -34,6 +35,7 @@ class Request:
         seed: int | None = None,
         max_tokens: int | None = None,
         detokenizer=None,
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id or request_id
@@ -59,6 +61,8 @@ class Request:
         self.generator = None
         if seed is not None:
             self.generator = torch.Generator().manual_seed(seed)
+        # Structured output: masks this sequence's logits; advanced by each appended token.
+        self.grammar = grammar
 
     @property
     def num_tokens(self) -> int:

@@ -3,6 +3,7 @@
 Greedy rows skip all full-vocabulary work but the argmax. Random rows draw with the exponential
 race (argmax of p / Exp(1) noise), which consumes exactly one vocabulary-sized draw per step per
 request: a seeded request's tokens depend only on its own generator, whatever else is batched.
+Rows under structured output are first masked to the tokens their grammar allows.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from paged_backend.outputs import Logprob
 from paged_backend.request import Request
+from paged_backend.structured_output import apply_grammar_bitmask
 
 
 @dataclass
@@ -31,6 +33,9 @@ class Sampler:
         logits = logits[:, : self.vocab_size]
         want_lp = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if constrained:  # structured output: before any other processing, in place
+            apply_grammar_bitmask(logits, constrained, [requests[i].grammar for i in constrained])
         logits = self._adjust(logits, requests)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from paged_backend.structured_output import StructuredOutputsParams
+
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -34,6 +36,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -115,6 +118,13 @@ class SamplingParams:
                 token,
             )
             _check(-100 <= bias <= 100, "logit_bias", "values in [-100, 100]", bias)
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "None or a StructuredOutputsParams",
+            self.structured_outputs,
+        )
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,183 @@
+"""Structured output (constrained decoding) with xgrammar, with vLLM's `StructuredOutputsParams`.
+
+A request's spec is compiled once per engine (cached by its canonical form) when the request is
+validated, so a bad schema, regex or grammar raises before anything is queued. Each sequence
+gets its own `GrammarMatcher`: the sampler masks the logits of constrained rows to the tokens
+the matcher allows, and the engine advances the matcher with every token it appends.
+"""
+
+from __future__ import annotations
+
+import json as jsonlib
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_ANY_OBJECT_SCHEMA = '{"type": "object"}'
+_CACHE_SIZE = 256  # compiled specs kept per engine; xgrammar keeps its own cache under ours
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to exactly one of: a JSON schema (`json`: a dict, a JSON string or a
+    pydantic model class), any JSON object (`json_object=True`), a regular expression (`regex`),
+    one of a list of strings (`choice`), or an EBNF grammar in xgrammar's syntax (`grammar`,
+    start rule `root`). `disable_any_whitespace` makes JSON compact: small models may otherwise
+    emit whitespace between tokens for a long time."""
+
+    json: dict | str | type | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+    key: tuple[str, str, bool] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs needs exactly one of {', '.join(_KINDS)}; "
+                f"got {', '.join(given) or 'none'}"
+            )
+        kind = given[0]
+        _require(
+            isinstance(self.disable_any_whitespace, bool),
+            "disable_any_whitespace",
+            "a bool",
+            self.disable_any_whitespace,
+        )
+        self.key = (kind, _canonical_spec(kind, getattr(self, kind)), self.disable_any_whitespace)
+
+
+def _canonical_spec(kind: str, value: Any) -> str:
+    """The spec as one string that names its grammar: equal specs share one compilation."""
+    if kind == "json":
+        return _schema_text(value)
+    if kind == "json_object":
+        _require(value is True, "json_object", "True", value)
+        return ""
+    if kind == "choice":
+        _require(
+            isinstance(value, list | tuple)
+            and value
+            and all(isinstance(s, str) and s for s in value),
+            "choice",
+            "a non-empty list of non-empty strings",
+            value,
+        )
+        return jsonlib.dumps(list(value), ensure_ascii=False)
+    _require(isinstance(value, str) and value.strip(), kind, "a non-empty string", value)
+    return value
+
+
+def _schema_text(value: Any) -> str:
+    if isinstance(value, type) and hasattr(value, "model_json_schema"):  # pydantic model
+        value = value.model_json_schema()
+    elif isinstance(value, str):
+        try:
+            value = jsonlib.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+    _require(
+        isinstance(value, dict),
+        "json",
+        "a JSON schema object (a dict, a JSON string or a pydantic model class)",
+        value,
+    )
+    try:  # key order is kept: it is the order the properties are generated in
+        return jsonlib.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    except TypeError as exc:
+        raise ValueError(f"structured_outputs.json is not JSON-serializable: {exc}") from None
+
+
+def _require(ok: bool, name: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"structured_outputs.{name} must be {allowed}, got {value!r}")
+
+
+class GrammarCache:
+    """Compiles specs for one engine's tokenizer and hands out matchers. Thread-safe: callers
+    validate requests in their own threads while the engine thread creates matchers."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        # `vocab_size` is the model's: ids the tokenizer does not know are never allowed.
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+        )
+        self.stop_token_ids = stop_token_ids
+        self._compiler = xgr.GrammarCompiler(info)
+        self._compiled: OrderedDict[tuple[str, str, bool], xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()  # guards only the dict: compiles may run concurrently
+
+    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """The compiled grammar of `params`; raises ValueError if the spec is invalid."""
+        with self._lock:
+            compiled = self._compiled.get(params.key)
+            if compiled is not None:
+                self._compiled.move_to_end(params.key)
+                return compiled
+        compiled = self._compile(*params.key)
+        with self._lock:
+            self._compiled[params.key] = compiled
+            if len(self._compiled) > _CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def _compile(self, kind: str, spec: str, compact: bool) -> xgr.CompiledGrammar:
+        try:
+            if kind in ("json", "json_object"):
+                return self._compiler.compile_json_schema(
+                    spec if kind == "json" else _ANY_OBJECT_SCHEMA, any_whitespace=not compact
+                )
+            if kind == "regex":
+                return self._compiler.compile_regex(spec)
+            if kind == "choice":
+                # JSON string literals are valid EBNF string literals.
+                alternatives = (jsonlib.dumps(c, ensure_ascii=False) for c in jsonlib.loads(spec))
+                return self._compiler.compile_grammar("root ::= " + " | ".join(alternatives))
+            return self._compiler.compile_grammar(spec)
+        except RuntimeError as exc:  # xgrammar reports every invalid spec this way
+            raise ValueError(f"invalid structured_outputs.{kind}: {_clean(exc)}") from None
+
+    def matcher(
+        self, params: StructuredOutputsParams, stop_token_ids: list[int]
+    ) -> xgr.GrammarMatcher:
+        """A fresh matcher whose grammar ends with EOS or one of the request's stop tokens."""
+        extra = [t for t in stop_token_ids if t not in self.stop_token_ids]
+        return xgr.GrammarMatcher(
+            self.compile(params), override_stop_tokens=self.stop_token_ids + extra
+        )
+
+
+def _clean(exc: RuntimeError) -> str:
+    """xgrammar's message without its C++ log prefix ("[10:38:29] /project/cpp/x.cc:94: ")."""
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip())
+
+
+@torch.inference_mode()  # the model's logits are inference tensors: in place only in here
+def apply_grammar_bitmask(
+    logits: torch.Tensor, rows: list[int], matchers: list[xgr.GrammarMatcher]
+) -> None:
+    """Set to -inf, in place, the logits of `rows` that their matcher does not allow; other rows
+    are not touched. `logits` is as wide as the model's vocabulary.
+
+    The bitmask is unpacked with numpy and applied with `masked_fill_` rather than with xgrammar's
+    `apply_token_bitmask_inplace`: its CPU kernel took 5.3 ms for 32 rows of 49152 where this
+    takes 1.6 ms (masks recorded from a JSON-schema batch)."""
+    vocab = logits.shape[1]
+    bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
+    for i, matcher in enumerate(matchers):
+        matcher.fill_next_token_bitmask(bitmask, i)
+    # Bit t of a row is bit t % 8 of byte t // 8 on a little-endian host: bitorder="little".
+    banned = np.unpackbits(~bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
+    banned = torch.from_numpy(banned).view(torch.bool)
+    for i, row in enumerate(rows):
+        logits[row].masked_fill_(banned[i], float("-inf"))

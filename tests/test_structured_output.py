@@ -1,0 +1,343 @@
+"""Structured output: every constrained output parses and validates, greedy and sampled, on the
+real model; unconstrained requests in the same batch are untouched; bad specs fail at submission;
+preemption, n > 1, stop tokens and a vocabulary wider than the tokenizer's on tiny models."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import Annotated, Literal
+
+import pytest
+from conftest import make_tiny_model
+from pydantic import BaseModel, ConfigDict, Field
+
+from paged_backend import LLM, AsyncEngine, SamplingParams, StructuredOutputsParams
+from paged_backend.structured_output import GrammarCache, apply_grammar_bitmask
+
+try:
+    import jsonschema
+except ImportError:  # pydantic's strict validation below still checks every output
+    jsonschema = None
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Address(Strict):
+    city: str = Field(max_length=20)
+    zip: str = Field(pattern=r"^[0-9]{5}$")
+
+
+class Person(Strict):
+    name: str = Field(max_length=20)
+    age: int = Field(ge=0, le=120)
+    role: Literal["admin", "user", "guest"]
+    address: Address
+    nickname: str | None = Field(default=None, max_length=12)
+    tags: list[Annotated[str, Field(max_length=10)]] = Field(max_length=3)
+
+
+class Item(Strict):
+    name: str = Field(max_length=16)
+    quantity: int = Field(ge=1, le=10)
+
+
+class Order(Strict):
+    items: list[Item] = Field(min_length=1, max_length=3)
+    priority: Literal["low", "normal", "high"]
+
+
+class Code(Strict):
+    code: str = Field(pattern=r"^[A-Z]{3}-[0-9]{3}$")
+    valid: bool
+
+
+DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+CHOICES = ["positive", "negative", "neutral"]
+NUMBER_LIST = 'root ::= "[" num ("," num)? ("," num)? "]"\nnum ::= [0-9] | [1-9] [0-9]'
+
+
+def _model_check(model: type[BaseModel]):
+    def check(text: str) -> None:
+        model.model_validate_json(text)
+        if jsonschema is not None:
+            jsonschema.validate(json.loads(text), model.model_json_schema())
+    return check
+
+
+def _compact_check(model: type[BaseModel]):
+    def check(text: str) -> None:
+        assert "\n" not in text, text
+        _model_check(model)(text)
+    return check
+
+
+def _object_check(text: str) -> None:
+    assert isinstance(json.loads(text), dict)
+
+
+def _regex_check(pattern: str):
+    def check(text: str) -> None:
+        assert re.fullmatch(pattern, text), text
+    return check
+
+
+# name -> (question, structured output spec, check of the text)
+CASES = {
+    "person_dict": ("Describe a person as JSON.",
+                    StructuredOutputsParams(json=Person.model_json_schema()),
+                    _model_check(Person)),
+    "order_pydantic": ("Write a small shopping order as JSON.",
+                       StructuredOutputsParams(json=Order), _model_check(Order)),
+    "code_string": ("Give a product code as JSON.",
+                    StructuredOutputsParams(json=json.dumps(Code.model_json_schema())),
+                    _model_check(Code)),
+    "order_compact": ("Write a small shopping order as JSON.",
+                      StructuredOutputsParams(json=Order, disable_any_whitespace=True),
+                      _compact_check(Order)),
+    "json_object": ("Return a JSON object with the keys name and age.",
+                    StructuredOutputsParams(json_object=True), _object_check),
+    "date": ("When did the first person land on the moon?",
+             StructuredOutputsParams(regex=DATE), _regex_check(DATE)),
+    "phone": ("Give me a phone number for a pizza shop.",
+              StructuredOutputsParams(regex=PHONE), _regex_check(PHONE)),
+    "choice": ("Sentiment of: 'I loved this film!'",
+               StructuredOutputsParams(choice=CHOICES), lambda text: text in CHOICES),
+    "grammar": ("List a few small numbers.", StructuredOutputsParams(grammar=NUMBER_LIST),
+                _regex_check(r"\[\d{1,2}(,\d{1,2}){0,2}\]")),
+}
+PLAIN = ["Tell me about the sea.", "Why is the sky blue?"]
+
+
+def chat(llm: LLM, question: str) -> str:
+    return llm.engine.apply_chat_template([{"role": "user", "content": question}])
+
+
+@pytest.fixture(scope="module")
+def batch(llm_fp32):
+    """One continuous batch: every case greedy and sampled, an n=3 request, and two
+    unconstrained requests. Returns {label: RequestOutput}."""
+    labels, prompts, params = [], [], []
+    for name, (question, spec, _) in CASES.items():
+        for mode, extra in (("greedy", dict(temperature=0)),
+                            ("sampled", dict(temperature=0.8, seed=7))):
+            labels.append((name, mode))
+            prompts.append(chat(llm_fp32, question))
+            params.append(SamplingParams(max_tokens=200, structured_outputs=spec, **extra))
+    labels.append(("person_n3", "sampled"))
+    prompts.append(chat(llm_fp32, CASES["person_dict"][0]))
+    params.append(SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=200,
+                                 structured_outputs=CASES["person_dict"][1]))
+    for i, question in enumerate(PLAIN):
+        labels.append(("plain", i))
+        prompts.append(chat(llm_fp32, question))
+        params.append(PLAIN_PARAMS[i])
+    outs = llm_fp32.generate(prompts, params, use_tqdm=False)
+    return dict(zip(labels, outs, strict=True))
+
+
+PLAIN_PARAMS = [SamplingParams(temperature=0, max_tokens=24),
+                SamplingParams(temperature=0.9, seed=3, max_tokens=24)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_outputs_follow_their_spec(batch, name, mode):
+    completion = batch[(name, mode)].outputs[0]
+    assert completion.finish_reason == "stop", completion.text
+    CASES[name][2](completion.text)
+
+
+@pytest.mark.slow
+def test_each_of_n_sequences_follows_the_schema(batch):
+    completions = batch[("person_n3", "sampled")].outputs
+    assert len(completions) == 3
+    for c in completions:
+        assert c.finish_reason == "stop", c.text
+        Person.model_validate_json(c.text)
+    assert len({c.text for c in completions}) > 1
+
+
+@pytest.mark.slow
+def test_unconstrained_requests_are_untouched(batch, llm_fp32):
+    alone = llm_fp32.generate([chat(llm_fp32, q) for q in PLAIN], PLAIN_PARAMS, use_tqdm=False)
+    for i, out in enumerate(alone):
+        assert batch[("plain", i)].outputs[0].token_ids == out.outputs[0].token_ids
+    stats = llm_fp32.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("spec", "field"), [
+    (dict(json={"type": "object", "properties": {"a": {"type": "nope"}}}), "json"),
+    (dict(json={"$ref": "#/$defs/Missing"}), "json"),
+    (dict(regex="(unclosed"), "regex"),
+    (dict(grammar="root ::= undefined_rule"), "grammar"),
+])
+def test_invalid_specs_fail_at_submission(llm_fp32, spec, field):
+    good = SamplingParams(temperature=0, max_tokens=8,
+                          structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    bad = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(**spec))
+    with pytest.raises(ValueError, match=rf"invalid structured_outputs\.{field}"):
+        llm_fp32.generate(["Yes or no?", "Really?"], [good, bad], use_tqdm=False)
+    engine = llm_fp32.engine
+    assert not engine.parents and not engine.has_unfinished_requests()
+    out = llm_fp32.generate(["Yes or no?"], good, use_tqdm=False)[0].outputs[0]
+    assert out.text in ("yes", "no")
+
+
+# ---- parameters ----------------------------------------------------------------------------
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({}, "exactly one"),
+    ({"json_object": False}, "exactly one"),
+    ({"regex": "a+", "choice": ["a"]}, "exactly one"),
+    ({"json": 5}, "structured_outputs.json"),
+    ({"json": "{not json"}, "structured_outputs.json"),
+    ({"json": "[1, 2]"}, "structured_outputs.json"),
+    ({"json": {"type": "object", "default": {1, 2}}}, "structured_outputs.json"),
+    ({"json_object": "yes"}, "structured_outputs.json_object"),
+    ({"regex": ""}, "structured_outputs.regex"),
+    ({"choice": []}, "structured_outputs.choice"),
+    ({"choice": "abc"}, "structured_outputs.choice"),
+    ({"choice": ["a", 1]}, "structured_outputs.choice"),
+    ({"grammar": 3}, "structured_outputs.grammar"),
+    ({"regex": "a", "disable_any_whitespace": 1}, "disable_any_whitespace"),
+])
+def test_params_validation(kwargs, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_sampling_params_takes_only_structured_outputs_params():
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"regex": "a+"})
+
+
+def test_equal_specs_share_one_compilation(default_model_path):
+    from transformers import AutoTokenizer
+
+    cache = GrammarCache(AutoTokenizer.from_pretrained(default_model_path), 49152, [2])
+    schema = Person.model_json_schema()
+    specs = [StructuredOutputsParams(json=schema),
+             StructuredOutputsParams(json=json.dumps(schema, indent=2)),
+             StructuredOutputsParams(json=Person)]
+    results: list = []
+    threads = [threading.Thread(target=lambda s=s: results.append(cache.compile(s)))
+               for s in specs * 4]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 12
+    assert len({id(cache.compile(s)) for s in specs}) == 1
+    compact = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    assert cache.compile(compact) is not cache.compile(specs[0])
+
+
+def test_bitmask_matches_xgrammars_kernel_on_constrained_rows_only(default_model_path):
+    import torch
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    vocab = 49280  # wider than the tokenizer: the extra ids must be banned too
+    cache = GrammarCache(AutoTokenizer.from_pretrained(default_model_path), vocab, [2])
+    matchers = [cache.matcher(StructuredOutputsParams(json=Person), []) for _ in range(3)]
+    matchers[1].accept_string('{"name": "Al')  # inside a string: most tokens allowed
+    matchers[2].accept_string('{"name": "Al", "age": 1')
+    rows = [0, 2, 3]
+    with torch.inference_mode():  # as the model runner's logits are
+        logits = torch.randn(5, vocab)
+    expected = logits.clone()
+    bitmask = xgr.allocate_token_bitmask(5, vocab)
+    for row, matcher in zip(rows, matchers, strict=True):
+        matcher.fill_next_token_bitmask(bitmask, row)
+    xgr.apply_token_bitmask_inplace(expected, bitmask, indices=rows)
+    apply_grammar_bitmask(logits, rows, matchers)
+    assert torch.equal(logits, expected)
+    assert torch.isfinite(logits[[1, 4]]).all()
+    assert torch.isinf(logits[rows][:, 49152:]).all()
+
+
+# ---- tiny models: engine mechanics -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory, default_model_path):
+    """Logits wider than the tokenizer's vocabulary (49152), as padded vocabularies are."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-wide"), default_model_path,
+                           vocab_size=49280)
+
+
+@pytest.fixture(scope="module")
+def wide_llm(wide_model):
+    return LLM(model=str(wide_model), dtype="float32", num_kv_blocks=256)
+
+
+def test_ids_beyond_the_tokenizer_are_masked(wide_llm):
+    bias = {49152 + i: 100.0 for i in range(0, 128, 7)}  # would win every step unmasked
+    params = SamplingParams(temperature=0, max_tokens=32, logit_bias=bias,
+                            structured_outputs=StructuredOutputsParams(regex=DATE))
+    out = wide_llm.generate(["Today is"], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert re.fullmatch(DATE, out.text)
+    assert max(out.token_ids) < 49152
+
+
+def test_stop_token_ids_may_end_the_grammar(wide_llm):
+    params = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[13],
+                            logit_bias={13: 50.0},
+                            structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    out = wide_llm.generate(["Mood:"], params, use_tqdm=False)[0].outputs[0]
+    assert out.text in CHOICES
+    assert (out.finish_reason, out.stop_reason) == ("stop", 13)
+
+
+@pytest.mark.parametrize("extra", [dict(ignore_eos=True), dict(min_tokens=12)])
+def test_grammar_end_stops_the_request(wide_llm, extra):
+    """With EOS ignored or banned, the end of the grammar still ends the request."""
+    params = SamplingParams(temperature=0, max_tokens=16, **extra,
+                            structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    out = wide_llm.generate(["Mood:"], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.text in CHOICES
+    assert len(out.token_ids) < 12  # nothing after the grammar's end (at most its EOS)
+
+
+def test_preemption_does_not_advance_the_grammar_twice(tiny_model):
+    pattern = r"(\d{1,3},){15}\d{1,3}"
+    prompts = [f"Numbers {i}: " + "one two three four five six seven " * (2 + i)
+               for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=100,
+                            structured_outputs=StructuredOutputsParams(regex=pattern))
+    roomy = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=256)
+    tight = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=14)
+    expected = roomy.generate(prompts, params, use_tqdm=False)
+    got = tight.generate(prompts, params, use_tqdm=False)
+    stats = tight.stats()
+    assert stats["num_preemptions"] > 0
+    for a, b in zip(expected, got, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].finish_reason == "stop"
+        assert re.fullmatch(pattern, b.outputs[0].text)
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+async def test_async_engine_rejects_bad_specs_in_the_callers_thread(wide_model):
+    engine = AsyncEngine.from_model(str(wide_model), dtype="float32", num_kv_blocks=64)
+    try:
+        bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-"))
+        with pytest.raises(ValueError, match=r"invalid structured_outputs\.regex"):
+            engine.generate_stream("Hi", bad)
+        with pytest.raises(ValueError, match=r"invalid structured_outputs\.regex"):
+            async for _ in engine.generate("Hi", bad):
+                pass
+        good = SamplingParams(temperature=0, max_tokens=16,
+                              structured_outputs=StructuredOutputsParams(choice=CHOICES))
+        async for out in engine.generate("Mood:", good):
+            last = out
+        assert last.outputs[0].text in CHOICES
+    finally:
+        engine.shutdown()
