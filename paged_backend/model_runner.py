@@ -42,7 +42,12 @@ class ModelRunner:
         )
         self.model_config = model_config
         with torch.device(self.device):
-            model = LlamaForCausalLM(model_config, max_model_len)
+            # Fused Triton kernels pay on a GPU; on CPU (interpreter) they are for tests only.
+            model = LlamaForCausalLM(
+                model_config,
+                max_model_len,
+                fused_kernels=self.backend.name == "triton" and self.device.type == "cuda",
+            )
         load_safetensors(model, model_path, model.checkpoint_name_map)
         model.to(self.dtype)
         self.model = model.eval().requires_grad_(False)

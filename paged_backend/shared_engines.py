@@ -8,7 +8,7 @@ import threading
 from paged_backend.async_engine import AsyncEngine
 from paged_backend.model_loader import resolve_model_path
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # reentrant: a GC finalizer may release inside get_engine
 _engines: dict[tuple, AsyncEngine] = {}
 _users: dict[int, int] = {}
 

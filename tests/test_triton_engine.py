@@ -20,3 +20,30 @@ def test_triton_backend_engine_matches_torch(tiny_model):
         runs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                        use_tqdm=False)]
     assert runs["triton"] == runs["torch"]
+
+
+def test_fused_kernels_give_the_torch_ops_logits(tiny_model):
+    """RMSNorm, rotary and SiLU-and-mul as Triton kernels (what a GPU runs) match torch ops."""
+    import torch
+
+    from paged_backend.attention import AttentionMetadata, TorchAttention
+    from paged_backend.config import ModelConfig
+    from paged_backend.model_loader import load_safetensors
+    from paged_backend.models import LlamaForCausalLM
+
+    config = ModelConfig.from_dir(tiny_model)
+    tokens = torch.tensor([5, 17, 923, 4, 88, 1024, 7, 3])
+    logits = []
+    for fused in (False, True):
+        model = LlamaForCausalLM(config, 64, fused_kernels=fused)
+        load_safetensors(model, tiny_model, model.checkpoint_name_map)
+        backend = TorchAttention(config.num_heads, config.num_kv_heads)
+        caches = backend.allocate_kv_cache(config.num_layers, 2, 16, config.num_kv_heads,
+                                           config.head_dim, torch.float32, torch.device("cpu"))
+        meta = AttentionMetadata(0, [0, 8], [8], torch.tensor([[1]], dtype=torch.int32),
+                                 torch.arange(16, 24), 16)
+        backend.prepare(meta)
+        with torch.inference_mode():
+            logits.append(model(tokens, torch.arange(8), caches, backend, meta,
+                                torch.arange(8)))
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,15 +20,42 @@ from paged_backend.attention import AttentionBackend
 from paged_backend.config import ModelConfig
 
 
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # One fused op (it accumulates in fp32): at this model size op count is the cost.
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class Ops:
+    """The elementwise pieces of a layer: torch ops, or fused Triton kernels on a GPU."""
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+
+
+def make_ops(fused_kernels: bool) -> Ops:
+    if not fused_kernels:
+        return Ops(torch_rms_norm, apply_rotary, torch_silu_and_mul)
+    from paged_backend.kernels import rms_norm, rotary_embedding, silu_and_mul
+
+    return Ops(rms_norm, rotary_embedding, silu_and_mul)
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, ops: Ops | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.norm = ops.rms_norm if ops is not None else torch_rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op (it accumulates in fp32): at this model size op count is the cost.
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -73,8 +102,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
+        self.rotary = ops.rotary
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -97,7 +127,7 @@ class Attention(nn.Module):
             qk = qkv[:, : self.q_size + self.kv_size].view(
                 -1, self.num_heads + self.num_kv_heads, self.head_dim
             )
-            q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = self.rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             q = self.q_norm(qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim))
             k = self.k_norm(
@@ -105,31 +135,30 @@ class Attention(nn.Module):
                     -1, self.num_kv_heads, self.head_dim
                 )
             )
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
         out = backend.forward(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
-        self.intermediate = config.intermediate_size
+        self.silu_and_mul = ops.silu_and_mul
         bias = config.mlp_bias
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.self_attn = Attention(config, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.mlp = MLP(config, ops)
 
     def forward(self, x, cos, sin, kv_cache, backend, meta) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, backend, meta)
@@ -137,12 +166,15 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_len: int) -> None:
+    """`fused_kernels` swaps RMSNorm, rotary and SiLU-and-mul for Triton kernels (GPU)."""
+
+    def __init__(self, config: ModelConfig, max_len: int, fused_kernels: bool = False) -> None:
         super().__init__()
         self.config = config
+        ops = make_ops(fused_kernels)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary = RotaryEmbedding(config, max_len)
         if config.tie_word_embeddings:
             self.lm_head = None
