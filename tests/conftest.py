@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,23 @@ if not torch.cuda.is_available():
     import os
 
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def assert_all_blocks_free(engine, timeout: float = 10.0) -> None:
+    """Wait (the engine thread frees within a step) until an AsyncEngine holds no KV block."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = engine.stats()
+        if stats["kv_blocks_free"] == stats["kv_blocks_total"] and not stats["num_running"]:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"blocks still held: {engine.stats()}")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and the 2 shared cores are often busy."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from conftest import assert_all_blocks_free
 
 from paged_backend import (
     LLM,
@@ -42,16 +43,6 @@ def engine(tiny_model):
     eng = AsyncEngine.from_model(str(tiny_model), **ENGINE_ARGS)
     yield eng
     eng.shutdown()
-
-
-def assert_all_blocks_free(eng: AsyncEngine, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = eng.stats()
-        if stats["kv_blocks_free"] == stats["kv_blocks_total"] and not stats["num_running"]:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"blocks still held: {eng.stats()}")
 
 
 async def _consume(eng, prompt, results):

@@ -5,10 +5,10 @@ stop merging, message rendering and early validation."""
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 
 import pytest
+from conftest import assert_all_blocks_free
 from jinja2 import TemplateError
 from langchain_core.messages import (
     AIMessage,
@@ -20,7 +20,7 @@ from langchain_core.messages import (
 
 from langchain_paged import ChatPaged, PagedLLM
 from langchain_paged.messages import render_chat
-from paged_backend import AsyncEngine, get_engine, release_engine
+from paged_backend import get_engine, release_engine
 from paged_backend.adapters import SAMPLING_FIELDS, model_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -44,16 +44,6 @@ def chat(**kwargs) -> ChatPaged:
 
 def llm(**kwargs) -> PagedLLM:
     return PagedLLM(**{**ENGINE_ARGS, "temperature": 0, "max_tokens": 12, **kwargs})
-
-
-def assert_all_blocks_free(eng: AsyncEngine, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = eng.stats()
-        if stats["kv_blocks_free"] == stats["kv_blocks_total"] and not stats["num_running"]:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"blocks still held: {eng.stats()}")
 
 
 def check_reply(message: AIMessage) -> None:
