@@ -96,11 +96,9 @@ def _model_path(model: str | None) -> Path:
 
 
 def context_window(model: str | None, engine_args: dict) -> int:
-    """The engine's `max_model_len` for these arguments, from the model's config.json alone
-    (the rule of `LLMEngine._max_model_len`: a sliding window caps the length)."""
+    """The engine's `max_model_len` for these arguments, from the model's config.json alone."""
     config = ModelConfig.from_dir(_model_path(model))
-    limit = min(config.max_position_embeddings, config.sliding_window or 1 << 62)
-    return engine_args.get("max_model_len") or limit
+    return config.resolve_max_model_len(engine_args.get("max_model_len"))
 
 
 @functools.lru_cache(maxsize=16)

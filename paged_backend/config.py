@@ -42,6 +42,21 @@ class ModelConfig:
     mlp_bias: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
 
+    @property
+    def max_len(self) -> int:
+        """Longest sequence we serve exactly: sliding-window attention is not implemented, and
+        full attention equals windowed attention while sequences fit in the window."""
+        return min(
+            self.max_position_embeddings, self.sliding_window or self.max_position_embeddings
+        )
+
+    def resolve_max_model_len(self, requested: int | None) -> int:
+        if requested is not None and requested > self.max_len:
+            raise ValueError(
+                f"max_model_len must be <= {self.max_len} for this model, got {requested}"
+            )
+        return requested or self.max_len
+
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
         config_file = path / "config.json"

@@ -54,7 +54,13 @@ class LLMEngine:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.max_model_len = self._max_model_len(config)
+        if self.model_config.max_len < self.model_config.max_position_embeddings:
+            logger.warning(
+                "sliding-window attention is not implemented: sequences are limited "
+                "to the window (%d tokens)",
+                self.model_config.sliding_window,
+            )
+        self.max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
         self.runner = ModelRunner(config, self.model_config, self.model_path, self.max_model_len)
         self.kv = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
@@ -73,23 +79,6 @@ class LLMEngine:
         self.max_batch_size = 0
         self.num_generated_tokens = 0
         self.num_steps = 0
-
-    def _max_model_len(self, config: EngineConfig) -> int:
-        mc = self.model_config
-        limit = mc.max_position_embeddings
-        if mc.sliding_window is not None and mc.sliding_window < limit:
-            # Full attention equals windowed attention while sequences fit in the window.
-            logger.warning(
-                "sliding-window attention is not implemented: max_model_len is "
-                "limited to the window (%d)",
-                mc.sliding_window,
-            )
-            limit = mc.sliding_window
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len must be <= {limit} for this model, got {config.max_model_len}"
-            )
-        return config.max_model_len or limit
 
     def _eos_ids(self) -> list[int]:
         ids = list(self.model_config.eos_token_ids)

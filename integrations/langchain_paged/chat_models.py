@@ -5,14 +5,17 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import aclosing, closing
 from functools import partial
-from typing import Any
+from operator import itemgetter
+from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput, ModelProfile
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import RunnableConfig
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough
 from langchain_core.runnables.config import get_config_list
+from pydantic import BaseModel
 
 from langchain_paged.base import (
     PagedParams,
@@ -22,7 +25,7 @@ from langchain_paged.base import (
     usage_metadata,
 )
 from langchain_paged.messages import render_chat
-from paged_backend import AsyncEngine, RequestOutput, SamplingParams
+from paged_backend import AsyncEngine, RequestOutput, SamplingParams, StructuredOutputsParams
 from paged_backend.adapters import context_window, model_tokenizer
 
 # Threads for `batch`: the engine's default max_num_seqs; more would only wait in its queue.
@@ -59,7 +62,7 @@ class ChatPaged(PagedParams, BaseChatModel):
             video_inputs=False,
             pdf_inputs=False,
             tool_calling=False,
-            structured_output=False,
+            structured_output=True,
         )
 
     def batch(
@@ -87,6 +90,74 @@ class ChatPaged(PagedParams, BaseChatModel):
         apply = partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True)
         prompt = render_chat(apply, messages)
         return len(tokenizer(prompt, add_special_tokens=False).input_ids)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type[BaseModel] | None = None,
+        *,
+        method: Literal["json_schema", "json_mode", "function_calling"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
+        """A runnable whose output follows `schema`, enforced by the engine's constrained
+        decoding (every call of the binding: invoke, stream, batch and their async forms).
+
+        - `method="json_schema"` (default): `schema` is a pydantic model class (the output is
+          an instance of it) or a JSON-schema dict (the output is a dict).
+        - `method="json_mode"`: any JSON object; parsed into `schema` when it is a pydantic
+          class, otherwise returned as a dict.
+        - `method="function_calling"`: not supported yet (ChatPaged has no tool calling).
+
+        The JSON is compact (no free whitespace): small models may otherwise emit whitespace
+        until `max_tokens`. `strict` is accepted and ignored: the constraint is always strict.
+        With `include_raw=True` the output is `{"raw": AIMessage, "parsed": ...,
+        "parsing_error": ...}` and a parsing failure lands in `parsing_error`, not raised.
+        """
+        del strict
+        if kwargs:
+            raise ValueError(f"received unsupported arguments {kwargs}")
+        is_pydantic = isinstance(schema, type) and issubclass(schema, BaseModel)
+        if method == "function_calling":
+            raise NotImplementedError(
+                "method='function_calling' needs tool calling, which ChatPaged does not support "
+                "yet; use method='json_schema' or method='json_mode'"
+            )
+        if method == "json_schema":
+            if is_pydantic:
+                spec = StructuredOutputsParams(
+                    json=schema.model_json_schema(), disable_any_whitespace=True
+                )
+            elif isinstance(schema, dict):
+                spec = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+            else:
+                raise ValueError(
+                    "method='json_schema' needs a pydantic model class or a JSON-schema dict, "
+                    f"got {schema!r}"
+                )
+        elif method == "json_mode":
+            spec = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+        else:
+            raise ValueError(
+                f"unknown method {method!r}; allowed: 'json_schema', 'json_mode' "
+                "('function_calling' is not supported yet)"
+            )
+        ls_format = {"kwargs": {"method": method}, "schema": schema}
+        llm = self.bind(
+            structured_outputs=spec,
+            **({"ls_structured_output_format": ls_format} if schema is not None else {}),
+        )
+        parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
+        if not include_raw:
+            return llm | parser
+        parser_assign = RunnablePassthrough.assign(
+            parsed=itemgetter("raw") | parser, parsing_error=lambda _: None
+        )
+        parser_none = RunnablePassthrough.assign(parsed=lambda _: None)
+        parser_with_fallback = parser_assign.with_fallbacks(
+            [parser_none], exception_key="parsing_error"
+        )
+        return RunnableMap(raw=llm) | parser_with_fallback
 
     # ---- generation -------------------------------------------------------------------------
     def _request(

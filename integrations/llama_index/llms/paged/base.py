@@ -35,9 +35,13 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM, default_completion_to_prompt
 
-from paged_backend.adapters import SAMPLING_FIELDS, EngineHandle, build_sampling_params
+from paged_backend.adapters import (
+    SAMPLING_FIELDS,
+    EngineHandle,
+    build_sampling_params,
+    context_window,
+)
 from paged_backend.async_engine import AsyncEngine
-from paged_backend.config import ModelConfig
 from paged_backend.model_loader import DEFAULT_MODEL_NAME, resolve_model_path
 from paged_backend.outputs import CompletionOutput, RequestOutput
 from paged_backend.sampling_params import SamplingParams
@@ -113,8 +117,7 @@ class PagedLLM(LLM):
         config so that metadata (LlamaIndex asks on every call) never starts an engine."""
         if self._model_facts is None:
             path = resolve_model_path(self.model)
-            window = self.engine_args.get("max_model_len")
-            window = window or ModelConfig.from_dir(path).max_position_embeddings
+            window = context_window(self.model, self.engine_args)
             self._model_facts = (window, DEFAULT_MODEL_NAME if self.model is None else path.name)
         return self._model_facts
 

@@ -1,0 +1,102 @@
+"""`ChatPaged.with_structured_output` on the default model: the engine's constrained decoding
+makes every answer parse (pydantic class, JSON-schema dict, JSON mode), through invoke, batch
+and ainvoke, with or without the raw message."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+import pytest
+from langchain_core.messages import AIMessage
+from pydantic import BaseModel, Field
+
+from langchain_paged import ChatPaged
+from paged_backend import get_engine, release_engine
+
+pytestmark = pytest.mark.slow
+ENGINE_ARGS = {"dtype": "float32", "num_kv_blocks": 512}
+PROMPTS = [
+    "Describe a person called Ada who is 36 and likes maths.",
+    "Make up a pirate character.",
+    "Tell me about your favourite football player.",
+    "Who is Alan Turing?",
+]
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=24)
+    age: int = Field(ge=0, le=120)
+    tags: list[Annotated[str, Field(max_length=16)]] = Field(max_length=3)
+
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "population": {"type": "integer", "minimum": 0},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["city", "population", "capital"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine():
+    """One engine for the module, kept alive between tests (adapters come and go)."""
+    eng = get_engine(None, **ENGINE_ARGS)
+    yield eng
+    release_engine(eng)
+
+
+def chat(**kwargs) -> ChatPaged:
+    return ChatPaged(**{**ENGINE_ARGS, "temperature": 0, "max_tokens": 96, **kwargs})
+
+
+def test_pydantic_schema_always_parses():
+    structured = chat().with_structured_output(Person)
+    for prompt in PROMPTS:
+        assert isinstance(structured.invoke(prompt), Person)
+    batched = structured.batch(PROMPTS)
+    assert len(batched) == len(PROMPTS) and all(isinstance(p, Person) for p in batched)
+    person = asyncio.run(structured.ainvoke(PROMPTS[0]))
+    assert isinstance(person, Person) and 0 <= person.age <= 120 and len(person.tags) <= 3
+
+
+def test_dict_schema_returns_a_valid_dict():
+    out = chat().with_structured_output(PERSON_SCHEMA).invoke("Tell me about Paris.")
+    assert isinstance(out, dict) and set(out) == {"city", "population", "capital"}
+    assert isinstance(out["city"], str) and len(out["city"]) <= 24
+    assert isinstance(out["population"], int) and out["population"] >= 0
+    assert isinstance(out["capital"], bool)
+
+
+def test_json_mode_returns_a_dict():
+    out = (
+        chat()
+        .with_structured_output(None, method="json_mode")
+        .invoke("Return a JSON object describing a cat.")
+    )
+    assert isinstance(out, dict)
+
+
+def test_include_raw():
+    structured = chat().with_structured_output(Person, include_raw=True)
+    out = structured.invoke(PROMPTS[1])
+    assert set(out) == {"raw", "parsed", "parsing_error"}
+    assert isinstance(out["raw"], AIMessage) and out["raw"].content
+    assert isinstance(out["parsed"], Person) and out["parsing_error"] is None
+    assert Person.model_validate_json(out["raw"].content) == out["parsed"]
+
+
+def test_unsupported_methods_and_arguments():
+    model = chat()
+    with pytest.raises(NotImplementedError, match="function_calling"):
+        model.with_structured_output(Person, method="function_calling")
+    with pytest.raises(ValueError, match=r"json_schema.*json_mode"):
+        model.with_structured_output(Person, method="xml")
+    with pytest.raises(ValueError, match="json_schema"):
+        model.with_structured_output(None)
+    with pytest.raises(ValueError, match="unsupported"):
+        model.with_structured_output(Person, tools=[])
