@@ -208,7 +208,8 @@ class LlamaCpp:
         for p in prompts:  # no batching: one request at a time, reusing the previous prefix
             t0 = time.perf_counter()
             tokens = []
-            for tok in self.llm.generate(p, temp=0.0, reset=False, logits_processor=self._no_eos):
+            # reset=True keeps the longest prefix shared with the previous prompt (llama.cpp reuse).
+            for tok in self.llm.generate(p, temp=0.0, reset=True, logits_processor=[self._no_eos]):
                 if not tokens:
                     ttfts.append(time.perf_counter() - t0)
                 tokens.append(tok)
