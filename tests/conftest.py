@@ -112,3 +112,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# fp32: greedy text must not depend on whether a prompt hit the prefix cache (in bf16, near-tied
+# tokens can flip between the cached and uncached attention paths).
+FP32_ENGINE_ARGS = {"num_kv_blocks": 512, "dtype": "float32"}
+
+
+@pytest.fixture(scope="module")
+def shared_fp32_engine():
+    """The process-wide fp32 engine of the default model, held for a whole module so that it
+    stays alive while the adapters that use it come and go."""
+    from paged_backend import get_engine, release_engine
+
+    engine = get_engine(None, **FP32_ENGINE_ARGS)
+    yield engine
+    release_engine(engine)

@@ -8,7 +8,7 @@ import asyncio
 import uuid
 
 import pytest
-from conftest import assert_all_blocks_free
+from conftest import FP32_ENGINE_ARGS, assert_all_blocks_free
 from jinja2 import TemplateError
 from langchain_core.messages import (
     AIMessage,
@@ -20,30 +20,23 @@ from langchain_core.messages import (
 
 from langchain_paged import ChatPaged, PagedLLM
 from langchain_paged.messages import render_chat
-from paged_backend import get_engine, release_engine
 from paged_backend.adapters import SAMPLING_FIELDS, model_tokenizer
 
 pytestmark = pytest.mark.slow
-# fp32: greedy text must not depend on whether a prompt hit the prefix cache (in bf16, near-tied
-# tokens can flip between the cached and uncached attention paths).
-ENGINE_ARGS = {"num_kv_blocks": 512, "dtype": "float32"}
 COUNTING = "1, 2, 3,"  # greedy continuation: " 4, 5, 6, 7, 8, ..."
 
 
 @pytest.fixture(scope="module", autouse=True)
-def engine():
-    """One engine for the module, kept alive between tests (adapters come and go)."""
-    eng = get_engine(None, **ENGINE_ARGS)
-    yield eng
-    release_engine(eng)
+def engine(shared_fp32_engine):
+    return shared_fp32_engine
 
 
 def chat(**kwargs) -> ChatPaged:
-    return ChatPaged(**{**ENGINE_ARGS, "temperature": 0, "max_tokens": 12, **kwargs})
+    return ChatPaged(**{**FP32_ENGINE_ARGS, "temperature": 0, "max_tokens": 12, **kwargs})
 
 
 def llm(**kwargs) -> PagedLLM:
-    return PagedLLM(**{**ENGINE_ARGS, "temperature": 0, "max_tokens": 12, **kwargs})
+    return PagedLLM(**{**FP32_ENGINE_ARGS, "temperature": 0, "max_tokens": 12, **kwargs})
 
 
 def check_reply(message: AIMessage) -> None:

@@ -8,14 +8,13 @@ import asyncio
 from typing import Annotated
 
 import pytest
+from conftest import FP32_ENGINE_ARGS
 from langchain_core.messages import AIMessage
 from pydantic import BaseModel, Field
 
 from langchain_paged import ChatPaged
-from paged_backend import get_engine, release_engine
 
 pytestmark = pytest.mark.slow
-ENGINE_ARGS = {"dtype": "float32", "num_kv_blocks": 512}
 PROMPTS = [
     "Describe a person called Ada who is 36 and likes maths.",
     "Make up a pirate character.",
@@ -43,15 +42,12 @@ PERSON_SCHEMA = {
 
 
 @pytest.fixture(scope="module", autouse=True)
-def engine():
-    """One engine for the module, kept alive between tests (adapters come and go)."""
-    eng = get_engine(None, **ENGINE_ARGS)
-    yield eng
-    release_engine(eng)
+def engine(shared_fp32_engine):
+    return shared_fp32_engine
 
 
 def chat(**kwargs) -> ChatPaged:
-    return ChatPaged(**{**ENGINE_ARGS, "temperature": 0, "max_tokens": 96, **kwargs})
+    return ChatPaged(**{**FP32_ENGINE_ARGS, "temperature": 0, "max_tokens": 96, **kwargs})
 
 
 def test_pydantic_schema_always_parses():
