@@ -84,7 +84,6 @@ class _Decodes:
 
 @dataclass
 class _Prefill:
-    seq: int
     start: int
     end: int
     blocks: torch.Tensor | None  # blocks from `first_key` on; None: attend to the new k/v only
@@ -201,7 +200,7 @@ class TorchAttention:
             start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens[i]
             context = seq_len - (end - start)
             if context == 0:
-                prefills.append(_Prefill(i, start, end, None, None, None))
+                prefills.append(_Prefill(start, end, None, None, None))
                 continue
             first_key = skip[i] * bs
             blocks = torch.from_numpy(tables[i, skip[i] : (seq_len + bs - 1) // bs]).to(device)
@@ -210,7 +209,6 @@ class TorchAttention:
             mask = (k_pos[None, :] <= q_pos[:, None]).repeat_interleave(group, dim=0)
             prefills.append(
                 _Prefill(
-                    i,
                     start,
                     end,
                     blocks,

@@ -272,18 +272,15 @@ class LLMEngine:
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         message = f"engine step failed: {type(exc).__name__}: {exc}"
-        failed = {}
-        for request in sched.num_scheduled:
-            self.scheduler.finish(request, "error")
-            failed[request.parent_id] = self.parents[request.parent_id]
-        # Blocks hashed for this step's tokens hold no valid K/V: forget every cached prefix.
-        self.kv.pool.reset_cache()
+        failed = {r.parent_id: self.parents[r.parent_id] for r in sched.num_scheduled}
         outputs = []
         for pid, parent in failed.items():
-            for child in parent.children:
+            for child in parent.children:  # the whole request fails, unscheduled siblings too
                 self.scheduler.finish(child, "error")
             parent.error = message
             outputs.append(self._make_output(pid, parent))
+        # Blocks hashed for this step's tokens hold no valid K/V: forget every cached prefix.
+        self.kv.pool.reset_cache()
         return outputs
 
     def _make_output(self, request_id: str, parent: _Parent) -> RequestOutput:
