@@ -69,9 +69,14 @@ class LLMEngine:
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
         )
         self.eos_token_ids = self._eos_ids()
-        self.sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids, config.seed)
         self.grammars = GrammarCache(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+        )
+        self.sampler = Sampler(
+            self.model_config.vocab_size,
+            self.eos_token_ids,
+            config.seed,
+            self.grammars,
         )
         self.parents: dict[str, _Parent] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside a step (aborts)

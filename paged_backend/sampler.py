@@ -3,7 +3,8 @@
 Greedy rows skip all full-vocabulary work but the argmax. Random rows draw with the exponential
 race (argmax of p / Exp(1) noise), which consumes exactly one vocabulary-sized draw per step per
 request: a seeded request's tokens depend only on its own generator, whatever else is batched.
-Rows under structured output are first masked to the tokens their grammar allows.
+Rows under structured output are first masked to the tokens their grammar allows and, near the
+end of their budget, steered toward closing their structure (see `structured_output`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ import torch
 
 from paged_backend.outputs import Logprob
 from paged_backend.request import Request
-from paged_backend.structured_output import apply_grammar_bitmask
+from paged_backend.structured_output import (
+    GrammarCache,
+    apply_grammar_bitmask,
+    steer_to_close,
+    wrap_up_rows,
+)
 
 
 @dataclass
@@ -24,9 +30,16 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: list[int], seed: int) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        seed: int,
+        grammars: GrammarCache | None = None,
+    ) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.grammars = grammars  # needed by requests with structured output only
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
@@ -35,7 +48,12 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
         constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
         if constrained:  # structured output: before any other processing, in place
-            apply_grammar_bitmask(logits, constrained, [requests[i].grammar for i in constrained])
+            matchers = [requests[i].grammar for i in constrained]
+            forced = [self.grammars.forced_token(m) for m in matchers]
+            apply_grammar_bitmask(logits, constrained, matchers, forced)
+            closing = wrap_up_rows(requests, constrained)
+            if closing:
+                steer_to_close(logits, closing, self.grammars.closing_scores)
         logits = self._adjust(logits, requests)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]

@@ -19,24 +19,32 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 _ANY_OBJECT_SCHEMA = '{"type": "object"}'
 _CACHE_SIZE = 256  # compiled specs kept per engine; xgrammar keeps its own cache under ours
+# The wrap-up: in the last tokens of a constrained request's budget, allowed tokens that close
+# structures are preferred, so that a model that loops inside a string still ends with a
+# complete, parseable value instead of being cut off by max_tokens.
+WRAP_UP_TOKENS = 24
+_WRAP_UP_WEIGHT = 100.0  # logits per unit of closing score: it outranks the model's preference
 
 
 @dataclass
 class StructuredOutputsParams:
     """Constrain the output to exactly one of: a JSON schema (`json`: a dict, a JSON string or a
     pydantic model class), any JSON object (`json_object=True`), a regular expression (`regex`),
-    one of a list of strings (`choice`), or an EBNF grammar in xgrammar's syntax (`grammar`,
-    start rule `root`). `disable_any_whitespace` makes JSON compact: small models may otherwise
-    emit whitespace between tokens for a long time."""
+    one of a list of strings (`choice`), an EBNF grammar in xgrammar's syntax (`grammar`,
+    start rule `root`) or an xgrammar structural tag (`structural_tag`, a dict or JSON string:
+    free text with constrained tagged regions, which is how tool calls are constrained).
+    `disable_any_whitespace` makes JSON compact: small models may otherwise emit whitespace
+    between tokens for a long time."""
 
     json: dict | str | type | None = None
     json_object: bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: dict | str | None = None
     disable_any_whitespace: bool = False
     key: tuple[str, str, bool] = field(init=False, repr=False, compare=False)
 
@@ -61,6 +69,8 @@ def _canonical_spec(kind: str, value: Any) -> str:
     """The spec as one string that names its grammar: equal specs share one compilation."""
     if kind == "json":
         return _schema_text(value)
+    if kind == "structural_tag" and isinstance(value, dict):
+        return jsonlib.dumps(value, ensure_ascii=False, separators=(",", ":"))
     if kind == "json_object":
         _require(value is True, "json_object", "True", value)
         return ""
@@ -113,6 +123,9 @@ class GrammarCache:
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
         )
         self.stop_token_ids = stop_token_ids
+        self.closing_scores = closing_scores(tokenizer, vocab_size, stop_token_ids)
+        self._tokenizer = tokenizer
+        self._first_tokens: dict[str, int] = {}
         self._compiler = xgr.GrammarCompiler(info)
         self._compiled: OrderedDict[tuple[str, str, bool], xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()  # guards only the dict: compiles may run concurrently
@@ -139,6 +152,8 @@ class GrammarCache:
                 )
             if kind == "regex":
                 return self._compiler.compile_regex(spec)
+            if kind == "structural_tag":
+                return self._compiler.compile_structural_tag(spec)
             if kind == "choice":
                 # JSON string literals are valid EBNF string literals.
                 alternatives = (jsonlib.dumps(c, ensure_ascii=False) for c in jsonlib.loads(spec))
@@ -146,6 +161,21 @@ class GrammarCache:
             return self._compiler.compile_grammar(spec)
         except RuntimeError as exc:  # xgrammar reports every invalid spec this way
             raise ValueError(f"invalid structured_outputs.{kind}: {_clean(exc)}") from None
+
+    def forced_token(self, matcher: xgr.GrammarMatcher) -> int | None:
+        """The first token of the text the grammar forces next (a key, `": "`, a closing
+        bracket), as the tokenizer would write it; None when the grammar leaves a choice.
+        Constrained models otherwise spell forced keys in odd fragments ("s", "et", "u",
+        "p"), which costs steps and puts the model off its usual text."""
+        forced = matcher.find_jump_forward_string()
+        if not forced:
+            return None
+        token = self._first_tokens.get(forced)
+        if token is None:
+            token = self._tokenizer.encode(forced, add_special_tokens=False)[0]
+            if len(self._first_tokens) < 65536:  # bounded: forced strings repeat across requests
+                self._first_tokens[forced] = token
+        return token
 
     def matcher(
         self, params: StructuredOutputsParams, stop_token_ids: list[int]
@@ -157,6 +187,44 @@ class GrammarCache:
         )
 
 
+def closing_scores(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> torch.Tensor:
+    """Per token, how directly it ends a JSON-like structure, for the wrap-up. Single
+    characters rank: a quote first (inside a string it ends it; outside, an empty key or value
+    is the shortest), then closing brackets, then the rest; commas, opening brackets and
+    whitespace last.
+    Longer tokens rank with the plain characters (a `}` in one may be string content), so
+    text the grammar forces, such as the next required key, still goes in whole tokens. The
+    tokens that end the output rank above everything."""
+    scores = torch.zeros(vocab_size)
+    pieces = tokenizer.convert_ids_to_tokens(list(range(min(len(tokenizer), vocab_size))))
+    ranks = {'"': 3.0, "}": 2.0, "]": 2.0, ",": -1.0, "{": -1.0, "[": -1.0}
+    ranks.update(dict.fromkeys(("Ġ", "Ċ", "ĉ", " ", "\n", "\t"), -1.0))  # byte-level too
+    for i, piece in enumerate(pieces):
+        if piece is not None and len(piece) == 1:
+            scores[i] = ranks.get(piece, 0.0)
+    scores[stop_token_ids] = 10.0
+    return scores
+
+
+def wrap_up_rows(requests: list, rows: list[int]) -> list[int]:
+    """The constrained rows within their last `WRAP_UP_TOKENS` (at most half the budget)."""
+    return [
+        i
+        for i in rows
+        if requests[i].max_tokens - len(requests[i].output_token_ids)
+        <= min(WRAP_UP_TOKENS, requests[i].max_tokens // 2)
+    ]
+
+
+@torch.inference_mode()
+def steer_to_close(logits: torch.Tensor, rows: list[int], scores: torch.Tensor) -> None:
+    """Raise, in place, the logits of tokens that close structures (`closing_scores`) on `rows`;
+    banned tokens stay at -inf, and the model still chooses among equally closing tokens."""
+    bias = scores.to(logits.dtype) * _WRAP_UP_WEIGHT
+    for row in rows:
+        logits[row] += bias
+
+
 def _clean(exc: RuntimeError) -> str:
     """xgrammar's message without its C++ log prefix ("[10:38:29] /project/cpp/x.cc:94: ")."""
     return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip())
@@ -164,10 +232,14 @@ def _clean(exc: RuntimeError) -> str:
 
 @torch.inference_mode()  # the model's logits are inference tensors: in place only in here
 def apply_grammar_bitmask(
-    logits: torch.Tensor, rows: list[int], matchers: list[xgr.GrammarMatcher]
+    logits: torch.Tensor,
+    rows: list[int],
+    matchers: list[xgr.GrammarMatcher],
+    forced_tokens: list[int | None] | None = None,
 ) -> None:
     """Set to -inf, in place, the logits of `rows` that their matcher does not allow; other rows
-    are not touched. `logits` is as wide as the model's vocabulary.
+    are not touched. `logits` is as wide as the model's vocabulary. A row's allowed forced token
+    (`GrammarCache.forced_token`), when given, is the only one left.
 
     The bitmask is unpacked with numpy and applied with `masked_fill_` rather than with xgrammar's
     `apply_token_bitmask_inplace`: its CPU kernel took 5.3 ms for 32 rows of 49152 where this
@@ -180,4 +252,10 @@ def apply_grammar_bitmask(
     banned = np.unpackbits(~bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
     banned = torch.from_numpy(banned).view(torch.bool)
     for i, row in enumerate(rows):
-        logits[row].masked_fill_(banned[i], float("-inf"))
+        forced = forced_tokens[i] if forced_tokens else None
+        if forced is not None and not banned[i, forced]:
+            kept = logits[row, forced].item()
+            logits[row].fill_(float("-inf"))
+            logits[row, forced] = kept
+        else:
+            logits[row].masked_fill_(banned[i], float("-inf"))

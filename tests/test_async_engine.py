@@ -22,10 +22,33 @@ from paged_backend import (
     release_engine,
 )
 
-PROMPTS = [f"Item {i}: the {w} of the {v}" for i, (w, v) in enumerate(
-    [(w, v) for w in ("colour", "shape", "weight", "price") for v in
-     ("apple", "river", "engine", "book", "mountain", "violin", "garden", "letter",
-      "window", "cloud", "bridge", "clock", "lamp", "harbour", "forest", "street")])]
+PROMPTS = [
+    f"Item {i}: the {w} of the {v}"
+    for i, (w, v) in enumerate(
+        [
+            (w, v)
+            for w in ("colour", "shape", "weight", "price")
+            for v in (
+                "apple",
+                "river",
+                "engine",
+                "book",
+                "mountain",
+                "violin",
+                "garden",
+                "letter",
+                "window",
+                "cloud",
+                "bridge",
+                "clock",
+                "lamp",
+                "harbour",
+                "forest",
+                "street",
+            )
+        ]
+    )
+]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 ENGINE_ARGS = dict(dtype="float32", num_kv_blocks=512)
 
@@ -34,8 +57,7 @@ ENGINE_ARGS = dict(dtype="float32", num_kv_blocks=512)
 def serial_texts(tiny_model):
     """Each prompt run alone: the reference every concurrent run must reproduce."""
     llm = LLM(model=str(tiny_model), **ENGINE_ARGS)
-    return {p: llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-            for p in PROMPTS}
+    return {p: llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS}
 
 
 @pytest.fixture
@@ -64,6 +86,7 @@ def test_64_requests_from_two_loops_and_four_threads(engine, serial_texts):
     def run_loop(prompts):
         async def main():
             await asyncio.gather(*(_consume(engine, p, results) for p in prompts))
+
         try:
             asyncio.run(main())
         except Exception as exc:  # surfaced by the assertion below
@@ -152,8 +175,10 @@ def test_short_request_interleaves_with_long_prefills(tiny_model):
     eng = AsyncEngine.from_model(str(tiny_model), dtype="float32", max_num_batched_tokens=64)
     try:
         long_prompt = "word " * 600
-        longs = [eng.generate_stream(long_prompt + str(i), SamplingParams(max_tokens=2))
-                 for i in range(4)]
+        longs = [
+            eng.generate_stream(long_prompt + str(i), SamplingParams(max_tokens=2))
+            for i in range(4)
+        ]
         for it in longs:
             next(it)  # consume nothing more; the prefills go on in the engine
         while eng.stats()["num_steps"] < 2:
@@ -197,8 +222,9 @@ def test_bad_input_raises_in_the_caller(engine):
 
 
 def test_overload_error(tiny_model):
-    eng = AsyncEngine.from_model(str(tiny_model), dtype="float32", max_waiting_requests=2,
-                                 max_num_seqs=1)
+    eng = AsyncEngine.from_model(
+        str(tiny_model), dtype="float32", max_waiting_requests=2, max_num_seqs=1
+    )
     try:
         params = SamplingParams(max_tokens=200, ignore_eos=True)
         streams = [eng.generate_stream(PROMPTS[0], params)]
@@ -235,6 +261,7 @@ def test_asyncio_run_in_worker_thread_and_shared_engines(tiny_model, serial_text
     def worker():
         async def main():
             await _consume(a, PROMPTS[9], out)
+
         asyncio.run(main())
 
     t = threading.Thread(target=worker)
@@ -254,11 +281,21 @@ def test_stats_and_prometheus_gauges(engine):
     prometheus_client = pytest.importorskip("prometheus_client")
     list(engine.generate_stream(PROMPTS[10], GREEDY))
     stats = engine.stats()
-    for key in ("kv_blocks_total", "kv_blocks_free", "prefix_cache_queries", "prefix_cache_hits",
-                "num_preemptions", "max_batch_size", "num_running", "num_waiting",
-                "prefix_cache_hit_rate", "generation_tokens_per_s"):
+    for key in (
+        "kv_blocks_total",
+        "kv_blocks_free",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "num_preemptions",
+        "max_batch_size",
+        "num_running",
+        "num_waiting",
+        "prefix_cache_hit_rate",
+        "generation_tokens_per_s",
+    ):
         assert key in stats
     assert stats["generation_tokens_per_s"] > 0
     value = prometheus_client.REGISTRY.get_sample_value(
-        "paged_backend_kv_blocks_total", {"model": engine.model_name})
+        "paged_backend_kv_blocks_total", {"model": engine.model_name}
+    )
     assert value == stats["kv_blocks_total"]

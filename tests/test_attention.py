@@ -30,8 +30,10 @@ def test_torch_backend_matches_dense(seed, shared_blocks):
     num_blocks = 200
     # Per sequence: (context tokens already cached, new tokens). Decodes first, like the engine.
     seqs = [(int(rng.integers(shared_blocks * BS + 1, 150)), 1) for _ in range(rng.integers(1, 5))]
-    seqs += [(int(rng.integers(shared_blocks * BS, 150)), int(rng.integers(2, 40)))
-             for _ in range(rng.integers(1, 4))]
+    seqs += [
+        (int(rng.integers(shared_blocks * BS, 150)), int(rng.integers(2, 40)))
+        for _ in range(rng.integers(1, 4))
+    ]
     seqs.append((0, int(rng.integers(2, 30))))  # a fresh prefill with no context
     free = list(rng.permutation(np.arange(shared_blocks, num_blocks)))
     tables = []
@@ -54,9 +56,13 @@ def test_torch_backend_matches_dense(seed, shared_blocks):
     width = max(map(len, tables))
     padded = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
     meta = AttentionMetadata(
-        num_decodes=sum(1 for _, new in seqs if new == 1), query_start_loc=qsl,
-        seq_lens=[c + n for c, n in seqs], block_tables=torch.from_numpy(padded),
-        slot_mapping=torch.tensor(slots), block_size=BS, block_tables_cpu=padded,
+        num_decodes=sum(1 for _, new in seqs if new == 1),
+        query_start_loc=qsl,
+        seq_lens=[c + n for c, n in seqs],
+        block_tables=torch.from_numpy(padded),
+        slot_mapping=torch.tensor(slots),
+        block_size=BS,
+        block_tables_cpu=padded,
     )
     backend = TorchAttention(KVH * GROUP, KVH)
     backend.prepare(meta)

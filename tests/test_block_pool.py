@@ -36,8 +36,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         super().__init__()
         self.policy = "fcfs"
         self.kv = KVCacheManager(num_blocks=24, block_size=BLOCK, enable_caching=True)
-        self.scheduler = Scheduler(self.kv, max_num_seqs=4, max_num_batched_tokens=64,
-                                   policy=self.policy)
+        self.scheduler = Scheduler(
+            self.kv, max_num_seqs=4, max_num_batched_tokens=64, policy=self.policy
+        )
         self.live: list[Request] = []
         self.count = 0
 
@@ -105,8 +106,9 @@ def test_all_requests_finish_and_free_everything():
     """Stepping until done serves every request, however tight the cache."""
     kv = KVCacheManager(num_blocks=10, block_size=BLOCK, enable_caching=True)
     scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=32, policy="fcfs")
-    reqs = [Request(f"r{i}", [i % 3] * (20 + 7 * i), SamplingParams(max_tokens=30))
-            for i in range(8)]
+    reqs = [
+        Request(f"r{i}", [i % 3] * (20 + 7 * i), SamplingParams(max_tokens=30)) for i in range(8)
+    ]
     for r in reqs:
         scheduler.add(r)
     for _ in range(2000):

@@ -55,8 +55,15 @@ class PagedBatch:
     """
 
     def __init__(
-        self, seqs: list[tuple[int, int]], *, num_kv_heads: int, group: int, head_dim: int,
-        block_size: int, dtype: torch.dtype, seed: int,
+        self,
+        seqs: list[tuple[int, int]],
+        *,
+        num_kv_heads: int,
+        group: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        seed: int,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
         kvh, d, bs = num_kv_heads, head_dim, block_size
@@ -113,11 +120,16 @@ class PagedBatch:
         """Write the new K/V into the cache, then run unified_attention; the output on CPU."""
         reshape_and_cache(self.k, self.v, self.k_cache, self.v_cache, self.slot_mapping)
         out = unified_attention(
-            self.q, self.k_cache, self.v_cache, torch.empty_like(self.q),
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            torch.empty_like(self.q),
             torch.tensor(self.query_start_loc, dtype=torch.int32, device=DEVICE),
             torch.tensor(self.seq_lens, dtype=torch.int32, device=DEVICE),
-            self.block_tables, self.q.shape[-1] ** -0.5,
-            max_query_len=max_query_len, tile_n=tile_n,
+            self.block_tables,
+            self.q.shape[-1] ** -0.5,
+            max_query_len=max_query_len,
+            tile_n=tile_n,
         )
         return out.float().cpu()
 
@@ -160,8 +172,13 @@ def random_seqs(rng: random.Random) -> list[tuple[int, int]]:
 def test_unified_attention(group, num_kv_heads, block_size, head_dim, dtype, tile_n, seed):
     rng = random.Random(seed * 1000 + group * 100 + block_size + head_dim)
     batch = PagedBatch(
-        random_seqs(rng), num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
-        block_size=block_size, dtype=dtype, seed=seed,
+        random_seqs(rng),
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=seed,
     )
     out = batch.attend(max_query_len=max(q for _, q in batch.seqs), tile_n=tile_n)
     torch.testing.assert_close(out, batch.reference(), atol=ATOL[dtype], rtol=1e-2)
@@ -170,8 +187,13 @@ def test_unified_attention(group, num_kv_heads, block_size, head_dim, dtype, til
 def test_unified_attention_without_max_query_len():
     """Without the hint the query tiles are as large as possible; decodes still work."""
     batch = PagedBatch(
-        [(40, 1), (0, 20), (17, 1)], num_kv_heads=1, group=3, head_dim=64, block_size=16,
-        dtype=torch.float32, seed=3,
+        [(40, 1), (0, 20), (17, 1)],
+        num_kv_heads=1,
+        group=3,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+        seed=3,
     )
     out = batch.attend(max_query_len=None, tile_n=64)
     torch.testing.assert_close(out, batch.reference(), atol=ATOL[torch.float32], rtol=1e-2)
@@ -209,8 +231,13 @@ def test_reshape_and_cache_skips_negative_slots(dtype):
 def test_triton_backend_matches_torch_backend(seqs, num_kv_heads, group, dtype):
     head_dim = 64
     batch = PagedBatch(
-        seqs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, block_size=16,
-        dtype=dtype, seed=7,
+        seqs,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        block_size=16,
+        dtype=dtype,
+        seed=7,
     )
     # q, k, v as the model makes them: views of one fused projection.
     num_heads = num_kv_heads * group
@@ -227,8 +254,10 @@ def test_triton_backend_matches_torch_backend(seqs, num_kv_heads, group, dtype):
     # The torch backend keeps each layer head-major: [kv_heads, num_blocks * block_size, d].
     head_major = paged.permute(0, 3, 1, 2, 4).reshape(2, num_kv_heads, -1, head_dim).clone()
     outs = []
-    for backend, cache in ((TorchAttention(num_heads, num_kv_heads), head_major),
-                           (TritonAttention(), paged)):
+    for backend, cache in (
+        (TorchAttention(num_heads, num_kv_heads), head_major),
+        (TritonAttention(), paged),
+    ):
         meta = batch.metadata()
         backend.prepare(meta)
         outs.append(backend.forward(q, k, v, (cache[0], cache[1]), meta))
@@ -265,8 +294,10 @@ def test_rotary_embedding(dtype):
     cos, sin = emb.cos().to(DEVICE, dtype), emb.sin().to(DEVICE, dtype)
     x = torch.randn(6, 9, head_dim, generator=gen).to(DEVICE, dtype)
     torch.testing.assert_close(
-        rotary_embedding(x, cos, sin), rotary_embedding_ref(x, cos, sin),
-        atol=ATOL[dtype], rtol=1e-2,
+        rotary_embedding(x, cos, sin),
+        rotary_embedding_ref(x, cos, sin),
+        atol=ATOL[dtype],
+        rtol=1e-2,
     )
 
 
@@ -275,7 +306,10 @@ def test_silu_and_mul(dtype):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 2 * 1536, generator=gen).to(DEVICE, dtype)
     torch.testing.assert_close(
-        silu_and_mul(x), silu_and_mul_ref(x), atol=ATOL[dtype], rtol=1e-2,
+        silu_and_mul(x),
+        silu_and_mul_ref(x),
+        atol=ATOL[dtype],
+        rtol=1e-2,
     )
 
 
@@ -332,6 +366,9 @@ def test_kernels_compile_for_gpu():
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, "-c", COMPILE_FOR_GPU], env=env, capture_output=True, text=True,
+        [sys.executable, "-c", COMPILE_FOR_GPU],
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -9,7 +9,6 @@ import uuid
 
 import pytest
 from conftest import FP32_ENGINE_ARGS, assert_all_blocks_free
-from jinja2 import TemplateError
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -101,7 +100,7 @@ def test_tracing_params_and_profile():
     assert ls["ls_stop"] == ["a", "b"]
     assert model.profile["max_input_tokens"] == 8191
     assert chat(max_model_len=2048).profile["max_output_tokens"] == 2047
-    assert not model.profile["tool_calling"]
+    assert model.profile["tool_calling"] and model.profile["tool_choice"]
 
 
 def test_token_counting_uses_the_model_tokenizer_without_an_engine():
@@ -157,22 +156,20 @@ def test_messages_of_every_role_render_and_run():
     tokenizer = model_tokenizer(None)
     prompt = render_chat(
         lambda d: tokenizer.apply_chat_template(d, tokenize=False, add_generation_prompt=True),
+        tokenizer.chat_template,
         messages,
     )
-    for turn in ("system\nYou are a calculator.", "user\nWhat is 2 + 3?", "tool\n5", "user\nSo?"):
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    for turn in (
+        "system\nYou are a calculator.",
+        "user\nWhat is 2 + 3?",
+        f"assistant\n{call}",
+        "user\n<tool_response>\n5\n</tool_response>",
+        "user\nSo?",
+    ):
         assert f"<|im_start|>{turn}<|im_end|>" in prompt
     assert prompt.endswith("<|im_start|>assistant\n")
     check_reply(chat(max_tokens=4).invoke(messages))
-
-
-def test_tool_results_fall_back_to_user_turns_for_strict_templates():
-    def strict(dicts: list[dict]) -> str:
-        if any(d["role"] == "tool" for d in dicts):
-            raise TemplateError("Conversation roles must alternate user/assistant")
-        return "|".join(f"{d['role']}:{d['content']}" for d in dicts)
-
-    messages = [HumanMessage("2 + 3?"), ToolMessage("5", tool_call_id="c1")]
-    assert render_chat(strict, messages) == "user:2 + 3?|user:Tool result (c1): 5"
 
 
 def test_non_text_content_is_refused():

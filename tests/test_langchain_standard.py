@@ -1,5 +1,6 @@
 """LangChain's own standard test suites for chat models, run against `ChatPaged` on the default
-model. Capabilities not built yet (tools, structured output, JSON mode, multimodal) are off."""
+model. Tool calling, tool choice, structured output and JSON mode are on; multimodal inputs are
+off (the model reads text only)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from langchain_paged import ChatPaged
 from paged_backend import get_engine, release_engine
 
 ENGINE_ARGS = {"num_kv_blocks": 512}
-# Short greedy answers: a quick suite that sees the same text on every run.
-SAMPLING = {"temperature": 0, "max_tokens": 32}
+# Short greedy answers: a quick suite that sees the same text on every run. Long enough for a
+# whole tool call or JSON object: one cut off at max_tokens cannot parse.
+SAMPLING = {"temperature": 0, "max_tokens": 96}
 
 
 class PagedChatTestConfig:
@@ -29,10 +31,10 @@ class PagedChatTestConfig:
     def chat_model_params(self) -> dict[str, Any]:
         return dict(ENGINE_ARGS)
 
-    has_tool_calling = False
-    has_tool_choice = False
-    has_structured_output = False
-    supports_json_mode = False
+    has_tool_calling = True
+    has_tool_choice = True
+    has_structured_output = True
+    supports_json_mode = True
     supports_image_inputs = False
     supports_image_urls = False
     supports_pdf_inputs = False
@@ -85,3 +87,12 @@ class TestChatPagedIntegration(PagedChatTestConfig, ChatModelIntegrationTests):
         for chunk in model.stream(messages):
             full = chunk if full is None else full + chunk
         return full
+
+    @pytest.mark.xfail(
+        reason="SmolLM2-135M answers the weather question in text instead of calling the "
+        "offered tool when the tool choice is left to it ('auto'); forced calls pass in "
+        "test_tool_calling and test_tool_choice",
+        strict=True,
+    )
+    def test_agent_loop(self, model) -> None:
+        super().test_agent_loop(model)

@@ -1,6 +1,7 @@
 """`ChatPaged.with_structured_output` on the default model: the engine's constrained decoding
-makes every answer parse (pydantic class, JSON-schema dict, JSON mode), through invoke, batch
-and ainvoke, with or without the raw message."""
+makes every answer parse (pydantic class, TypedDict, JSON-schema dict; json_schema,
+function_calling and json_mode), through invoke, batch and ainvoke, with or without the raw
+message, even when the model loops until max_tokens."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from conftest import FP32_ENGINE_ARGS
 from langchain_core.messages import AIMessage
 from pydantic import BaseModel, Field
+from typing_extensions import TypedDict
 
 from langchain_paged import ChatPaged
 
@@ -86,13 +88,56 @@ def test_include_raw():
     assert Person.model_validate_json(out["raw"].content) == out["parsed"]
 
 
+class Joke(TypedDict):
+    """A joke."""
+
+    setup: str
+    punchline: str
+
+
+@pytest.mark.parametrize(
+    ("method", "budgets"),
+    [("json_schema", (24, 40, 64)), ("json_mode", (24, 40)), ("function_calling", (48, 64))],
+)
+def test_every_method_parses_even_when_the_model_loops(method, budgets):
+    """Greedy SmolLM2 repeats itself inside the joke's setup; near max_tokens the engine
+    steers the JSON to a close, so both keys are there even on short budgets (a tool call
+    spends about 20 tokens on its tags and name)."""
+    for max_tokens in budgets:
+        structured = chat(max_tokens=max_tokens).with_structured_output(Joke, method=method)
+        joke = structured.invoke("Tell me a long joke about cats.")
+        assert set(joke) == {"setup", "punchline"}, (max_tokens, joke)
+        assert all(isinstance(v, str) for v in joke.values())
+
+
+def test_function_calling_returns_the_tools_arguments():
+    structured = chat().with_structured_output(Person, method="function_calling")
+    people = structured.batch(PROMPTS[:2])
+    assert all(isinstance(p, Person) for p in people)
+    out = (
+        chat()
+        .with_structured_output(
+            {"title": "City", **PERSON_SCHEMA}, method="function_calling", include_raw=True
+        )
+        .invoke("Tell me about Paris.")
+    )
+    assert out["parsing_error"] is None and set(out["parsed"]) == set(PERSON_SCHEMA["properties"])
+    (call,) = out["raw"].tool_calls
+    assert call["name"] == "City" and call["args"] == out["parsed"]
+
+
+def test_json_mode_with_a_schema_follows_it():
+    person = chat().with_structured_output(Person, method="json_mode").invoke(PROMPTS[0])
+    assert isinstance(person, Person)
+
+
 def test_unsupported_methods_and_arguments():
     model = chat()
-    with pytest.raises(NotImplementedError, match="function_calling"):
-        model.with_structured_output(Person, method="function_calling")
-    with pytest.raises(ValueError, match=r"json_schema.*json_mode"):
+    with pytest.raises(ValueError, match=r"json_schema.*function_calling.*json_mode"):
         model.with_structured_output(Person, method="xml")
     with pytest.raises(ValueError, match="json_schema"):
         model.with_structured_output(None)
+    with pytest.raises(ValueError, match="function_calling' needs a schema"):
+        model.with_structured_output(None, method="function_calling")
     with pytest.raises(ValueError, match="unsupported"):
         model.with_structured_output(Person, tools=[])

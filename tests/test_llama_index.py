@@ -1,7 +1,8 @@
 """`PagedLLM` in LlamaIndex: the eight chat/complete methods on the shared engine, usage and
 prefix-cache counts, stops, sampling validation, and the pipelines users build on it (query
-engines, tree_summarize on a worker-thread event loop, chat engines, structured prediction,
-token counting). Real default model, fp32 and greedy so that every path gives the same text."""
+engines, tree_summarize on a worker-thread event loop, chat engines, token counting), and
+function calling (tool calls, structured prediction through a forced call, a FunctionAgent).
+Real default model, fp32 and greedy so that every path gives the same text."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ import zlib
 import llama_index.core
 import pytest
 from llama_index.core import Document, PromptTemplate, Settings, VectorStoreIndex
+from llama_index.core.agent.workflow import FunctionAgent, ToolCallResult
+from llama_index.core.base.llms.types import ToolCallBlock
 from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
 from llama_index.core.embeddings import BaseEmbedding
 from llama_index.core.llms import ChatMessage, MessageRole
-from pydantic import BaseModel
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.tools import FunctionTool
+from pydantic import BaseModel, Field
 
 from llama_index.llms.paged import PagedLLM
 
@@ -302,18 +307,92 @@ def test_token_counting_handler_sees_prompt_and_completion_counts(llm):
 
 
 class Pet(BaseModel):
-    name: str
-    legs: int
+    name: str = Field(max_length=20)
+    legs: int = Field(ge=0, le=8)
 
 
-def test_structured_predict_runs_the_text_completion_program():
-    counter = TokenCountingHandler()
-    structured = make_llm(max_tokens=48, callback_manager=CallbackManager([counter]))
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def get_weather(city: str) -> str:
+    """The current weather in a city."""
+    return f"It is sunny and 21 degrees in {city}."
+
+
+TOOLS = [FunctionTool.from_defaults(add), FunctionTool.from_defaults(get_weather)]
+
+
+def tool_llm(**fields) -> PagedLLM:
+    return make_llm(max_tokens=64, **fields)
+
+
+def test_is_a_function_calling_llm(llm):
+    assert isinstance(llm, FunctionCallingLLM) and llm.metadata.is_function_calling_model
+
+
+def test_structured_predict_fills_the_model_through_a_forced_tool_call():
+    structured = tool_llm()
     prompt = PromptTemplate("Extract the pet from this sentence: {text}")
-    try:
-        pet = structured.structured_predict(Pet, prompt, text="Rex is a dog with four legs.")
-    except ValueError:
-        (event,) = counter.llm_token_counts  # the model answered; its text did not parse
-        assert event.completion_token_count > 0
-        pytest.xfail(f"SmolLM2-135M does not fill the JSON schema: {event.completion[:120]!r}")
-    assert isinstance(pet, Pet)
+    pet = structured.structured_predict(Pet, prompt, text="Rex is a dog with four legs.")
+    assert pet == Pet(name="Rex", legs=4)
+    sllm = structured.as_structured_llm(Pet)
+    reply = sllm.chat([ChatMessage(role="user", content="Tom is a cat with four legs.")])
+    assert isinstance(reply.raw, Pet) and Pet.model_validate_json(reply.message.content)
+    parsed = asyncio.run(
+        structured.astructured_predict(Pet, prompt, text="Polly is a parrot with two legs.")
+    )
+    assert isinstance(parsed, Pet) and 0 <= parsed.legs <= 8
+
+
+def test_chat_with_tools_returns_calls_as_tool_selections():
+    model = tool_llm()
+    reply = model.chat_with_tools(TOOLS, user_msg="What is 3 plus 4?", tool_required=True)
+    (call,) = model.get_tool_calls_from_response(reply)
+    assert (call.tool_name, call.tool_kwargs) == ("add", {"a": 3, "b": 4}) and call.tool_id
+    assert isinstance(reply.message.blocks[-1], ToolCallBlock)
+    answer = model.predict_and_call(TOOLS, user_msg="Weather in Paris?", tool_required=True)
+    assert answer.response == get_weather("Paris") and answer.sources[0].tool_name == "get_weather"
+
+
+async def test_streamed_tool_calls_complete_in_the_last_response():
+    model = tool_llm()
+    stream = await model.astream_chat_with_tools(
+        TOOLS, user_msg="What is the weather in Rome?", tool_choice="get_weather"
+    )
+    responses = [r async for r in stream]
+    (call,) = model.get_tool_calls_from_response(responses[-1])
+    assert call.tool_name == "get_weather" and isinstance(call.tool_kwargs["city"], str)
+    assert not model.get_tool_calls_from_response(responses[0], error_on_no_tool_call=False)
+    assert "".join(r.delta for r in responses) == ""  # all of it was the call
+    sync = list(model.stream_chat_with_tools(TOOLS, user_msg="Add 2 and 5.", tool_required=True))
+    assert model.get_tool_calls_from_response(sync[-1])[0].tool_kwargs == {"a": 2, "b": 5}
+
+
+def test_no_tool_call_is_an_error_only_when_asked():
+    model = tool_llm()
+    reply = model.chat_with_tools(TOOLS, user_msg="Say hello.", tool_choice="none")
+    assert reply.message.content
+    assert model.get_tool_calls_from_response(reply, error_on_no_tool_call=False) == []
+    with pytest.raises(ValueError, match="expected a tool call"):
+        model.get_tool_calls_from_response(reply)
+    with pytest.raises(ValueError, match="tool_choice must be"):
+        model.chat_with_tools(TOOLS, user_msg="Hi", tool_choice="multiply")
+
+
+async def test_function_agent_with_two_tools_completes_a_task():
+    """The agent calls the weather tool (a 135M model needs `initial_tool_choice` to call one
+    at all), gets its result back as a tool message and answers with it."""
+    agent = FunctionAgent(
+        tools=TOOLS,
+        llm=tool_llm(),
+        initial_tool_choice="required",
+        system_prompt="Answer with the tools' results.",
+    )
+    handler = agent.run("What is the weather in Paris?")
+    calls = [e async for e in handler.stream_events() if isinstance(e, ToolCallResult)]
+    result = await handler
+    (call,) = calls
+    assert (call.tool_name, call.tool_kwargs) == ("get_weather", {"city": "Paris"})
+    assert "sunny and 21 degrees" in str(result).lower()

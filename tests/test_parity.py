@@ -31,8 +31,13 @@ def hf_greedy(hf_model, tokenizer, prompts: list[str], max_new_tokens: int) -> l
     tokens, past = [], None
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            out = hf_model(ids, attention_mask=mask, position_ids=positions,
-                           past_key_values=past, use_cache=True)
+            out = hf_model(
+                ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=past,
+                use_cache=True,
+            )
             past = out.past_key_values
             ids = out.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(ids[:, 0])

@@ -13,8 +13,13 @@ SYSTEM = (
     "history, and the third floor has rare manuscripts that can only be read in the reading "
     "room. Opening hours are nine to five on weekdays and ten to two on Saturdays. "
 ) * 3
-QUESTIONS = ["Where are the novels?", "When does it open on Saturday?", "How many books?",
-             "Can I borrow a manuscript?", "Which floor has history?"]
+QUESTIONS = [
+    "Where are the novels?",
+    "When does it open on Saturday?",
+    "How many books?",
+    "Can I borrow a manuscript?",
+    "Which floor has history?",
+]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
@@ -40,9 +45,7 @@ def test_prefix_cache_hits_every_full_shared_block(llm_fp32):
         assert out.num_cached_tokens < len(out.prompt_token_ids)
     no_cache = LLM(dtype="float32", enable_prefix_caching=False, num_kv_blocks=512)
     plain = no_cache.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in first + rest] == [
-        o.outputs[0].token_ids for o in plain
-    ]
+    assert [o.outputs[0].token_ids for o in first + rest] == [o.outputs[0].token_ids for o in plain]
     assert all(o.num_cached_tokens == 0 for o in plain)
     assert no_cache.stats()["prefix_cache_hits"] == 0
 
@@ -63,8 +66,12 @@ def test_requests_arriving_together_share_prefix(tiny_llm, tiny_model):
 def test_chunked_prefill_matches_whole_prefill(tiny_model):
     prompts = [SYSTEM + q for q in QUESTIONS]
     whole = LLM(model=str(tiny_model), dtype="float32", enable_prefix_caching=False)
-    chunked = LLM(model=str(tiny_model), dtype="float32", enable_prefix_caching=False,
-                  max_num_batched_tokens=48)
+    chunked = LLM(
+        model=str(tiny_model),
+        dtype="float32",
+        enable_prefix_caching=False,
+        max_num_batched_tokens=48,
+    )
     a = whole.generate(prompts, GREEDY, use_tqdm=False)
     b = chunked.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
@@ -86,8 +93,13 @@ def test_preemption_gives_unconstrained_output(tiny_model, policy):
 
 
 def test_priority_orders_the_queue_and_preempts(tiny_model):
-    llm = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=12,
-              scheduling_policy="priority", max_num_seqs=8)
+    llm = LLM(
+        model=str(tiny_model),
+        dtype="float32",
+        num_kv_blocks=12,
+        scheduling_policy="priority",
+        max_num_seqs=8,
+    )
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     low = engine.add_request(SYSTEM[:200], params, priority=5)

@@ -66,6 +66,7 @@ def _model_check(model: type[BaseModel]):
         model.model_validate_json(text)
         if jsonschema is not None:
             jsonschema.validate(json.loads(text), model.model_json_schema())
+
     return check
 
 
@@ -73,6 +74,7 @@ def _compact_check(model: type[BaseModel]):
     def check(text: str) -> None:
         assert "\n" not in text, text
         _model_check(model)(text)
+
     return check
 
 
@@ -83,32 +85,57 @@ def _object_check(text: str) -> None:
 def _regex_check(pattern: str):
     def check(text: str) -> None:
         assert re.fullmatch(pattern, text), text
+
     return check
 
 
 # name -> (question, structured output spec, check of the text)
 CASES = {
-    "person_dict": ("Describe a person as JSON.",
-                    StructuredOutputsParams(json=Person.model_json_schema()),
-                    _model_check(Person)),
-    "order_pydantic": ("Write a small shopping order as JSON.",
-                       StructuredOutputsParams(json=Order), _model_check(Order)),
-    "code_string": ("Give a product code as JSON.",
-                    StructuredOutputsParams(json=json.dumps(Code.model_json_schema())),
-                    _model_check(Code)),
-    "order_compact": ("Write a small shopping order as JSON.",
-                      StructuredOutputsParams(json=Order, disable_any_whitespace=True),
-                      _compact_check(Order)),
-    "json_object": ("Return a JSON object with the keys name and age.",
-                    StructuredOutputsParams(json_object=True), _object_check),
-    "date": ("When did the first person land on the moon?",
-             StructuredOutputsParams(regex=DATE), _regex_check(DATE)),
-    "phone": ("Give me a phone number for a pizza shop.",
-              StructuredOutputsParams(regex=PHONE), _regex_check(PHONE)),
-    "choice": ("Sentiment of: 'I loved this film!'",
-               StructuredOutputsParams(choice=CHOICES), lambda text: text in CHOICES),
-    "grammar": ("List a few small numbers.", StructuredOutputsParams(grammar=NUMBER_LIST),
-                _regex_check(r"\[\d{1,2}(,\d{1,2}){0,2}\]")),
+    "person_dict": (
+        "Describe a person as JSON.",
+        StructuredOutputsParams(json=Person.model_json_schema()),
+        _model_check(Person),
+    ),
+    "order_pydantic": (
+        "Write a small shopping order as JSON.",
+        StructuredOutputsParams(json=Order),
+        _model_check(Order),
+    ),
+    "code_string": (
+        "Give a product code as JSON.",
+        StructuredOutputsParams(json=json.dumps(Code.model_json_schema())),
+        _model_check(Code),
+    ),
+    "order_compact": (
+        "Write a small shopping order as JSON.",
+        StructuredOutputsParams(json=Order, disable_any_whitespace=True),
+        _compact_check(Order),
+    ),
+    "json_object": (
+        "Return a JSON object with the keys name and age.",
+        StructuredOutputsParams(json_object=True),
+        _object_check,
+    ),
+    "date": (
+        "When did the first person land on the moon?",
+        StructuredOutputsParams(regex=DATE),
+        _regex_check(DATE),
+    ),
+    "phone": (
+        "Give me a phone number for a pizza shop.",
+        StructuredOutputsParams(regex=PHONE),
+        _regex_check(PHONE),
+    ),
+    "choice": (
+        "Sentiment of: 'I loved this film!'",
+        StructuredOutputsParams(choice=CHOICES),
+        lambda text: text in CHOICES,
+    ),
+    "grammar": (
+        "List a few small numbers.",
+        StructuredOutputsParams(grammar=NUMBER_LIST),
+        _regex_check(r"\[\d{1,2}(,\d{1,2}){0,2}\]"),
+    ),
 }
 PLAIN = ["Tell me about the sea.", "Why is the sky blue?"]
 
@@ -123,15 +150,20 @@ def batch(llm_fp32):
     unconstrained requests. Returns {label: RequestOutput}."""
     labels, prompts, params = [], [], []
     for name, (question, spec, _) in CASES.items():
-        for mode, extra in (("greedy", dict(temperature=0)),
-                            ("sampled", dict(temperature=0.8, seed=7))):
+        for mode, extra in (
+            ("greedy", dict(temperature=0)),
+            ("sampled", dict(temperature=0.8, seed=7)),
+        ):
             labels.append((name, mode))
             prompts.append(chat(llm_fp32, question))
             params.append(SamplingParams(max_tokens=200, structured_outputs=spec, **extra))
     labels.append(("person_n3", "sampled"))
     prompts.append(chat(llm_fp32, CASES["person_dict"][0]))
-    params.append(SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=200,
-                                 structured_outputs=CASES["person_dict"][1]))
+    params.append(
+        SamplingParams(
+            n=3, temperature=1.0, seed=1, max_tokens=200, structured_outputs=CASES["person_dict"][1]
+        )
+    )
     for i, question in enumerate(PLAIN):
         labels.append(("plain", i))
         prompts.append(chat(llm_fp32, question))
@@ -140,8 +172,10 @@ def batch(llm_fp32):
     return dict(zip(labels, outs, strict=True))
 
 
-PLAIN_PARAMS = [SamplingParams(temperature=0, max_tokens=24),
-                SamplingParams(temperature=0.9, seed=3, max_tokens=24)]
+PLAIN_PARAMS = [
+    SamplingParams(temperature=0, max_tokens=24),
+    SamplingParams(temperature=0.9, seed=3, max_tokens=24),
+]
 
 
 @pytest.mark.slow
@@ -173,15 +207,23 @@ def test_unconstrained_requests_are_untouched(batch, llm_fp32):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("spec", "field"), [
-    (dict(json={"type": "object", "properties": {"a": {"type": "nope"}}}), "json"),
-    (dict(json={"$ref": "#/$defs/Missing"}), "json"),
-    (dict(regex="(unclosed"), "regex"),
-    (dict(grammar="root ::= undefined_rule"), "grammar"),
-])
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (dict(json={"type": "object", "properties": {"a": {"type": "nope"}}}), "json"),
+        (dict(json={"$ref": "#/$defs/Missing"}), "json"),
+        (dict(regex="(unclosed"), "regex"),
+        (dict(grammar="root ::= undefined_rule"), "grammar"),
+        (dict(structural_tag={"type": "structural_tag", "format": {"type": "nope"}}), "struct"),
+        (dict(structural_tag="{not json"), "structural_tag"),
+    ],
+)
 def test_invalid_specs_fail_at_submission(llm_fp32, spec, field):
-    good = SamplingParams(temperature=0, max_tokens=8,
-                          structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    good = SamplingParams(
+        temperature=0,
+        max_tokens=8,
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+    )
     bad = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(**spec))
     with pytest.raises(ValueError, match=rf"invalid structured_outputs\.{field}"):
         llm_fp32.generate(["Yes or no?", "Really?"], [good, bad], use_tqdm=False)
@@ -191,23 +233,68 @@ def test_invalid_specs_fail_at_submission(llm_fp32, spec, field):
     assert out.text in ("yes", "no")
 
 
+LOOPING = {  # greedy SmolLM2 repeats itself inside "story" for as long as it may
+    "type": "object",
+    "properties": {
+        "story": {"type": "string"},
+        "moral": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+    },
+    "required": ["story", "moral", "tags", "rating"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_tokens", [48, 80])
+def test_the_wrap_up_closes_json_before_max_tokens(llm_fp32, max_tokens):
+    """Without the wrap-up these are cut off inside "story"; with it, every one parses (the
+    shortest way to close this schema from inside "story" takes about 20 tokens)."""
+    spec = StructuredOutputsParams(json=LOOPING, disable_any_whitespace=True)
+    prompts = [chat(llm_fp32, q) for q in ("Tell me a very long story.", "Write a poem.")]
+    params = [
+        SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=spec),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=max_tokens, structured_outputs=spec),
+    ]
+    for out in llm_fp32.generate(prompts, params, use_tqdm=False):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop" and len(completion.token_ids) <= max_tokens
+        jsonschema.validate(json.loads(completion.text), LOOPING)
+
+
+def test_forced_text_goes_in_the_tokenizers_own_tokens(llm_fp32):
+    """Required keys are forced by the grammar; they come out as the tokenizer writes them
+    (`{"`, `story`, `":`), not spelled in fragments."""
+    spec = StructuredOutputsParams(json=LOOPING, disable_any_whitespace=True)
+    out = llm_fp32.generate(
+        [chat(llm_fp32, "Tell me a story.")],
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec),
+        use_tqdm=False,
+    )[0].outputs[0]
+    tokenizer = llm_fp32.engine.tokenizer
+    assert out.token_ids[:3] == tokenizer.encode('{"story":', add_special_tokens=False)
+
+
 # ---- parameters ----------------------------------------------------------------------------
-@pytest.mark.parametrize(("kwargs", "field"), [
-    ({}, "exactly one"),
-    ({"json_object": False}, "exactly one"),
-    ({"regex": "a+", "choice": ["a"]}, "exactly one"),
-    ({"json": 5}, "structured_outputs.json"),
-    ({"json": "{not json"}, "structured_outputs.json"),
-    ({"json": "[1, 2]"}, "structured_outputs.json"),
-    ({"json": {"type": "object", "default": {1, 2}}}, "structured_outputs.json"),
-    ({"json_object": "yes"}, "structured_outputs.json_object"),
-    ({"regex": ""}, "structured_outputs.regex"),
-    ({"choice": []}, "structured_outputs.choice"),
-    ({"choice": "abc"}, "structured_outputs.choice"),
-    ({"choice": ["a", 1]}, "structured_outputs.choice"),
-    ({"grammar": 3}, "structured_outputs.grammar"),
-    ({"regex": "a", "disable_any_whitespace": 1}, "disable_any_whitespace"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({}, "exactly one"),
+        ({"json_object": False}, "exactly one"),
+        ({"regex": "a+", "choice": ["a"]}, "exactly one"),
+        ({"json": 5}, "structured_outputs.json"),
+        ({"json": "{not json"}, "structured_outputs.json"),
+        ({"json": "[1, 2]"}, "structured_outputs.json"),
+        ({"json": {"type": "object", "default": {1, 2}}}, "structured_outputs.json"),
+        ({"json_object": "yes"}, "structured_outputs.json_object"),
+        ({"regex": ""}, "structured_outputs.regex"),
+        ({"choice": []}, "structured_outputs.choice"),
+        ({"choice": "abc"}, "structured_outputs.choice"),
+        ({"choice": ["a", 1]}, "structured_outputs.choice"),
+        ({"grammar": 3}, "structured_outputs.grammar"),
+        ({"regex": "a", "disable_any_whitespace": 1}, "disable_any_whitespace"),
+    ],
+)
 def test_params_validation(kwargs, field):
     with pytest.raises(ValueError, match=re.escape(field)):
         StructuredOutputsParams(**kwargs)
@@ -223,12 +310,15 @@ def test_equal_specs_share_one_compilation(default_model_path):
 
     cache = GrammarCache(AutoTokenizer.from_pretrained(default_model_path), 49152, [2])
     schema = Person.model_json_schema()
-    specs = [StructuredOutputsParams(json=schema),
-             StructuredOutputsParams(json=json.dumps(schema, indent=2)),
-             StructuredOutputsParams(json=Person)]
+    specs = [
+        StructuredOutputsParams(json=schema),
+        StructuredOutputsParams(json=json.dumps(schema, indent=2)),
+        StructuredOutputsParams(json=Person),
+    ]
     results: list = []
-    threads = [threading.Thread(target=lambda s=s: results.append(cache.compile(s)))
-               for s in specs * 4]
+    threads = [
+        threading.Thread(target=lambda s=s: results.append(cache.compile(s))) for s in specs * 4
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -267,8 +357,9 @@ def test_bitmask_matches_xgrammars_kernel_on_constrained_rows_only(default_model
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory, default_model_path):
     """Logits wider than the tokenizer's vocabulary (49152), as padded vocabularies are."""
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-wide"), default_model_path,
-                           vocab_size=49280)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-wide"), default_model_path, vocab_size=49280
+    )
 
 
 @pytest.fixture(scope="module")
@@ -278,8 +369,12 @@ def wide_llm(wide_model):
 
 def test_ids_beyond_the_tokenizer_are_masked(wide_llm):
     bias = {49152 + i: 100.0 for i in range(0, 128, 7)}  # would win every step unmasked
-    params = SamplingParams(temperature=0, max_tokens=32, logit_bias=bias,
-                            structured_outputs=StructuredOutputsParams(regex=DATE))
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=32,
+        logit_bias=bias,
+        structured_outputs=StructuredOutputsParams(regex=DATE),
+    )
     out = wide_llm.generate(["Today is"], params, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop"
     assert re.fullmatch(DATE, out.text)
@@ -287,9 +382,13 @@ def test_ids_beyond_the_tokenizer_are_masked(wide_llm):
 
 
 def test_stop_token_ids_may_end_the_grammar(wide_llm):
-    params = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[13],
-                            logit_bias={13: 50.0},
-                            structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=16,
+        stop_token_ids=[13],
+        logit_bias={13: 50.0},
+        structured_outputs=StructuredOutputsParams(choice=CHOICES),
+    )
     out = wide_llm.generate(["Mood:"], params, use_tqdm=False)[0].outputs[0]
     assert out.text in CHOICES
     assert (out.finish_reason, out.stop_reason) == ("stop", 13)
@@ -298,8 +397,12 @@ def test_stop_token_ids_may_end_the_grammar(wide_llm):
 @pytest.mark.parametrize("extra", [dict(ignore_eos=True), dict(min_tokens=12)])
 def test_grammar_end_stops_the_request(wide_llm, extra):
     """With EOS ignored or banned, the end of the grammar still ends the request."""
-    params = SamplingParams(temperature=0, max_tokens=16, **extra,
-                            structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=16,
+        **extra,
+        structured_outputs=StructuredOutputsParams(choice=CHOICES),
+    )
     out = wide_llm.generate(["Mood:"], params, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop"
     assert out.text in CHOICES
@@ -308,10 +411,10 @@ def test_grammar_end_stops_the_request(wide_llm, extra):
 
 def test_preemption_does_not_advance_the_grammar_twice(tiny_model):
     pattern = r"(\d{1,3},){15}\d{1,3}"
-    prompts = [f"Numbers {i}: " + "one two three four five six seven " * (2 + i)
-               for i in range(4)]
-    params = SamplingParams(temperature=0, max_tokens=100,
-                            structured_outputs=StructuredOutputsParams(regex=pattern))
+    prompts = [f"Numbers {i}: " + "one two three four five six seven " * (2 + i) for i in range(4)]
+    params = SamplingParams(
+        temperature=0, max_tokens=100, structured_outputs=StructuredOutputsParams(regex=pattern)
+    )
     roomy = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=256)
     tight = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=14)
     expected = roomy.generate(prompts, params, use_tqdm=False)
@@ -334,8 +437,9 @@ async def test_async_engine_rejects_bad_specs_in_the_callers_thread(wide_model):
         with pytest.raises(ValueError, match=r"invalid structured_outputs\.regex"):
             async for _ in engine.generate("Hi", bad):
                 pass
-        good = SamplingParams(temperature=0, max_tokens=16,
-                              structured_outputs=StructuredOutputsParams(choice=CHOICES))
+        good = SamplingParams(
+            temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(choice=CHOICES)
+        )
         async for out in engine.generate("Mood:", good):
             last = out
         assert last.outputs[0].text in CHOICES

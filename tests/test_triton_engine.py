@@ -14,11 +14,17 @@ def test_triton_backend_engine_matches_torch(tiny_model):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     runs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(model=str(tiny_model), dtype="float32", attention_backend=backend,
-                  num_kv_blocks=32, max_num_batched_tokens=16)  # chunked prefill: mixed steps
+        llm = LLM(
+            model=str(tiny_model),
+            dtype="float32",
+            attention_backend=backend,
+            num_kv_blocks=32,
+            max_num_batched_tokens=16,
+        )  # chunked prefill: mixed steps
         assert llm.engine.runner.backend.name == backend
-        runs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
-                                                                       use_tqdm=False)]
+        runs[backend] = [
+            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
     assert runs["triton"] == runs["torch"]
 
 
@@ -38,12 +44,19 @@ def test_fused_kernels_give_the_torch_ops_logits(tiny_model):
         model = LlamaForCausalLM(config, 64, fused_kernels=fused)
         load_safetensors(model, tiny_model, model.checkpoint_name_map)
         backend = TorchAttention(config.num_heads, config.num_kv_heads)
-        caches = backend.allocate_kv_cache(config.num_layers, 2, 16, config.num_kv_heads,
-                                           config.head_dim, torch.float32, torch.device("cpu"))
-        meta = AttentionMetadata(0, [0, 8], [8], torch.tensor([[1]], dtype=torch.int32),
-                                 torch.arange(16, 24), 16)
+        caches = backend.allocate_kv_cache(
+            config.num_layers,
+            2,
+            16,
+            config.num_kv_heads,
+            config.head_dim,
+            torch.float32,
+            torch.device("cpu"),
+        )
+        meta = AttentionMetadata(
+            0, [0, 8], [8], torch.tensor([[1]], dtype=torch.int32), torch.arange(16, 24), 16
+        )
         backend.prepare(meta)
         with torch.inference_mode():
-            logits.append(model(tokens, torch.arange(8), caches, backend, meta,
-                                torch.arange(8)))
+            logits.append(model(tokens, torch.arange(8), caches, backend, meta, torch.arange(8)))
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)

@@ -65,10 +65,13 @@ def test_request_that_can_never_fit(llm, tiny_model):
 def test_unknown_model_path_and_bad_engine_args(tmp_path):
     with pytest.raises(FileNotFoundError, match="does-not-exist"):
         LLM(model=str(tmp_path / "does-not-exist"))
-    for kwargs, field in [({"block_size": 10}, "block_size"), ({"dtype": "int8"}, "dtype"),
-                          ({"max_num_seqs": 0}, "max_num_seqs"),
-                          ({"attention_backend": "cuda"}, "attention_backend"),
-                          ({"scheduling_policy": "lifo"}, "scheduling_policy")]:
+    for kwargs, field in [
+        ({"block_size": 10}, "block_size"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"attention_backend": "cuda"}, "attention_backend"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy"),
+    ]:
         with pytest.raises(ValueError, match=field):
             EngineConfig(**kwargs)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing, closing
 from functools import partial
 from operator import itemgetter
@@ -11,10 +11,18 @@ from typing import Any, Literal
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput, ModelProfile
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import (
+    JsonOutputKeyToolsParser,
+    PydanticToolsParser,
+)
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough
 from langchain_core.runnables.config import get_config_list
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel
 
 from langchain_paged.base import (
@@ -27,6 +35,14 @@ from langchain_paged.base import (
 from langchain_paged.messages import render_chat
 from paged_backend import AsyncEngine, RequestOutput, SamplingParams, StructuredOutputsParams
 from paged_backend.adapters import context_window, model_tokenizer
+from paged_backend.tool_calling import (
+    ToolCallDelta,
+    ToolCallParser,
+    check_tools,
+    parse_tool_calls,
+    pop_tool_request,
+    tool_choice_name,
+)
 
 # Threads for `batch`: the engine's default max_num_seqs; more would only wait in its queue.
 MAX_BATCH_THREADS = 128
@@ -61,7 +77,8 @@ class ChatPaged(PagedParams, BaseChatModel):
             audio_inputs=False,
             video_inputs=False,
             pdf_inputs=False,
-            tool_calling=False,
+            tool_calling=True,
+            tool_choice=True,
             structured_output=True,
         )
 
@@ -83,17 +100,38 @@ class ChatPaged(PagedParams, BaseChatModel):
     def get_num_tokens_from_messages(
         self, messages: list[BaseMessage], tools: Sequence[Any] | None = None
     ) -> int:
-        """Prompt tokens of `messages` as the engine sees them, chat template included."""
-        if tools:
-            raise NotImplementedError("tool calling is not supported by ChatPaged yet")
+        """Prompt tokens of `messages` as the engine sees them: chat template and tools."""
         tokenizer = model_tokenizer(self.model)
         apply = partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True)
-        prompt = render_chat(apply, messages)
+        specs = [convert_to_openai_tool(t) for t in tools] if tools else None
+        prompt = render_chat(apply, tokenizer.chat_template, messages, specs)
         return len(tokenizer(prompt, add_special_tokens=False).input_ids)
+
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
+        *,
+        tool_choice: str | dict | bool | None = None,
+        parallel_tool_calls: bool = False,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Offer `tools` (pydantic classes, functions, LangChain tools or OpenAI specs).
+
+        `tool_choice`: None / "auto" lets the model answer or call; "any" / "required" / True
+        makes it call one of the tools; a tool name makes it call that tool; "none" describes
+        the tools but never parses calls. Every call the model writes is valid for its tool's
+        schema (constrained decoding), and without `parallel_tool_calls` it writes at most one.
+        Calls arrive in `AIMessage.tool_calls`, and as `tool_call_chunks` when streaming.
+        """
+        specs = check_tools([convert_to_openai_tool(t) for t in tools])
+        choice = tool_choice_name(tool_choice, specs)
+        return self.bind(
+            tools=specs, tool_choice=choice, parallel_tool_calls=parallel_tool_calls, **kwargs
+        )
 
     def with_structured_output(
         self,
-        schema: dict[str, Any] | type[BaseModel] | None = None,
+        schema: dict[str, Any] | type | None = None,
         *,
         method: Literal["json_schema", "json_mode", "function_calling"] = "json_schema",
         include_raw: bool = False,
@@ -105,49 +143,42 @@ class ChatPaged(PagedParams, BaseChatModel):
 
         - `method="json_schema"` (default): `schema` is a pydantic model class (the output is
           an instance of it) or a JSON-schema dict (the output is a dict).
-        - `method="json_mode"`: any JSON object; parsed into `schema` when it is a pydantic
-          class, otherwise returned as a dict.
-        - `method="function_calling"`: not supported yet (ChatPaged has no tool calling).
+        - `method="function_calling"`: `schema` (a pydantic class, TypedDict, JSON schema or
+          OpenAI function spec) is bound as the one tool and the model must call it; the
+          output is the call's arguments, as an instance of a pydantic `schema`.
+        - `method="json_mode"`: a JSON object, constrained to `schema` when one is given (so
+          that it always parses into it); parsed into a pydantic `schema`, else a dict.
 
         The JSON is compact (no free whitespace): small models may otherwise emit whitespace
-        until `max_tokens`. `strict` is accepted and ignored: the constraint is always strict.
+        until `max_tokens`; and near `max_tokens` the engine steers it to close, so that
+        it always parses. `strict` is accepted and ignored: the constraint is always strict.
         With `include_raw=True` the output is `{"raw": AIMessage, "parsed": ...,
         "parsing_error": ...}` and a parsing failure lands in `parsing_error`, not raised.
         """
         del strict
         if kwargs:
             raise ValueError(f"received unsupported arguments {kwargs}")
-        is_pydantic = isinstance(schema, type) and issubclass(schema, BaseModel)
-        if method == "function_calling":
-            raise NotImplementedError(
-                "method='function_calling' needs tool calling, which ChatPaged does not support "
-                "yet; use method='json_schema' or method='json_mode'"
-            )
-        if method == "json_schema":
-            if is_pydantic:
-                spec = StructuredOutputsParams(
-                    json=schema.model_json_schema(), disable_any_whitespace=True
-                )
-            elif isinstance(schema, dict):
-                spec = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
-            else:
-                raise ValueError(
-                    "method='json_schema' needs a pydantic model class or a JSON-schema dict, "
-                    f"got {schema!r}"
-                )
-        elif method == "json_mode":
-            spec = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
-        else:
-            raise ValueError(
-                f"unknown method {method!r}; allowed: 'json_schema', 'json_mode' "
-                "('function_calling' is not supported yet)"
-            )
+        is_pydantic = is_basemodel_subclass(schema)
         ls_format = {"kwargs": {"method": method}, "schema": schema}
-        llm = self.bind(
-            structured_outputs=spec,
-            **({"ls_structured_output_format": ls_format} if schema is not None else {}),
-        )
-        parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
+        if method == "function_calling":
+            if schema is None:
+                raise ValueError("method='function_calling' needs a schema")
+            spec = convert_to_openai_tool(schema)
+            name = spec["function"]["name"]
+            llm = self.bind_tools([spec], tool_choice=name, ls_structured_output_format=ls_format)
+            parser = (
+                PydanticToolsParser(tools=[schema], first_tool_only=True)
+                if is_pydantic
+                else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+            )
+        else:
+            llm = self.bind(
+                structured_outputs=_json_output_spec(schema, method),
+                **({"ls_structured_output_format": ls_format} if schema is not None else {}),
+            )
+            parser = (
+                PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
+            )
         if not include_raw:
             return llm | parser
         parser_assign = RunnablePassthrough.assign(
@@ -162,15 +193,24 @@ class ChatPaged(PagedParams, BaseChatModel):
     # ---- generation -------------------------------------------------------------------------
     def _request(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict, stream: bool
-    ) -> tuple[AsyncEngine, str, SamplingParams]:
+    ) -> tuple[AsyncEngine, str, SamplingParams, bool]:
+        """(engine, prompt, params, whether to parse tool calls). Tools come from `bind_tools`
+        (or as call kwargs in the same form) and turn into the prompt and a constraint."""
+        kwargs = dict(kwargs)
+        if kwargs.get("tools") is not None:
+            kwargs["tools"] = [convert_to_openai_tool(t) for t in kwargs["tools"]]
+        tools = pop_tool_request(kwargs)
         engine, params = self._prepare(stop, kwargs, stream=stream)
-        return engine, render_chat(engine.apply_chat_template, messages), params
+        prompt = render_chat(
+            engine.apply_chat_template, engine.tokenizer.chat_template, messages, tools
+        )
+        return engine, prompt, params, tools is not None
 
-    def _result(self, out: RequestOutput) -> ChatResult:
+    def _result(self, out: RequestOutput, with_tools: bool) -> ChatResult:
         generations = [
             ChatGeneration(
                 message=AIMessage(
-                    content=c.text,
+                    **_message_fields(c.text, with_tools),
                     usage_metadata=usage_metadata(out, [c]),
                     response_metadata=completion_metadata(c, self.model_name),
                 )
@@ -179,22 +219,6 @@ class ChatPaged(PagedParams, BaseChatModel):
         ]
         return ChatResult(generations=generations, llm_output={"model_name": self.model_name})
 
-    def _chunk(self, out: RequestOutput) -> ChatGenerationChunk | None:
-        """The new text of one engine output; the last chunk carries usage and metadata."""
-        c = out.outputs[0]
-        if out.finished:
-            message = AIMessageChunk(
-                content=c.delta_text,
-                chunk_position="last",
-                usage_metadata=usage_metadata(out, [c]),
-                response_metadata=completion_metadata(c, self.model_name),
-            )
-        elif c.delta_text:
-            message = AIMessageChunk(content=c.delta_text)
-        else:
-            return None
-        return ChatGenerationChunk(message=message)
-
     def _generate(
         self,
         messages: list[BaseMessage],
@@ -202,10 +226,9 @@ class ChatPaged(PagedParams, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        engine, prompt, params = self._request(messages, stop, kwargs, stream=False)
-        return self._result(
-            last_output(engine.generate_stream(prompt, params, add_special_tokens=False))
-        )
+        engine, prompt, params, with_tools = self._request(messages, stop, kwargs, stream=False)
+        outputs = engine.generate_stream(prompt, params, add_special_tokens=False)
+        return self._result(last_output(outputs), with_tools)
 
     async def _agenerate(
         self,
@@ -214,10 +237,9 @@ class ChatPaged(PagedParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        engine, prompt, params = self._request(messages, stop, kwargs, stream=False)
-        return self._result(
-            await alast_output(engine.generate(prompt, params, add_special_tokens=False))
-        )
+        engine, prompt, params, with_tools = self._request(messages, stop, kwargs, stream=False)
+        outputs = engine.generate(prompt, params, add_special_tokens=False)
+        return self._result(await alast_output(outputs), with_tools)
 
     def _stream(
         self,
@@ -226,10 +248,11 @@ class ChatPaged(PagedParams, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        engine, prompt, params = self._request(messages, stop, kwargs, stream=True)
+        engine, prompt, params, with_tools = self._request(messages, stop, kwargs, stream=True)
+        to_chunk = _ChunkBuilder(self.model_name, with_tools)
         with closing(engine.generate_stream(prompt, params, add_special_tokens=False)) as outs:
             for out in outs:
-                if (chunk := self._chunk(out)) is not None:
+                if (chunk := to_chunk(out)) is not None:
                     yield chunk
 
     async def _astream(
@@ -239,8 +262,80 @@ class ChatPaged(PagedParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        engine, prompt, params = self._request(messages, stop, kwargs, stream=True)
+        engine, prompt, params, with_tools = self._request(messages, stop, kwargs, stream=True)
+        to_chunk = _ChunkBuilder(self.model_name, with_tools)
         async with aclosing(engine.generate(prompt, params, add_special_tokens=False)) as outs:
             async for out in outs:
-                if (chunk := self._chunk(out)) is not None:
+                if (chunk := to_chunk(out)) is not None:
                     yield chunk
+
+
+def _json_output_spec(schema: Any, method: str) -> StructuredOutputsParams:
+    """The constraint of `with_structured_output` for the JSON methods."""
+    if method == "json_mode" and schema is None:
+        return StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    if method not in ("json_schema", "json_mode"):
+        raise ValueError(
+            f"unknown method {method!r}; allowed: 'json_schema', 'function_calling', 'json_mode'"
+        )
+    if isinstance(schema, dict):  # a JSON schema, used as it is
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    try:
+        json_schema = convert_to_json_schema(schema)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            "method='json_schema' needs a pydantic class, TypedDict or JSON-schema dict, "
+            f"got {schema!r}: {exc}"
+        ) from None
+    return StructuredOutputsParams(json=json_schema, disable_any_whitespace=True)
+
+
+def _message_fields(text: str, with_tools: bool) -> dict[str, Any]:
+    """AIMessage content, plus its tool calls when tools were bound."""
+    if not with_tools:
+        return {"content": text}
+    parsed = parse_tool_calls(text)
+    return {
+        "content": parsed.content,
+        "tool_calls": [
+            tool_call(name=c.name, args=c.arguments, id=c.id) for c in parsed.tool_calls
+        ],
+        "invalid_tool_calls": [
+            invalid_tool_call(name=name, args=args, id=id_, error=error)
+            for id_, name, args, error in parsed.invalid_tool_calls
+        ],
+    }
+
+
+class _ChunkBuilder:
+    """Engine outputs of one stream -> message chunks: new text, tool-call chunks when tools
+    are bound, and usage and metadata on the last chunk."""
+
+    def __init__(self, model_name: str, with_tools: bool) -> None:
+        self.model_name = model_name
+        self.parser = ToolCallParser() if with_tools else None
+
+    def __call__(self, out: RequestOutput) -> ChatGenerationChunk | None:
+        c = out.outputs[0]
+        text, deltas = c.delta_text, []
+        if self.parser is not None:
+            text, deltas = self.parser.feed(text)
+            if out.finished:
+                tail, more = self.parser.finish()
+                text, deltas = text + tail, deltas + more
+        fields: dict[str, Any] = {"content": text}
+        if deltas:
+            fields["tool_call_chunks"] = [_tool_call_chunk(d) for d in deltas]
+        if out.finished:
+            fields.update(
+                chunk_position="last",
+                usage_metadata=usage_metadata(out, [c]),
+                response_metadata=completion_metadata(c, self.model_name),
+            )
+        elif not text and not deltas:
+            return None
+        return ChatGenerationChunk(message=AIMessageChunk(**fields))
+
+
+def _tool_call_chunk(delta: ToolCallDelta):
+    return tool_call_chunk(name=delta.name, args=delta.arguments, id=delta.id, index=delta.index)

@@ -1,12 +1,14 @@
-"""LangChain messages -> the model's chat template. Text only for now: other content blocks
-(images, audio, files) raise instead of being dropped silently."""
+"""LangChain messages -> the model's chat template. Text only: other content blocks (images,
+audio, files) raise instead of being dropped silently. Tool calls and tool results are rendered
+as `paged_backend.tool_calling` describes."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from jinja2 import TemplateError
 from langchain_core.messages import BaseMessage
+
+from paged_backend.tool_calling import render_tool_chat
 
 _ROLES = {"system": "system", "human": "user", "ai": "assistant", "tool": "tool"}
 
@@ -20,7 +22,7 @@ def _text(message: BaseMessage) -> str:
             parts.append(block)
         elif block.get("type") == "text":
             parts.append(block["text"])
-        else:
+        elif block.get("type") not in ("tool_use", "tool_call"):  # also in `tool_calls`
             raise ValueError(
                 f"{block.get('type')!r} content is not supported by this model (text only)"
             )
@@ -28,8 +30,8 @@ def _text(message: BaseMessage) -> str:
 
 
 def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict]:
-    """Role/content dicts as Hugging Face chat templates expect them. An AI message's tool calls
-    go in the standard `tool_calls` field, for templates that render them."""
+    """Role/content dicts; an AI message's calls go in `tool_calls` ({"id", "name",
+    "arguments"}) and a tool message keeps its `tool_call_id`."""
     dicts = []
     for message in messages:
         role = message.role if message.type == "chat" else _ROLES.get(message.type)
@@ -38,7 +40,7 @@ def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict]:
         entry = {"role": role, "content": _text(message)}
         if getattr(message, "tool_calls", None):
             entry["tool_calls"] = [
-                {"type": "function", "function": {"name": c["name"], "arguments": c["args"]}}
+                {"id": c.get("id"), "name": c["name"], "arguments": c["args"]}
                 for c in message.tool_calls
             ]
         if message.type == "tool":
@@ -47,21 +49,11 @@ def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict]:
     return dicts
 
 
-def _tool_as_user(entry: dict) -> dict:
-    if entry["role"] != "tool":
-        return entry
-    return {"role": "user", "content": f"Tool result ({entry['tool_call_id']}): {entry['content']}"}
-
-
 def render_chat(
-    apply_template: Callable[[list[dict]], str], messages: Sequence[BaseMessage]
+    apply_template: Callable[..., str],
+    chat_template: str | None,
+    messages: Sequence[BaseMessage],
+    tools: list[dict] | None = None,
 ) -> str:
-    """The prompt text for `messages`. A template that rejects the `tool` role (it raises, as
-    many do for roles they do not know) gets tool results as user turns with a clear prefix."""
-    dicts = to_chat_dicts(messages)
-    try:
-        return apply_template(dicts)
-    except TemplateError:
-        if not any(d["role"] == "tool" for d in dicts):
-            raise
-        return apply_template([_tool_as_user(d) for d in dicts])
+    """The prompt text for `messages`, with `tools` (OpenAI function specs) described."""
+    return render_tool_chat(apply_template, chat_template, to_chat_dicts(messages), tools)

@@ -13,7 +13,8 @@ import collections
 import dataclasses
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing, closing
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.llms.generic_utils import (
     messages_to_prompt as generic_messages_to_prompt,
@@ -30,10 +31,12 @@ from llama_index.core.base.llms.types import (
     LogProb,
     MessageRole,
     TextBlock,
+    ToolCallBlock,
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.llm import LLM, default_completion_to_prompt
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
 
 from paged_backend.adapters import (
     SAMPLING_FIELDS,
@@ -45,9 +48,20 @@ from paged_backend.async_engine import AsyncEngine
 from paged_backend.model_loader import DEFAULT_MODEL_NAME, resolve_model_path
 from paged_backend.outputs import CompletionOutput, RequestOutput
 from paged_backend.sampling_params import SamplingParams
+from paged_backend.tool_calling import (
+    ParsedOutput,
+    ToolCallParser,
+    collect_calls,
+    parse_tool_calls,
+    pop_tool_request,
+    render_tool_chat,
+)
+
+if TYPE_CHECKING:
+    from llama_index.core.tools.types import BaseTool
 
 
-class PagedLLM(LLM):
+class PagedLLM(FunctionCallingLLM):
     """LlamaIndex chat/completion model on the embedded paged-backend engine.
 
     Construction is cheap: the engine for (`model`, `engine_args`) starts on first use and is
@@ -58,6 +72,11 @@ class PagedLLM(LLM):
     Sampling uses vLLM's names: `temperature` defaults to 0.1 (LlamaIndex's usual low value for
     grounded answers), fields left at None take the engine's defaults, any other
     `SamplingParams` field goes in `additional_kwargs`, and every field can be set per call.
+
+    Function calling (`chat_with_tools`, `predict_and_call`, function-mode `structured_predict`,
+    `FunctionAgent`): tool calls are constrained to valid calls of the given tools; with
+    `tool_required=True` (structured programs) or a `tool_choice` the reply is only calls.
+    Small models rarely decide to call a tool on their own: give agents `initial_tool_choice`.
     """
 
     model: str | None = Field(
@@ -109,6 +128,7 @@ class PagedLLM(LLM):
             context_window=context_window,
             num_output=self.max_tokens,
             is_chat_model=True,
+            is_function_calling_model=True,
             model_name=model_name,
         )
 
@@ -140,7 +160,9 @@ class PagedLLM(LLM):
             raise ValueError(f"n must be 1 (a LlamaIndex response holds one text), got {params.n}")
         return params
 
-    def _chat_prompt(self, messages: Sequence[ChatMessage]) -> tuple[str, bool]:
+    def _chat_prompt(
+        self, messages: Sequence[ChatMessage], tools: list[dict] | None = None
+    ) -> tuple[str, bool]:
         """(prompt, add_special_tokens): the chat template already holds any special tokens."""
         messages = list(messages)
         # predict() and the structured programs add `system_prompt` themselves; add it once.
@@ -148,9 +170,14 @@ class PagedLLM(LLM):
             m.role == MessageRole.SYSTEM and m.content == self.system_prompt for m in messages
         ):
             messages = self._extend_messages(messages)
-        if self.messages_to_prompt is not generic_messages_to_prompt:
+        if self.messages_to_prompt is not generic_messages_to_prompt and not tools:
             return self.messages_to_prompt(messages), True
-        return self.engine.apply_chat_template([_message_dict(m) for m in messages]), False
+        engine = self.engine
+        dicts = [_message_dict(m) for m in messages]
+        prompt = render_tool_chat(
+            engine.apply_chat_template, engine.tokenizer.chat_template, dicts, tools
+        )
+        return prompt, False
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> tuple[str, bool]:
         if formatted:
@@ -192,17 +219,18 @@ class PagedLLM(LLM):
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseGen:
         outputs = self._stream(self._completion_prompt(prompt, formatted), kwargs)
-        return _convert(outputs, _completion_response)
+        return _convert(outputs, partial(_completion_response, stream=True))
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        outputs = self._stream(self._chat_prompt(messages), kwargs)
-        return _chat_response(_last(outputs), stream=False)
+        prompt, kwargs, with_tools = self._chat_request(messages, kwargs)
+        out = _last(self._stream(prompt, kwargs))
+        return _chat_response(out, parse_tool_calls(out.outputs[0].text) if with_tools else None)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        outputs = self._stream(self._chat_prompt(messages), kwargs)
-        return _convert(outputs, _chat_response)
+        prompt, kwargs, with_tools = self._chat_request(messages, kwargs)
+        return _convert(self._stream(prompt, kwargs), _ChatStream(with_tools))
 
     @llm_completion_callback()
     async def acomplete(
@@ -216,27 +244,100 @@ class PagedLLM(LLM):
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
         outputs = self._astream(self._completion_prompt(prompt, formatted), kwargs)
-        return _aconvert(outputs, _completion_response)
+        return _aconvert(outputs, partial(_completion_response, stream=True))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        outputs = self._astream(self._chat_prompt(messages), kwargs)
-        return _chat_response(await _alast(outputs), stream=False)
+        prompt, kwargs, with_tools = self._chat_request(messages, kwargs)
+        out = await _alast(self._astream(prompt, kwargs))
+        return _chat_response(out, parse_tool_calls(out.outputs[0].text) if with_tools else None)
 
     @llm_chat_callback()
     async def astream_chat(
         self, messages: Sequence[ChatMessage], **kwargs: Any
     ) -> ChatResponseAsyncGen:
-        outputs = self._astream(self._chat_prompt(messages), kwargs)
-        return _aconvert(outputs, _chat_response)
+        prompt, kwargs, with_tools = self._chat_request(messages, kwargs)
+        return _aconvert(self._astream(prompt, kwargs), _ChatStream(with_tools))
+
+    # ---- function calling ------------------------------------------------------------------
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[BaseTool],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: str | dict | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """`chat` arguments for a turn with tools. `tool_choice` ("auto", "required", "none" or
+        a tool name) overrides `tool_required`."""
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            if isinstance(user_msg, str):
+                user_msg = ChatMessage(role=MessageRole.USER, content=user_msg)
+            messages.append(user_msg)
+        if not tools:
+            return {"messages": messages, **kwargs}
+        return {
+            "messages": messages,
+            "tools": [t.metadata.to_openai_tool(skip_length_check=True) for t in tools],
+            "tool_choice": tool_choice or ("required" if tool_required else "auto"),
+            "parallel_tool_calls": allow_parallel_tool_calls,
+            **kwargs,
+        }
+
+    def get_tool_calls_from_response(
+        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
+    ) -> list[ToolSelection]:
+        """The calls of a `chat_with_tools` reply (also of each streamed response so far)."""
+        calls = [
+            ToolSelection(
+                tool_id=block.tool_call_id or "",
+                tool_name=block.tool_name,
+                tool_kwargs=block.tool_kwargs,
+            )
+            for block in response.message.blocks
+            if isinstance(block, ToolCallBlock)
+        ]
+        if not calls and error_on_no_tool_call:
+            raise ValueError(
+                f"expected a tool call, the model answered {response.message.content!r}"
+            )
+        return calls
+
+    def _chat_request(
+        self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
+    ) -> tuple[tuple[str, bool], dict[str, Any], bool]:
+        """(prompt, sampling kwargs, whether tools were given): tools leave the kwargs as a
+        call constraint and a description in the prompt."""
+        kwargs = dict(kwargs)
+        tools = pop_tool_request(kwargs)
+        return self._chat_prompt(messages, tools), kwargs, tools is not None
 
 
 # ---- engine outputs -> LlamaIndex responses ------------------------------------------------
-def _message_dict(message: ChatMessage) -> dict[str, str]:
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    """Role/content dict; tool calls (blocks, or OpenAI-style `additional_kwargs`) and a tool
+    result's `tool_call_id` go along for the chat template."""
+    calls = []
     for block in message.blocks:
-        if not isinstance(block, TextBlock):
+        if isinstance(block, ToolCallBlock):
+            calls.append(
+                {"id": block.tool_call_id, "name": block.tool_name, "arguments": block.tool_kwargs}
+            )
+        elif not isinstance(block, TextBlock):
             raise ValueError(f"PagedLLM accepts text messages only, got a {type(block).__name__}")
-    return {"role": message.role.value, "content": message.content or ""}
+    for call in message.additional_kwargs.get("tool_calls") or []:
+        function = call["function"]
+        calls.append({"id": call.get("id"), **function})
+    entry: dict[str, Any] = {"role": message.role.value, "content": message.content or ""}
+    if calls:
+        entry["tool_calls"] = calls
+    if message.role == MessageRole.TOOL:
+        entry["tool_call_id"] = message.additional_kwargs.get("tool_call_id")
+    return entry
 
 
 def _last(outputs: Iterator[RequestOutput]) -> RequestOutput:
@@ -249,18 +350,18 @@ async def _alast(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     return last
 
 
-def _convert(outputs: Iterator[RequestOutput], respond: Callable[..., Any]) -> Iterator:
+def _convert(outputs: Iterator[RequestOutput], respond: Callable[[RequestOutput], Any]) -> Iterator:
     with closing(outputs):  # a consumer that stops early aborts the request
         for out in outputs:
-            yield respond(out, stream=True)
+            yield respond(out)
 
 
 async def _aconvert(
-    outputs: AsyncIterator[RequestOutput], respond: Callable[..., Any]
+    outputs: AsyncIterator[RequestOutput], respond: Callable[[RequestOutput], Any]
 ) -> AsyncIterator:
     async with aclosing(outputs):
         async for out in outputs:
-            yield respond(out, stream=True)
+            yield respond(out)
 
 
 def _raw(out: RequestOutput) -> dict[str, Any]:
@@ -310,11 +411,43 @@ def _completion_response(out: RequestOutput, stream: bool) -> CompletionResponse
     )
 
 
-def _chat_response(out: RequestOutput, stream: bool) -> ChatResponse:
+def _chat_response(
+    out: RequestOutput, parsed: ParsedOutput | None, delta: str | None = None
+) -> ChatResponse:
+    """A reply (a stream chunk when `delta` is given); with `parsed`, its content and its
+    calls as `ToolCallBlock`s."""
     completion = out.outputs[0]
+    blocks: list[Any] = [TextBlock(text=completion.text if parsed is None else parsed.content)]
+    if parsed is not None:
+        blocks += [
+            ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments)
+            for c in parsed.tool_calls
+        ]
     return ChatResponse(
-        message=ChatMessage(role=MessageRole.ASSISTANT, content=completion.text),
-        delta=completion.delta_text if stream else None,
+        message=ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks),
+        delta=delta,
         raw=_raw(out),
-        logprobs=_logprobs(completion, stream),
+        logprobs=_logprobs(completion, stream=delta is not None),
     )
+
+
+class _ChatStream:
+    """Engine outputs of one chat stream -> responses with the new text as `delta`; with
+    tools, the text of calls is left out of it and the calls complete so far are blocks."""
+
+    def __init__(self, with_tools: bool) -> None:
+        self.parser = ToolCallParser() if with_tools else None
+        self.content = ""
+        self.deltas: list = []
+
+    def __call__(self, out: RequestOutput) -> ChatResponse:
+        text = out.outputs[0].delta_text
+        if self.parser is None:
+            return _chat_response(out, None, delta=text)
+        text, deltas = self.parser.feed(text)
+        if out.finished:
+            tail, more = self.parser.finish()
+            text, deltas = text + tail, deltas + more
+        self.content += text
+        self.deltas += deltas
+        return _chat_response(out, collect_calls(self.content, self.deltas), delta=text)
