@@ -17,7 +17,7 @@ from paged_backend import get_engine, release_engine
 ENGINE_ARGS = {"num_kv_blocks": 512}
 # Short greedy answers: a quick suite that sees the same text on every run. Long enough for a
 # whole tool call or JSON object: one cut off at max_tokens cannot parse.
-SAMPLING = {"temperature": 0, "max_tokens": 96}
+SAMPLING = {"temperature": 0, "max_tokens": 64}
 
 
 class PagedChatTestConfig:
