@@ -109,8 +109,8 @@ CHAT_TURNS = [
 class Ours:
     name = "paged-backend"
 
-    def __init__(self, dtype: str) -> None:
-        self.engine = LLMEngine(EngineConfig(dtype=dtype))
+    def __init__(self, dtype: str, quantization: str | None = None) -> None:
+        self.engine = LLMEngine(EngineConfig(dtype=dtype, quantization=quantization))
         self.tokenizer = self.engine.tokenizer
         self.decode_steps: list[tuple[int, float]] = []  # (batch size, seconds), decode-only
         self.kv_usage: list[float] = []
@@ -306,12 +306,15 @@ def main() -> None:
     )
     parser.add_argument("--hf-dtype", default="float32", help="transformers' CPU default")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--quantization", default=None, help="our weight quantization: int8 (small decode steps)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     workloads = args.workloads.split(",")
     wanted = set(args.engines.split(","))
 
-    ours = Ours(args.dtype)
+    ours = Ours(args.dtype, args.quantization)
     tok = ours.tokenizer
     run_chat.tokenizer = tok
     prompts = {
@@ -325,6 +328,7 @@ def main() -> None:
     results: dict = {
         "config": {
             "dtype": str(ours.engine.runner.dtype),
+            "quantization": args.quantization,
             "threads": torch.get_num_threads(),
             "hf_dtype": args.hf_dtype,
             "matmul_peak_gflops": peak,
@@ -397,7 +401,8 @@ def main() -> None:
 def print_table(results: dict, workloads: list[str]) -> None:
     c = results["config"]
     print(
-        f"dtype {c['dtype']} (transformers {c['hf_dtype']}), {c['threads']} threads, "
+        f"dtype {c['dtype']} (quantization {c['quantization']}; transformers {c['hf_dtype']}), "
+        f"{c['threads']} threads, "
         f"bf16 matmul peak {c['matmul_peak_gflops']:.0f} GFLOP/s, "
         f"peak RSS ours {results['peak_rss_mb_ours']:.0f} MB"
     )

@@ -74,13 +74,18 @@ class _KernelsFinder(importlib.abc.MetaPathFinder):
     """Finds `paged_backend.kernels` in kernels/ when the package is not installed."""
 
     def find_spec(
-        self, fullname: str, path: Sequence[str] | None = None, target: object = None,
+        self,
+        fullname: str,
+        path: Sequence[str] | None = None,
+        target: object = None,
     ) -> ModuleSpec | None:
         if fullname != "paged_backend.kernels":
             return None
         kernels = REPO / "kernels"
         return importlib.util.spec_from_file_location(
-            fullname, kernels / "__init__.py", submodule_search_locations=[str(kernels)],
+            fullname,
+            kernels / "__init__.py",
+            submodule_search_locations=[str(kernels)],
         )
 
 
@@ -266,16 +271,33 @@ def parse_pytest_counts(output: str) -> dict[str, int]:
 def run_kernel_tests(timeout_s: float, pytest_args: Sequence[str] = ()) -> dict[str, object]:
     """`python -m pytest -q tests/test_kernels.py` against this checkout, compiled on the GPU."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-c", PYTEST_BOOTSTRAP, str(Path(__file__).resolve()),
-           "-q", "-p", "no:cacheprovider", "tests/test_kernels.py", *pytest_args]
+    cmd = [
+        sys.executable,
+        "-c",
+        PYTEST_BOOTSTRAP,
+        str(Path(__file__).resolve()),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "tests/test_kernels.py",
+        *pytest_args,
+    ]
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=timeout_s, check=False)
+        proc = subprocess.run(
+            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
-        return {"returncode": None, "timed_out": True, "seconds": timeout_s, "counts": {},
-                "ok": False, "failures": [], "output_tail": out[-4000:]}
+        return {
+            "returncode": None,
+            "timed_out": True,
+            "seconds": timeout_s,
+            "counts": {},
+            "ok": False,
+            "failures": [],
+            "output_tail": out[-4000:],
+        }
     output = proc.stdout + proc.stderr
     counts = parse_pytest_counts(proc.stdout)
     failures = [line for line in output.splitlines() if line.startswith(("FAILED", "ERROR"))]
@@ -329,7 +351,9 @@ class AttentionCase:
 def attention_cases() -> list[AttentionCase]:
     cases = [
         AttentionCase("decode", shape, batch, ctx - 1, 1)
-        for shape in SHAPES for batch in DECODE_BATCHES for ctx in DECODE_CONTEXTS
+        for shape in SHAPES
+        for batch in DECODE_BATCHES
+        for ctx in DECODE_CONTEXTS
     ]
     for shape in SHAPES:
         cases.append(AttentionCase("prefill", shape, 4, 0, 1024))
@@ -363,8 +387,7 @@ def make_paged_inputs(case: AttentionCase) -> PagedInputs:
         k_cache=torch.randn(cache_shape, dtype=DTYPE, device=DEVICE),
         v_cache=torch.randn(cache_shape, dtype=DTYPE, device=DEVICE),
         block_tables=list(tables.unbind(0)),
-        query_start_loc=torch.arange(0, num_tokens + 1, case.new, dtype=torch.int32,
-                                     device=DEVICE),
+        query_start_loc=torch.arange(0, num_tokens + 1, case.new, dtype=torch.int32, device=DEVICE),
         seq_lens=torch.full((case.num_seqs,), case.seq_len, dtype=torch.int32, device=DEVICE),
     )
 
@@ -384,28 +407,43 @@ def visible_mask(case: AttentionCase) -> torch.Tensor:
     return key_pos[None, :] <= query_pos[:, None]
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: AttentionCase,
-         mask: torch.Tensor | None) -> torch.Tensor:
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    case: AttentionCase,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
     """torch SDPA over gathered K/V; q [num_seqs * new, H, D] -> the same shape."""
     s = case.shape
     q4 = q.view(case.num_seqs, case.new, s.num_heads, s.head_dim).transpose(1, 2)
     # is_causal aligns the mask top-left: right for a prefill without a cached prefix only.
     causal = mask is None and case.new > 1
     out = F.scaled_dot_product_attention(
-        q4, k, v, attn_mask=mask, is_causal=causal, enable_gqa=s.num_heads != s.num_kv_heads,
+        q4,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=causal,
+        enable_gqa=s.num_heads != s.num_kv_heads,
     )
     return out.transpose(1, 2).reshape(q.shape)
 
 
-def reference_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  case: AttentionCase) -> torch.Tensor:
+def reference_f64(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: AttentionCase
+) -> torch.Tensor:
     """Causal attention in float64 with plain matmul + softmax, for the agreement check."""
     s = case.shape
     group = s.num_heads // s.num_kv_heads
     n, new, kvh, d = case.num_seqs, case.new, s.num_kv_heads, s.head_dim
     # Query head h = kv_head * group + g; rows of one KV head ordered (g, query position).
-    q64 = q.double().view(n, new, kvh, group, d).permute(0, 2, 3, 1, 4).reshape(
-        n, kvh, group * new, d)
+    q64 = (
+        q.double()
+        .view(n, new, kvh, group, d)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(n, kvh, group * new, d)
+    )
     scores = q64 @ k.double().transpose(-1, -2) * d**-0.5  # [n, kvh, group * new, seq_len]
     scores.masked_fill_(~visible_mask(case).repeat(group, 1), float("-inf"))
     out = scores.softmax(-1) @ v.double()  # [n, kvh, group * new, d]
@@ -424,14 +462,23 @@ def bench_attention(case: AttentionCase, opts: TimingOptions, peak_tbps: float) 
 
     def kernel(i: int) -> torch.Tensor:
         return unified_attention(
-            inputs.q, inputs.k_cache, inputs.v_cache, out, inputs.query_start_loc,
-            inputs.seq_lens, inputs.block_tables[i], scale, max_query_len=case.new,
+            inputs.q,
+            inputs.k_cache,
+            inputs.v_cache,
+            out,
+            inputs.query_start_loc,
+            inputs.seq_lens,
+            inputs.block_tables[i],
+            scale,
+            max_query_len=case.new,
         )
 
     def gather(i: int) -> tuple[torch.Tensor, torch.Tensor]:
         table = inputs.block_tables[i]
-        return (gather_kv(inputs.k_cache, table, case.seq_len),
-                gather_kv(inputs.v_cache, table, case.seq_len))
+        return (
+            gather_kv(inputs.k_cache, table, case.seq_len),
+            gather_kv(inputs.v_cache, table, case.seq_len),
+        )
 
     def torch_path(i: int) -> torch.Tensor:
         return sdpa(inputs.q, *gather(i), case, mask)
@@ -454,30 +501,53 @@ def bench_attention(case: AttentionCase, opts: TimingOptions, peak_tbps: float) 
     t_torch = time_op(torch_path, num_sets, opts)
     t_gather = time_op(gather, num_sets, opts)
     t_sdpa = time_op(sdpa_only, num_sets, opts)
-    return finish(Row(
-        section=case.section, case=case.name,
-        kernel_ms=t_kernel.ms, torch_ms=t_torch.ms, gather_ms=t_gather.ms, sdpa_ms=t_sdpa.ms,
-        kernel_eager_ms=t_kernel.eager_ms, torch_eager_ms=t_torch.eager_ms,
-        timing=timing_mode(t_kernel, t_torch, t_gather, t_sdpa),
-        nbytes=case.kv_bytes, flops=case.flops,
-        max_abs_diff=max_abs_diff, kernel_err_f64=kernel_err, torch_err_f64=torch_err, ok=ok,
-        extra={"input_sets": num_sets, "num_seqs": case.num_seqs, "prefix": case.prefix,
-               "new_tokens": case.new, "gather_eager_ms": t_gather.eager_ms,
-               "sdpa_eager_ms": t_sdpa.eager_ms},
-    ), peak_tbps)
+    return finish(
+        Row(
+            section=case.section,
+            case=case.name,
+            kernel_ms=t_kernel.ms,
+            torch_ms=t_torch.ms,
+            gather_ms=t_gather.ms,
+            sdpa_ms=t_sdpa.ms,
+            kernel_eager_ms=t_kernel.eager_ms,
+            torch_eager_ms=t_torch.eager_ms,
+            timing=timing_mode(t_kernel, t_torch, t_gather, t_sdpa),
+            nbytes=case.kv_bytes,
+            flops=case.flops,
+            max_abs_diff=max_abs_diff,
+            kernel_err_f64=kernel_err,
+            torch_err_f64=torch_err,
+            ok=ok,
+            extra={
+                "input_sets": num_sets,
+                "num_seqs": case.num_seqs,
+                "prefix": case.prefix,
+                "new_tokens": case.new,
+                "gather_eager_ms": t_gather.eager_ms,
+                "sdpa_eager_ms": t_sdpa.eager_ms,
+            },
+        ),
+        peak_tbps,
+    )
 
 
 # ---- reshape_and_cache and the fused kernels --------------------------------------------------
-def cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
+def cache_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """What the torch backend does: index_copy_ into the flattened slots."""
     kvh, d = k.shape[1:]
     k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
 
 
-def bench_reshape_and_cache(shape: ModelShape, num_tokens: int, opts: TimingOptions,
-                            peak_tbps: float) -> Row:
+def bench_reshape_and_cache(
+    shape: ModelShape, num_tokens: int, opts: TimingOptions, peak_tbps: float
+) -> Row:
     from paged_backend.kernels.cache import reshape_and_cache
 
     torch.manual_seed(SEED)
@@ -487,13 +557,16 @@ def bench_reshape_and_cache(shape: ModelShape, num_tokens: int, opts: TimingOpti
     num_blocks = cdiv(2 * num_sets * num_tokens, BLOCK_SIZE)  # half the slots get written
     slots = torch.randperm(num_blocks * BLOCK_SIZE, device=DEVICE)[: num_sets * num_tokens]
     sets = [
-        (torch.randn(num_tokens, kvh, d, dtype=DTYPE, device=DEVICE),
-         torch.randn(num_tokens, kvh, d, dtype=DTYPE, device=DEVICE),
-         slots[i * num_tokens : (i + 1) * num_tokens])
+        (
+            torch.randn(num_tokens, kvh, d, dtype=DTYPE, device=DEVICE),
+            torch.randn(num_tokens, kvh, d, dtype=DTYPE, device=DEVICE),
+            slots[i * num_tokens : (i + 1) * num_tokens],
+        )
         for i in range(num_sets)
     ]
-    caches = [torch.zeros(num_blocks, BLOCK_SIZE, kvh, d, dtype=DTYPE, device=DEVICE)
-              for _ in range(4)]  # kernel K, V; reference K, V
+    caches = [
+        torch.zeros(num_blocks, BLOCK_SIZE, kvh, d, dtype=DTYPE, device=DEVICE) for _ in range(4)
+    ]  # kernel K, V; reference K, V
 
     def kernel(i: int) -> None:
         k, v, slot_mapping = sets[i]
@@ -509,33 +582,59 @@ def bench_reshape_and_cache(shape: ModelShape, num_tokens: int, opts: TimingOpti
     ok = torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     t_kernel = time_op(kernel, num_sets, opts)
     t_torch = time_op(reference, num_sets, opts)
-    return finish(Row(
-        section="cache", case=f"reshape_and_cache {shape.name} T{num_tokens}",
-        kernel_ms=t_kernel.ms, torch_ms=t_torch.ms,
-        kernel_eager_ms=t_kernel.eager_ms, torch_eager_ms=t_torch.eager_ms,
-        timing=timing_mode(t_kernel, t_torch), nbytes=2 * new_kv_bytes,
-        max_abs_diff=diff, ok=ok, extra={"input_sets": num_sets},
-    ), peak_tbps)
+    return finish(
+        Row(
+            section="cache",
+            case=f"reshape_and_cache {shape.name} T{num_tokens}",
+            kernel_ms=t_kernel.ms,
+            torch_ms=t_torch.ms,
+            kernel_eager_ms=t_kernel.eager_ms,
+            torch_eager_ms=t_torch.eager_ms,
+            timing=timing_mode(t_kernel, t_torch),
+            nbytes=2 * new_kv_bytes,
+            max_abs_diff=diff,
+            ok=ok,
+            extra={"input_sets": num_sets},
+        ),
+        peak_tbps,
+    )
 
 
 def bench_pair(
-    section: str, case: str, kernel: Callable[[int], Tensors], reference: Callable[[int], Tensors],
-    num_sets: int, nbytes: int, opts: TimingOptions, peak_tbps: float,
+    section: str,
+    case: str,
+    kernel: Callable[[int], Tensors],
+    reference: Callable[[int], Tensors],
+    num_sets: int,
+    nbytes: int,
+    opts: TimingOptions,
+    peak_tbps: float,
 ) -> Row:
     """Time a kernel and its torch reference over the same input sets; compare on set 0."""
     diff, ok = compare(kernel(0), reference(0), **FUSED_TOL)
     t_kernel = time_op(kernel, num_sets, opts)
     t_torch = time_op(reference, num_sets, opts)
-    return finish(Row(
-        section=section, case=case, kernel_ms=t_kernel.ms, torch_ms=t_torch.ms,
-        kernel_eager_ms=t_kernel.eager_ms, torch_eager_ms=t_torch.eager_ms,
-        timing=timing_mode(t_kernel, t_torch), nbytes=nbytes, max_abs_diff=diff, ok=ok,
-        extra={"input_sets": num_sets},
-    ), peak_tbps)
+    return finish(
+        Row(
+            section=section,
+            case=case,
+            kernel_ms=t_kernel.ms,
+            torch_ms=t_torch.ms,
+            kernel_eager_ms=t_kernel.eager_ms,
+            torch_eager_ms=t_torch.eager_ms,
+            timing=timing_mode(t_kernel, t_torch),
+            nbytes=nbytes,
+            max_abs_diff=diff,
+            ok=ok,
+            extra={"input_sets": num_sets},
+        ),
+        peak_tbps,
+    )
 
 
-def bench_rms_norm(shape: ModelShape, num_tokens: int, opts: TimingOptions,
-                   peak_tbps: float) -> Row:
+def bench_rms_norm(
+    shape: ModelShape, num_tokens: int, opts: TimingOptions, peak_tbps: float
+) -> Row:
     from paged_backend.kernels.fused import rms_norm, rms_norm_ref
 
     torch.manual_seed(SEED)
@@ -543,14 +642,22 @@ def bench_rms_norm(shape: ModelShape, num_tokens: int, opts: TimingOptions,
     nbytes = 4 * num_tokens * shape.hidden * DTYPE.itemsize  # x, residual in; out, sum out
     num_sets = input_sets(nbytes)
     weight = (1 + 0.1 * torch.randn(shape.hidden, device=DEVICE)).to(DTYPE)
-    sets = [(torch.randn(num_tokens, shape.hidden, dtype=DTYPE, device=DEVICE),
-             torch.randn(num_tokens, shape.hidden, dtype=DTYPE, device=DEVICE))
-            for _ in range(num_sets)]
+    sets = [
+        (
+            torch.randn(num_tokens, shape.hidden, dtype=DTYPE, device=DEVICE),
+            torch.randn(num_tokens, shape.hidden, dtype=DTYPE, device=DEVICE),
+        )
+        for _ in range(num_sets)
+    ]
     return bench_pair(
-        "fused", f"rms_norm+residual {shape.name} T{num_tokens}",
+        "fused",
+        f"rms_norm+residual {shape.name} T{num_tokens}",
         lambda i: rms_norm(sets[i][0], weight, eps, sets[i][1]),
         lambda i: rms_norm_ref(sets[i][0], weight, eps, sets[i][1]),
-        num_sets, nbytes + shape.hidden * DTYPE.itemsize, opts, peak_tbps,
+        num_sets,
+        nbytes + shape.hidden * DTYPE.itemsize,
+        opts,
+        peak_tbps,
     )
 
 
@@ -563,39 +670,53 @@ def rope_tables(num_tokens: int, head_dim: int) -> tuple[torch.Tensor, torch.Ten
     return emb.cos().to(DTYPE), emb.sin().to(DTYPE)
 
 
-def bench_rotary(shape: ModelShape, num_tokens: int, opts: TimingOptions,
-                 peak_tbps: float) -> Row:
+def bench_rotary(shape: ModelShape, num_tokens: int, opts: TimingOptions, peak_tbps: float) -> Row:
     from paged_backend.kernels.fused import rotary_embedding, rotary_embedding_ref
 
     torch.manual_seed(SEED)
     x_bytes = num_tokens * shape.num_heads * shape.head_dim * DTYPE.itemsize
     nbytes = 2 * x_bytes + 2 * num_tokens * shape.head_dim * DTYPE.itemsize  # x, out; cos, sin
     num_sets = input_sets(nbytes)
-    sets = [(torch.randn(num_tokens, shape.num_heads, shape.head_dim, dtype=DTYPE,
-                         device=DEVICE), *rope_tables(num_tokens, shape.head_dim))
-            for _ in range(num_sets)]
+    sets = [
+        (
+            torch.randn(num_tokens, shape.num_heads, shape.head_dim, dtype=DTYPE, device=DEVICE),
+            *rope_tables(num_tokens, shape.head_dim),
+        )
+        for _ in range(num_sets)
+    ]
     return bench_pair(
-        "fused", f"rotary q {shape.name} T{num_tokens}",
+        "fused",
+        f"rotary q {shape.name} T{num_tokens}",
         lambda i: rotary_embedding(*sets[i]),
         lambda i: rotary_embedding_ref(*sets[i]),
-        num_sets, nbytes, opts, peak_tbps,
+        num_sets,
+        nbytes,
+        opts,
+        peak_tbps,
     )
 
 
-def bench_silu_and_mul(shape: ModelShape, num_tokens: int, opts: TimingOptions,
-                       peak_tbps: float) -> Row:
+def bench_silu_and_mul(
+    shape: ModelShape, num_tokens: int, opts: TimingOptions, peak_tbps: float
+) -> Row:
     from paged_backend.kernels.fused import silu_and_mul, silu_and_mul_ref
 
     torch.manual_seed(SEED)
     nbytes = 3 * num_tokens * shape.intermediate * DTYPE.itemsize  # gate, up in; out
     num_sets = input_sets(nbytes)
-    sets = [torch.randn(num_tokens, 2 * shape.intermediate, dtype=DTYPE, device=DEVICE)
-            for _ in range(num_sets)]
+    sets = [
+        torch.randn(num_tokens, 2 * shape.intermediate, dtype=DTYPE, device=DEVICE)
+        for _ in range(num_sets)
+    ]
     return bench_pair(
-        "fused", f"silu_and_mul {shape.name} T{num_tokens}",
+        "fused",
+        f"silu_and_mul {shape.name} T{num_tokens}",
         lambda i: silu_and_mul(sets[i]),
         lambda i: silu_and_mul_ref(sets[i]),
-        num_sets, nbytes, opts, peak_tbps,
+        num_sets,
+        nbytes,
+        opts,
+        peak_tbps,
     )
 
 
@@ -605,11 +726,18 @@ def bench_copy(opts: TimingOptions, peak_tbps: float) -> Row:
     src = torch.randn(2**29, dtype=DTYPE, device=DEVICE)
     dst = torch.empty_like(src)
     timing = time_op(lambda _: dst.copy_(src), 1, opts)
-    return finish(Row(
-        section="copy", case="d2d copy 1 GiB", kernel_ms=timing.ms,
-        kernel_eager_ms=timing.eager_ms, timing=timing.mode,
-        nbytes=2 * src.numel() * src.element_size(), ok=True,
-    ), peak_tbps)
+    return finish(
+        Row(
+            section="copy",
+            case="d2d copy 1 GiB",
+            kernel_ms=timing.ms,
+            kernel_eager_ms=timing.eager_ms,
+            timing=timing.mode,
+            nbytes=2 * src.numel() * src.element_size(),
+            ok=True,
+        ),
+        peak_tbps,
+    )
 
 
 def finish(row: Row, peak_tbps: float) -> Row:
@@ -640,19 +768,32 @@ def section_jobs(section: str) -> list[tuple[str, Callable[[TimingOptions, float
     elif section == "cache":
         for shape in SHAPES:
             for tokens in TOKENS:
-                jobs.append((f"reshape_and_cache {shape.name} T{tokens}",
-                             lambda o, p, s=shape, t=tokens: bench_reshape_and_cache(s, t, o, p)))
+                jobs.append(
+                    (
+                        f"reshape_and_cache {shape.name} T{tokens}",
+                        lambda o, p, s=shape, t=tokens: bench_reshape_and_cache(s, t, o, p),
+                    )
+                )
     elif section == "fused":
         for bench in (bench_rms_norm, bench_rotary, bench_silu_and_mul):
             for shape in SHAPES:
                 for tokens in TOKENS:
-                    jobs.append((f"{bench.__name__} {shape.name} T{tokens}",
-                                 lambda o, p, b=bench, s=shape, t=tokens: b(s, t, o, p)))
+                    jobs.append(
+                        (
+                            f"{bench.__name__} {shape.name} T{tokens}",
+                            lambda o, p, b=bench, s=shape, t=tokens: b(s, t, o, p),
+                        )
+                    )
     return jobs
 
 
-def run_job(section: str, label: str, job: Callable[[TimingOptions, float], Row],
-            opts: TimingOptions, peak_tbps: float) -> Row:
+def run_job(
+    section: str,
+    label: str,
+    job: Callable[[TimingOptions, float], Row],
+    opts: TimingOptions,
+    peak_tbps: float,
+) -> Row:
     """One case; an exception becomes a failed row, so that the other cases still run."""
     try:
         row = job(opts, peak_tbps)
@@ -689,9 +830,11 @@ def fmt(value: float | None, spec: str) -> str:
 
 
 def print_table(rows: list[Row], peak_tbps: float) -> None:
-    header = (f"{'section':8} {'case':32} {'kern ms':>9} {'torch ms':>9} {'gath ms':>8} "
-              f"{'sdpa ms':>8} {'x':>5} {'GB/s':>6} {'%peak':>5} {'TFLOP/s':>7} "
-              f"{'|k-t|':>7} {'k err':>7} {'t err':>7} ok")
+    header = (
+        f"{'section':8} {'case':32} {'kern ms':>9} {'torch ms':>9} {'gath ms':>8} "
+        f"{'sdpa ms':>8} {'x':>5} {'GB/s':>6} {'%peak':>5} {'TFLOP/s':>7} "
+        f"{'|k-t|':>7} {'k err':>7} {'t err':>7} ok"
+    )
     print(f"\n{header}\n{'-' * len(header)}")
     for r in rows:
         if r.error:
@@ -699,14 +842,18 @@ def print_table(rows: list[Row], peak_tbps: float) -> None:
             continue
         speedup = r.torch_ms / r.kernel_ms if r.torch_ms and r.kernel_ms else None
         peak = r.peak_frac * 100 if r.peak_frac is not None else None
-        print(f"{r.section:8} {r.case:32} {fmt(r.kernel_ms, '9.4f')} {fmt(r.torch_ms, '9.4f')} "
-              f"{fmt(r.gather_ms, '8.4f')} {fmt(r.sdpa_ms, '8.4f')} {fmt(speedup, '5.2f')} "
-              f"{fmt(r.gbps, '6.0f')} {fmt(peak, '5.1f')} {fmt(r.tflops, '7.1f')} "
-              f"{fmt(r.max_abs_diff, '7.1e')} {fmt(r.kernel_err_f64, '7.1e')} "
-              f"{fmt(r.torch_err_f64, '7.1e')} {'yes' if r.ok else 'NO'}")
-    print(f"x: torch ms / kernel ms. GB/s: the op's fewest bytes (attention: K/V read once) / "
-          f"kernel time; %peak of {peak_tbps} TB/s. TFLOP/s: causal attention FLOPs / kernel "
-          f"time. |k-t|: kernel vs torch; k err, t err: vs a float64 reference.")
+        print(
+            f"{r.section:8} {r.case:32} {fmt(r.kernel_ms, '9.4f')} {fmt(r.torch_ms, '9.4f')} "
+            f"{fmt(r.gather_ms, '8.4f')} {fmt(r.sdpa_ms, '8.4f')} {fmt(speedup, '5.2f')} "
+            f"{fmt(r.gbps, '6.0f')} {fmt(peak, '5.1f')} {fmt(r.tflops, '7.1f')} "
+            f"{fmt(r.max_abs_diff, '7.1e')} {fmt(r.kernel_err_f64, '7.1e')} "
+            f"{fmt(r.torch_err_f64, '7.1e')} {'yes' if r.ok else 'NO'}"
+        )
+    print(
+        f"x: torch ms / kernel ms. GB/s: the op's fewest bytes (attention: K/V read once) / "
+        f"kernel time; %peak of {peak_tbps} TB/s. TFLOP/s: causal attention FLOPs / kernel "
+        f"time. |k-t|: kernel vs torch; k err, t err: vs a float64 reference."
+    )
 
 
 def device_info() -> dict[str, object]:
@@ -734,17 +881,26 @@ def write_json(path: Path | None, report: dict[str, object]) -> None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write every figure to this JSON file")
-    parser.add_argument("--allow-no-gpu", action="store_true",
-                        help="exit 0 (not 2) when torch.cuda is unavailable")
-    parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"comma-separated subset of {','.join(SECTIONS)}")
+    parser.add_argument(
+        "--allow-no-gpu", action="store_true", help="exit 0 (not 2) when torch.cuda is unavailable"
+    )
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)}",
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls first")
     parser.add_argument("--iters", type=int, default=20, help="calls per timed repetition")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
-    parser.add_argument("--peak-tbps", type=float, default=4.8,
-                        help="memory bandwidth of the datasheet, TB/s (H200: 4.8)")
-    parser.add_argument("--test-timeout", type=float, default=300.0,
-                        help="seconds for the kernel tests")
+    parser.add_argument(
+        "--peak-tbps",
+        type=float,
+        default=4.8,
+        help="memory bandwidth of the datasheet, TB/s (H200: 4.8)",
+    )
+    parser.add_argument(
+        "--test-timeout", type=float, default=300.0, help="seconds for the kernel tests"
+    )
     args = parser.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(args.sections) - set(SECTIONS))
@@ -756,8 +912,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print(f"gpu_check: torch.cuda is not available (torch {torch.__version__}): this check "
-              "needs a CUDA GPU; nothing was run.")
+        print(
+            f"gpu_check: torch.cuda is not available (torch {torch.__version__}): this check "
+            "needs a CUDA GPU; nothing was run."
+        )
         write_json(args.json, {"cuda_available": False, "torch": torch.__version__})
         return 0 if args.allow_no_gpu else 2
 
@@ -784,8 +942,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         tests = run_kernel_tests(args.test_timeout)
         tests_ok = bool(tests["ok"])
         report["tests"] = tests
-        print(f"  {tests['counts']} rc={tests['returncode']} in {tests['seconds']} s"
-              f"{'' if tests_ok else ' FAILED'}", flush=True)
+        print(
+            f"  {tests['counts']} rc={tests['returncode']} in {tests['seconds']} s"
+            f"{'' if tests_ok else ' FAILED'}",
+            flush=True,
+        )
         for line in tests["failures"]:
             print(f"  {line}")
         if not tests_ok and tests["output_tail"]:
@@ -808,8 +969,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["ok"] = all_ok
     report["elapsed_s"] = round(time.perf_counter() - started, 1)
     write_json(args.json, report)
-    print(f"\n{'all checks agree' if all_ok else 'SOME CHECKS FAILED'}; "
-          f"{report['elapsed_s']} s" + (f"; figures in {args.json}" if args.json else ""))
+    print(
+        f"\n{'all checks agree' if all_ok else 'SOME CHECKS FAILED'}; "
+        f"{report['elapsed_s']} s" + (f"; figures in {args.json}" if args.json else "")
+    )
     return 0 if all_ok else 1
 
 

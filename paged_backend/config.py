@@ -125,6 +125,7 @@ class EngineConfig:
     device: str = "auto"
     num_threads: int | None = None
     seed: int = 0
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -147,6 +148,10 @@ class EngineConfig:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
+        if self.quantization not in (None, "int8"):
+            raise ValueError(
+                f"quantization must be None or 'int8' (CPU), got {self.quantization!r}"
             )
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(

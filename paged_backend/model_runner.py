@@ -35,6 +35,11 @@ class ModelRunner:
         self, config: EngineConfig, model_config: ModelConfig, model_path: Path, max_model_len: int
     ) -> None:
         self.device = config.resolve_device()
+        if config.quantization is not None and self.device.type != "cpu":
+            raise ValueError(
+                f"quantization={config.quantization!r} is for CPU decode; the device is "
+                f"{self.device.type}"
+            )
         self.dtype = config.resolve_dtype(self.device)
         self.block_size = config.block_size
         self.backend = get_backend(
@@ -50,6 +55,8 @@ class ModelRunner:
             )
         load_safetensors(model, model_path, model.checkpoint_name_map)
         model.to(self.dtype)
+        if config.quantization == "int8":
+            model.quantize_int8_()
         self.model = model.eval().requires_grad_(False)
         self.num_blocks = self._num_blocks(config, max_model_len)
         mc = model_config
