@@ -346,6 +346,20 @@ def test_structured_predict_fills_the_model_through_a_forced_tool_call():
     assert isinstance(parsed, Pet) and 0 <= parsed.legs <= 8
 
 
+async def test_streamed_structured_predict_ends_with_the_whole_object():
+    """LlamaIndex's streaming programs leave the tool choice to the model; PagedLLM names the
+    tool, so a small model still fills the object."""
+    structured = tool_llm()
+    prompt = PromptTemplate("Extract the pet from this sentence: {text}")
+    *_, last = structured.stream_structured_predict(Pet, prompt, text="Rex is a dog, 4 legs.")
+    assert (last.name, last.legs) == ("Rex", 4)
+    stream = await structured.astream_structured_predict(
+        Pet, prompt, text="Tom is a cat with four legs."
+    )
+    parts = [p async for p in stream]
+    assert isinstance(parts[-1].name, str) and parts[-1].legs == 4
+
+
 def test_chat_with_tools_returns_calls_as_tool_selections():
     model = tool_llm()
     reply = model.chat_with_tools(TOOLS, user_msg="What is 3 plus 4?", tool_required=True)

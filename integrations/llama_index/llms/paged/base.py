@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing, closing
 from functools import partial
@@ -37,6 +38,10 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
+from llama_index.core.program.function_program import FunctionCallingProgram, get_function_tool
+from llama_index.core.program.utils import get_program_for_llm
+from llama_index.core.prompts import PromptTemplate
+from llama_index.core.types import PydanticProgramMode
 
 from paged_backend.adapters import (
     SAMPLING_FIELDS,
@@ -307,6 +312,34 @@ class PagedLLM(FunctionCallingLLM):
             )
         return calls
 
+    def _structured_stream_call(
+        self, output_cls: type, prompt: PromptTemplate, llm_kwargs=None, **prompt_args: Any
+    ):
+        return self._structured_program(output_cls, prompt).stream_call(
+            llm_kwargs=llm_kwargs, **prompt_args
+        )
+
+    async def _structured_astream_call(
+        self, output_cls: type, prompt: PromptTemplate, llm_kwargs=None, **prompt_args: Any
+    ):
+        return await self._structured_program(output_cls, prompt).astream_call(
+            llm_kwargs=llm_kwargs, **prompt_args
+        )
+
+    def _structured_program(self, output_cls: type, prompt: PromptTemplate):
+        """The program LlamaIndex would pick, except that a function-calling one names its tool
+        as the tool choice: LlamaIndex's streaming programs leave the choice to the model
+        (non-streaming ones require the call), and a small model then answers in text."""
+        function_modes = (PydanticProgramMode.DEFAULT, PydanticProgramMode.FUNCTION)
+        if self.pydantic_program_mode not in function_modes:
+            return get_program_for_llm(
+                output_cls, prompt, self, pydantic_program_mode=self.pydantic_program_mode
+            )
+        name = get_function_tool(output_cls).metadata.name
+        return FunctionCallingProgram.from_defaults(
+            output_cls=output_cls, prompt=prompt, llm=self, tool_choice=name
+        )
+
     def _chat_request(
         self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
     ) -> tuple[tuple[str, bool], dict[str, Any], bool]:
@@ -329,9 +362,9 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
             )
         elif not isinstance(block, TextBlock):
             raise ValueError(f"PagedLLM accepts text messages only, got a {type(block).__name__}")
-    for call in message.additional_kwargs.get("tool_calls") or []:
-        function = call["function"]
-        calls.append({"id": call.get("id"), **function})
+    if not calls:  # our replies carry both forms: take the blocks
+        for call in message.additional_kwargs.get("tool_calls") or []:
+            calls.append({"id": call.get("id"), **call["function"]})
     entry: dict[str, Any] = {"role": message.role.value, "content": message.content or ""}
     if calls:
         entry["tool_calls"] = calls
@@ -418,13 +451,23 @@ def _chat_response(
     calls as `ToolCallBlock`s."""
     completion = out.outputs[0]
     blocks: list[Any] = [TextBlock(text=completion.text if parsed is None else parsed.content)]
-    if parsed is not None:
+    extra: dict[str, Any] = {}
+    if parsed is not None and parsed.tool_calls:
         blocks += [
             ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments)
             for c in parsed.tool_calls
         ]
+        # OpenAI-shaped too: LlamaIndex's streaming structured programs look for this list.
+        extra["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+            }
+            for c in parsed.tool_calls
+        ]
     return ChatResponse(
-        message=ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks),
+        message=ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks, additional_kwargs=extra),
         delta=delta,
         raw=_raw(out),
         logprobs=_logprobs(completion, stream=delta is not None),
