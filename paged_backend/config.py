@@ -126,6 +126,7 @@ class EngineConfig:
     num_threads: int | None = None
     seed: int = 0
     quantization: str | None = None
+    fp16_decode_weights: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -152,6 +153,11 @@ class EngineConfig:
         if self.quantization not in (None, "int8"):
             raise ValueError(
                 f"quantization must be None or 'int8' (CPU), got {self.quantization!r}"
+            )
+        if self.fp16_decode_weights not in (None, True, False):
+            raise ValueError(
+                "fp16_decode_weights must be None (auto), True or False, "
+                f"got {self.fp16_decode_weights!r}"
             )
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(

@@ -13,6 +13,8 @@ from paged_backend.model_loader import load_safetensors
 from paged_backend.models import LlamaForCausalLM
 from paged_backend.request import Request
 
+FP16_COPY_MAX_BYTES = 1 << 30  # the default fp16 decode copy is kept for models this small
+
 _DEFAULT_KV_FRACTION = 0.1
 _DEFAULT_KV_CAP = 2 << 30
 
@@ -35,9 +37,9 @@ class ModelRunner:
         self, config: EngineConfig, model_config: ModelConfig, model_path: Path, max_model_len: int
     ) -> None:
         self.device = config.resolve_device()
-        if config.quantization is not None and self.device.type != "cpu":
+        if (config.quantization or config.fp16_decode_weights) and self.device.type != "cpu":
             raise ValueError(
-                f"quantization={config.quantization!r} is for CPU decode; the device is "
+                "quantization and fp16_decode_weights are for CPU decode; the device is "
                 f"{self.device.type}"
             )
         self.dtype = config.resolve_dtype(self.device)
@@ -55,8 +57,9 @@ class ModelRunner:
             )
         load_safetensors(model, model_path, model.checkpoint_name_map)
         model.to(self.dtype)
-        if config.quantization == "int8":
-            model.quantize_int8_()
+        kind = self._decode_weights(config, model)
+        if kind is not None:
+            model.add_decode_weights_(kind)
         self.model = model.eval().requires_grad_(False)
         self.num_blocks = self._num_blocks(config, max_model_len)
         mc = model_config
@@ -69,6 +72,18 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+
+    def _decode_weights(self, config: EngineConfig, model: torch.nn.Module) -> str | None:
+        """Which weight copy small decode steps read (`paged_backend.quantization`): int8 when
+        asked; fp16 when asked, or by default for a bf16 model on CPU with at most
+        `FP16_COPY_MAX_BYTES` of weights (the copy costs that much memory again)."""
+        if config.quantization is not None:
+            return config.quantization
+        if config.fp16_decode_weights is not None:
+            return "fp16" if config.fp16_decode_weights else None
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        auto = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        return "fp16" if auto and size <= FP16_COPY_MAX_BYTES else None
 
     def _num_blocks(self, config: EngineConfig, max_model_len: int) -> int:
         if config.num_kv_blocks is not None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from paged_backend.attention import AttentionBackend
 from paged_backend.config import ModelConfig
-from paged_backend.quantization import int8_linear, quantize_int8, quantize_linears_
+from paged_backend.quantization import DecodeWeight, add_decode_weights_, decode_linear
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -181,14 +181,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.head_int8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.head_copy: DecodeWeight | None = None
 
-    def quantize_int8_(self) -> None:
-        """Give every projection and the output head an int8 copy for small decode steps
-        (`paged_backend.quantization`); call after the weights are loaded and cast."""
-        quantize_linears_(self.layers)
+    def add_decode_weights_(self, kind: str) -> None:
+        """Give every projection and the output head a copy for small decode steps ("fp16" or
+        "int8", see `paged_backend.quantization`); call after the weights are loaded and cast."""
+        add_decode_weights_(self.layers, kind)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.head_int8 = quantize_int8(weight.data)
+        self.head_copy = DecodeWeight.of(weight.data, kind)
 
     def forward(
         self,
@@ -207,9 +207,7 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv_cache, backend, meta)
         x = self.norm(x[logits_indices])
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.head_int8 is not None:
-            return int8_linear(x, weight, *self.head_int8).float()
-        return F.linear(x, weight).float()
+        return decode_linear(x, weight, self.head_copy, out_dtype=torch.float32)
 
     def checkpoint_name_map(self, name: str) -> tuple[str, int | None, tuple | None] | None:
         """Map a Hugging Face checkpoint tensor name onto ours (fusing qkv and gate/up)."""
