@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZATIONS = (None, "int8")
 # The most tokens a step may have to use each copy (measured on 2 AVX-512 cores: fp16 GEMV wins
 # at 1-2 rows and loses at 4; int8 wins up to 4 rows and loses from 8).
 MAX_TOKENS = {"fp16": 2, "int8": 4}

@@ -162,9 +162,7 @@ def template_renders_tools(chat_template: str | None) -> bool:
 
 def format_call(name: str, arguments: dict | str) -> str:
     """One call as the model writes it (used for calls in the history)."""
-    if isinstance(arguments, str):
-        arguments = json.loads(arguments) if arguments.strip() else {}
-    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    body = json.dumps({"name": name, "arguments": _as_dict(arguments)}, ensure_ascii=False)
     return f"{CALL_BEGIN}\n{body}\n{CALL_END}"
 
 
@@ -269,13 +267,18 @@ class ToolCallParser:
         self._in_call = False
         self._head_seen = False
 
-    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        """(content text, call deltas) that `text` completes."""
+    def feed(self, text: str, *, last: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        """(content text, call deltas) that `text` completes; with `last`, also whatever was
+        held back (the output ends with `text`)."""
         self._buffer += text
         content: list[str] = []
         deltas: list[ToolCallDelta] = []
         while self._step(content, deltas):
             pass
+        if last:
+            tail, more = self.finish()
+            content.append(tail)
+            deltas += more
         return "".join(content), deltas
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
@@ -344,10 +347,7 @@ class ToolCallParser:
 
 def parse_tool_calls(text: str) -> ParsedOutput:
     """Content and calls of a whole output."""
-    parser = ToolCallParser()
-    content, deltas = parser.feed(text)
-    tail, more = parser.finish()
-    return collect_calls(content + tail, [*deltas, *more])
+    return collect_calls(*ToolCallParser().feed(text, last=True))
 
 
 def collect_calls(content: str, deltas: Iterable[ToolCallDelta]) -> ParsedOutput:

@@ -319,10 +319,7 @@ class _ChunkBuilder:
         c = out.outputs[0]
         text, deltas = c.delta_text, []
         if self.parser is not None:
-            text, deltas = self.parser.feed(text)
-            if out.finished:
-                tail, more = self.parser.finish()
-                text, deltas = text + tail, deltas + more
+            text, deltas = self.parser.feed(text, last=out.finished)
         fields: dict[str, Any] = {"content": text}
         if deltas:
             fields["tool_call_chunks"] = [_tool_call_chunk(d) for d in deltas]

@@ -487,10 +487,7 @@ class _ChatStream:
         text = out.outputs[0].delta_text
         if self.parser is None:
             return _chat_response(out, None, delta=text)
-        text, deltas = self.parser.feed(text)
-        if out.finished:
-            tail, more = self.parser.finish()
-            text, deltas = text + tail, deltas + more
+        text, deltas = self.parser.feed(text, last=out.finished)
         self.content += text
         self.deltas += deltas
         return _chat_response(out, collect_calls(self.content, self.deltas), delta=text)
