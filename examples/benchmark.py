@@ -109,8 +109,8 @@ CHAT_TURNS = [
 class Ours:
     name = "paged-backend"
 
-    def __init__(self, dtype: str, quantization: str | None = None) -> None:
-        self.engine = LLMEngine(EngineConfig(dtype=dtype, quantization=quantization))
+    def __init__(self, dtype: str, pack_weights: bool | None = None) -> None:
+        self.engine = LLMEngine(EngineConfig(dtype=dtype, pack_weights=pack_weights))
         self.tokenizer = self.engine.tokenizer
         self.decode_steps: list[tuple[int, float]] = []  # (batch size, seconds), decode-only
         self.kv_usage: list[float] = []
@@ -307,14 +307,16 @@ def main() -> None:
     parser.add_argument("--hf-dtype", default="float32", help="transformers' CPU default")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument(
-        "--quantization", default=None, help="our weight quantization: int8 (small decode steps)"
+        "--no-pack-weights",
+        action="store_true",
+        help="our linears read plain bf16 weights through F.linear (to measure the packing)",
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     workloads = args.workloads.split(",")
     wanted = set(args.engines.split(","))
 
-    ours = Ours(args.dtype, args.quantization)
+    ours = Ours(args.dtype, False if args.no_pack_weights else None)
     tok = ours.tokenizer
     run_chat.tokenizer = tok
     prompts = {
@@ -324,11 +326,12 @@ def main() -> None:
         "chat": None,
     }
     peak = matmul_peak_gflops(ours.engine.runner.dtype)
+    head = ours.engine.runner.model.cpu_head
     fpt = flops_per_token(ours.engine)
     results: dict = {
         "config": {
             "dtype": str(ours.engine.runner.dtype),
-            "quantization": args.quantization,
+            "packed_weights": head is not None and head.packed is not None,
             "threads": torch.get_num_threads(),
             "hf_dtype": args.hf_dtype,
             "matmul_peak_gflops": peak,
@@ -401,7 +404,7 @@ def main() -> None:
 def print_table(results: dict, workloads: list[str]) -> None:
     c = results["config"]
     print(
-        f"dtype {c['dtype']} (quantization {c['quantization']}; transformers {c['hf_dtype']}), "
+        f"dtype {c['dtype']} (packed weights {c['packed_weights']}; transformers {c['hf_dtype']}), "
         f"{c['threads']} threads, "
         f"bf16 matmul peak {c['matmul_peak_gflops']:.0f} GFLOP/s, "
         f"peak RSS ours {results['peak_rss_mb_ours']:.0f} MB"

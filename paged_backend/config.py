@@ -125,7 +125,7 @@ class EngineConfig:
     device: str = "auto"
     num_threads: int | None = None
     seed: int = 0
-    quantization: str | None = None
+    pack_weights: bool | None = None
     fp16_decode_weights: bool | None = None
 
     def __post_init__(self) -> None:
@@ -150,15 +150,10 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
             )
-        if self.quantization not in (None, "int8"):
-            raise ValueError(
-                f"quantization must be None or 'int8' (CPU), got {self.quantization!r}"
-            )
-        if self.fp16_decode_weights not in (None, True, False):
-            raise ValueError(
-                "fp16_decode_weights must be None (auto), True or False, "
-                f"got {self.fp16_decode_weights!r}"
-            )
+        for name in ("pack_weights", "fp16_decode_weights"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be None (auto), True or False, got {value!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 "attention_backend must be 'auto', 'torch' or 'triton', "

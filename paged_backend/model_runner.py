@@ -9,6 +9,7 @@ import torch
 
 from paged_backend.attention import AttentionMetadata, get_backend
 from paged_backend.config import EngineConfig, ModelConfig
+from paged_backend.cpu_linear import can_pack
 from paged_backend.model_loader import load_safetensors
 from paged_backend.models import LlamaForCausalLM
 from paged_backend.request import Request
@@ -37,11 +38,6 @@ class ModelRunner:
         self, config: EngineConfig, model_config: ModelConfig, model_path: Path, max_model_len: int
     ) -> None:
         self.device = config.resolve_device()
-        if (config.quantization or config.fp16_decode_weights) and self.device.type != "cpu":
-            raise ValueError(
-                "quantization and fp16_decode_weights are for CPU decode; the device is "
-                f"{self.device.type}"
-            )
         self.dtype = config.resolve_dtype(self.device)
         self.block_size = config.block_size
         self.backend = get_backend(
@@ -55,11 +51,11 @@ class ModelRunner:
                 max_model_len,
                 fused_kernels=self.backend.name == "triton" and self.device.type == "cuda",
             )
+        pack, fp16_copy = self._cpu_linears(config, model)
         load_safetensors(model, model_path, model.checkpoint_name_map)
         model.to(self.dtype)
-        kind = self._decode_weights(config, model)
-        if kind is not None:
-            model.add_decode_weights_(kind)
+        if pack or fp16_copy:
+            model.use_cpu_linears_(pack, fp16_copy)
         self.model = model.eval().requires_grad_(False)
         self.num_blocks = self._num_blocks(config, max_model_len)
         mc = model_config
@@ -73,17 +69,28 @@ class ModelRunner:
             self.device,
         )
 
-    def _decode_weights(self, config: EngineConfig, model: torch.nn.Module) -> str | None:
-        """Which weight copy small decode steps read (`paged_backend.quantization`): int8 when
-        asked; fp16 when asked, or by default for a bf16 model on CPU with at most
-        `FP16_COPY_MAX_BYTES` of weights (the copy costs that much memory again)."""
-        if config.quantization is not None:
-            return config.quantization
+    def _cpu_linears(self, config: EngineConfig, model: torch.nn.Module) -> tuple[bool, bool]:
+        """(pack the weights, keep an fp16 copy for 1-2 row steps), see
+        `paged_backend.cpu_linear`. By default packed wherever that works, since it gives the
+        same outputs faster; the fp16 copy by default for bf16 models on CPU with at most
+        `FP16_COPY_MAX_BYTES` of weights, since it costs that much memory again."""
+        packable = can_pack(self.dtype, self.device)
+        if config.pack_weights and not packable:
+            raise ValueError(
+                "pack_weights=True needs a bfloat16 model on a CPU with oneDNN bf16 support; "
+                f"got {self.dtype} on {self.device.type}"
+            )
+        bf16_cpu = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        if config.fp16_decode_weights and not bf16_cpu:
+            raise ValueError(
+                "fp16_decode_weights=True needs a bfloat16 model on CPU; "
+                f"got {self.dtype} on {self.device.type}"
+            )
+        pack = packable if config.pack_weights is None else config.pack_weights
         if config.fp16_decode_weights is not None:
-            return "fp16" if config.fp16_decode_weights else None
-        size = sum(p.numel() * p.element_size() for p in model.parameters())
-        auto = self.device.type == "cpu" and self.dtype == torch.bfloat16
-        return "fp16" if auto and size <= FP16_COPY_MAX_BYTES else None
+            return pack, config.fp16_decode_weights
+        size = sum(p.numel() for p in model.parameters()) * torch.finfo(self.dtype).bits // 8
+        return pack, bf16_cpu and size <= FP16_COPY_MAX_BYTES
 
     def _num_blocks(self, config: EngineConfig, max_model_len: int) -> int:
         if config.num_kv_blocks is not None:

@@ -71,8 +71,7 @@ def test_unknown_model_path_and_bad_engine_args(tmp_path):
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"attention_backend": "cuda"}, "attention_backend"),
         ({"scheduling_policy": "lifo"}, "scheduling_policy"),
-        ({"quantization": "int4"}, "quantization"),
-        ({"fp16_decode_weights": "yes"}, "fp16_decode_weights"),
+        ({"pack_weights": "yes"}, "pack_weights"),
     ]:
         with pytest.raises(ValueError, match=field):
             EngineConfig(**kwargs)

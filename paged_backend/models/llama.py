@@ -18,7 +18,7 @@ from torch import nn
 
 from paged_backend.attention import AttentionBackend
 from paged_backend.config import ModelConfig
-from paged_backend.quantization import DecodeWeight, add_decode_weights_, decode_linear
+from paged_backend.cpu_linear import CpuLinear, replace_linears_
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -181,14 +181,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.head_copy: DecodeWeight | None = None
+        self.cpu_head: CpuLinear | None = None
 
-    def add_decode_weights_(self, kind: str) -> None:
-        """Give every projection and the output head a copy for small decode steps ("fp16" or
-        "int8", see `paged_backend.quantization`); call after the weights are loaded and cast."""
-        add_decode_weights_(self.layers, kind)
+    def use_cpu_linears_(self, pack: bool, fp16_copy: bool) -> None:
+        """Run every projection and the output head through `CpuLinear` (packed bf16 weights,
+        an fp16 copy for 1-2 row steps); call after the weights are loaded and cast. A tied head
+        gets its own copy: the embedding table stays as it is for lookups."""
+        replace_linears_(self.layers, pack, fp16_copy)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.head_copy = DecodeWeight.of(weight.data, kind)
+        self.cpu_head = CpuLinear(weight, None, pack, fp16_copy)
+        self.lm_head = None  # an untied head's weight lives on in `cpu_head`
 
     def forward(
         self,
@@ -206,8 +208,10 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, backend, meta)
         x = self.norm(x[logits_indices])
+        if self.cpu_head is not None:
+            return self.cpu_head(x, out_dtype=torch.float32)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return decode_linear(x, weight, self.head_copy, out_dtype=torch.float32)
+        return F.linear(x, weight).float()
 
     def checkpoint_name_map(self, name: str) -> tuple[str, int | None, tuple | None] | None:
         """Map a Hugging Face checkpoint tensor name onto ours (fusing qkv and gate/up)."""

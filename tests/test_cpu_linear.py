@@ -1,0 +1,119 @@
+"""CPU linears of bf16 models (`paged_backend.cpu_linear`): packed weights are bit-identical to
+`F.linear` at every step size; the fp16 copy serves 1-2 row steps only and holds the bf16 values
+exactly; both are used by default only where they work; and an engine with packed weights gives
+exactly the outputs of the same engine without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paged_backend import LLM, EngineConfig, SamplingParams
+from paged_backend.cpu_linear import FP16_MAX_ROWS, CpuLinear, can_pack, replace_linears_
+
+CPU = torch.device("cpu")
+needs_packing = pytest.mark.skipif(
+    not can_pack(torch.bfloat16, CPU), reason="no oneDNN bf16 on this CPU"
+)
+
+
+def _linear(bias: bool, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [0, 1, 3, 32, 257])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_weights_are_bit_identical_to_f_linear(rows, bias):
+    linear = _linear(bias, rows)
+    packed = CpuLinear(linear.weight, linear.bias, pack=True, fp16_copy=False)
+    x = torch.randn(rows, 192, dtype=torch.bfloat16)[:, ::2]  # strided rows, as sliced inputs are
+    with torch.inference_mode():  # as the engine runs (with autograd, biased F.linear differs)
+        out, want = packed(x), F.linear(x, linear.weight, linear.bias)
+    assert packed.weight is None  # the packed copy replaces the plain weight
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 160)
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("pack", [False, pytest.param(True, marks=needs_packing)])
+def test_the_fp16_copy_serves_small_steps_only(pack):
+    linear = _linear(bias=True)
+    layer = CpuLinear(linear.weight, linear.bias, pack=pack, fp16_copy=True)
+    assert torch.equal(layer.fp16.to(torch.bfloat16), linear.weight)  # the same values
+    small = torch.randn(FP16_MAX_ROWS, 96, dtype=torch.bfloat16)
+    large = torch.randn(FP16_MAX_ROWS + 1, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        exact = F.linear(small.float(), linear.weight.float())
+        fp32 = layer(small, out_dtype=torch.float32)
+        assert fp32.dtype == torch.float32
+        # fp16 products, fp32 sums: within fp16 rounding of the exact result, before the bias.
+        torch.testing.assert_close(fp32 - linear.bias.float(), exact, rtol=2e-3, atol=2e-3)
+        assert layer(small).dtype == torch.bfloat16
+        assert torch.equal(layer(large), F.linear(large, linear.weight, linear.bias))
+
+
+@needs_packing
+def test_replace_linears_reaches_every_linear_below_a_module():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Sequential(nn.ReLU(), nn.Linear(16, 4)))
+    model.to(torch.bfloat16)
+    x = torch.randn(5, 8, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = model(x)
+        replace_linears_(model, pack=True, fp16_copy=False)
+        got = model(x)
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert sum(isinstance(m, CpuLinear) for m in model.modules()) == 2
+    assert torch.equal(got, want)
+
+
+def test_only_bf16_cpu_weights_can_be_packed():
+    assert not can_pack(torch.float32, CPU)
+    assert not can_pack(torch.bfloat16, torch.device("cuda"))
+
+
+def test_fp32_engines_keep_plain_weights_and_refuse_the_options(llm_fp32):
+    assert llm_fp32.engine.runner.model.cpu_head is None
+    for name in ("pack_weights", "fp16_decode_weights"):
+        with pytest.raises(ValueError, match=name):
+            LLM(dtype="float32", num_kv_blocks=8, **{name: True})
+        with pytest.raises(ValueError, match=name):
+            EngineConfig(**{name: 1.0})
+
+
+@pytest.mark.slow
+@needs_packing
+def test_bf16_engines_pack_by_default_and_give_the_plain_engines_outputs():
+    """Packed weights alone: the same tokens and logprobs, bit for bit, through mixed
+    prefill/decode batches. With the default fp16 copy as well, one request at a time (every
+    decode step reads the copy), greedy text stays the plain engine's on these prompts.
+    (No prefix caching: in bf16, a cached prefix's attention sums in another order, which can
+    flip a near tie by itself.)"""
+    args = {"dtype": "bfloat16", "num_kv_blocks": 96, "enable_prefix_caching": False}
+    plain = LLM(pack_weights=False, fp16_decode_weights=False, **args)
+    packed = LLM(fp16_decode_weights=False, **args)
+    default = LLM(**args)
+    head = default.engine.runner.model.cpu_head
+    assert head.packed is not None and head.fp16 is not None
+    assert packed.engine.runner.model.cpu_head.fp16 is None
+    assert plain.engine.runner.model.cpu_head is None
+    prompts = [
+        plain.engine.apply_chat_template([{"role": "user", "content": q}])
+        for q in (
+            "Write a story about a dragon.",
+            "What is the capital of France?",
+            "List three uses of copper.",
+        )
+    ]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    got = packed.generate(prompts, params, use_tqdm=False)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs
+    for prompt in prompts:
+        g = default.generate([prompt], params, use_tqdm=False)[0]
+        w = plain.generate([prompt], params, use_tqdm=False)[0]
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
