@@ -77,7 +77,7 @@ class _Shared:
 @dataclass
 class _Decodes:
     blocks: torch.Tensor  # [nd * n] block ids (each sequence's blocks after its shared prefix)
-    mask: torch.Tensor  # [1, nd, 1, n * block_size] True where the key is in context
+    mask: torch.Tensor  # [nd, 1, 1, n * block_size] additive: 0 where the key is in context
     members: torch.Tensor | None  # decode indices that take part in the shared prefix
     shared_pos: torch.Tensor | None  # ... and the positions of their rows in `_Shared.rows`
 
@@ -87,7 +87,7 @@ class _Prefill:
     start: int
     end: int
     blocks: torch.Tensor | None  # blocks from `first_key` on; None: attend to the new k/v only
-    mask: torch.Tensor | None  # [1, q_len * group, keys] causal mask over those keys
+    mask: torch.Tensor | None  # [1, 1, q_len * group, keys] additive causal mask over those keys
     shared_pos: torch.Tensor | None  # positions of this sequence's rows in `_Shared.rows`
 
 
@@ -121,14 +121,36 @@ def _shared_prefix(meta: AttentionMetadata) -> tuple[list[int], int]:
     return (members, num) if num >= _MIN_SHARED_BLOCKS else ([], 0)
 
 
-def _partial(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask, scale: float):
-    """Unnormalised attention with its running max and sum, for merging partial results."""
-    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float):
+    """Softmax attention of fp32 `q` [B, H, R, D] over `k`, `v` [B, H, L, D] (`mask`: additive,
+    broadcast to [B, H, R, L]) and its log-sum-exp [B, H, R], by which partial results merge.
+    On CPU this is torch's flash kernel: 1.3x (decode) to 2x (prefill) faster than bmm-softmax-bmm
+    over a shared prefix, and it never materialises the scores."""
+    if q.device.type != "cpu":
+        return _attend_matmul(q, k, v, mask, scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, attn_mask=mask, scale=scale
+    )
+
+
+def _attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float):
+    """`_attend` in plain matmuls, for devices without torch's CPU flash kernel."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
     if mask is not None:
-        scores.masked_fill_(~mask, float("-inf"))
-    m = scores.amax(dim=-1, keepdim=True)
-    e = torch.exp_(scores.sub_(m))
-    return torch.matmul(e, vals), m, e.sum(dim=-1, keepdim=True)
+        scores += mask
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp_(scores.sub_(lse.unsqueeze(-1))), v), lse
+
+
+def _merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor):
+    """Attention over the union of two key sets, from the results over each (o [..., D],
+    lse [...])."""
+    lse = torch.logaddexp(lse1, lse2)
+    return o1 * torch.exp(lse1 - lse).unsqueeze(-1) + o2 * torch.exp(lse2 - lse).unsqueeze(-1)
+
+
+def _additive(allowed: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 class TorchAttention:
@@ -187,11 +209,11 @@ class TorchAttention:
             cols = first[:, None] + np.arange(n)[None, :]
             blocks = np.take_along_axis(tables[:nd], np.minimum(cols, tables.shape[1] - 1), 1)
             key_pos = cols[:, :, None] * bs + np.arange(bs)[None, None, :]
-            mask = (key_pos.reshape(nd, -1) < lens[:, None]).reshape(1, nd, 1, -1)
+            mask = (key_pos.reshape(nd, -1) < lens[:, None]).reshape(nd, 1, 1, -1)
             dec_members = [i for i in range(nd) if i in row_pos]
             decodes = _Decodes(
                 torch.from_numpy(blocks.reshape(-1)).to(device),
-                torch.from_numpy(mask).to(device),
+                _additive(torch.from_numpy(mask).to(device)),
                 torch.tensor(dec_members, device=device) if dec_members else None,
                 positions(dec_members) if dec_members else None,
             )
@@ -212,7 +234,7 @@ class TorchAttention:
                     start,
                     end,
                     blocks,
-                    mask.unsqueeze(0),
+                    _additive(mask)[None, None],
                     positions([i]) if i in row_pos else None,
                 )
             )
@@ -235,40 +257,43 @@ class TorchAttention:
             picked = cache.view(kvh, -1, bs, d).index_select(1, blocks)
             return picked.view(kvh, -1, d).float()
 
+        def rows_first(q_rows: torch.Tensor) -> torch.Tensor:
+            """[n, kvh, g, d] token rows -> [1, kvh, n * g, d]: one KV head's queries together."""
+            return q_rows.permute(1, 0, 2, 3).reshape(1, kvh, -1, d)
+
+        def by_token(o: torch.Tensor, lse: torch.Tensor, n: int):
+            """`_attend`'s [1, kvh, n * g, *] results back to token rows [n, kvh, g, *]."""
+            o = o.view(kvh, n, group, d).permute(1, 0, 2, 3)
+            return o, lse.view(kvh, n, group).permute(1, 0, 2)
+
         shared = None
         if prep.shared is not None:
             s = prep.shared
-            rows = qf.index_select(0, s.rows)  # [n, kvh, g, d]
-            o, m, den = _partial(
-                rows.permute(1, 0, 2, 3).reshape(kvh, -1, d),
-                gather(k_cache, s.blocks),
-                gather(v_cache, s.blocks),
+            o, lse = _attend(
+                rows_first(qf.index_select(0, s.rows)),
+                gather(k_cache, s.blocks).unsqueeze(0),
+                gather(v_cache, s.blocks).unsqueeze(0),
                 None,
                 scale,
             )
-            shape = (kvh, len(s.rows), group, -1)
-            shared = (o.view(shape), m.view(shape), den.view(shape))
+            shared = by_token(o, lse, len(s.rows))
 
-        def merge(o, m, den, pos: torch.Tensor) -> torch.Tensor:
-            """Combine a partial result [kvh, n, g, *] with the shared prefix's rows `pos`."""
-            so, sm, sl = (t.index_select(1, pos) for t in shared)
-            mx = torch.maximum(m, sm)
-            a, b = torch.exp(m - mx), torch.exp(sm - mx)
-            return (o * a + so * b) / (den * a + sl * b)
+        def with_shared(o, lse, pos: torch.Tensor) -> torch.Tensor:
+            """Merge a result [n, kvh, g, *] with the shared prefix's at its rows `pos`."""
+            return _merge(o, lse, shared[0].index_select(0, pos), shared[1].index_select(0, pos))
 
         if prep.decodes is not None:
             dec = prep.decodes
-            nd = dec.mask.shape[1]
-            keys = gather(k_cache, dec.blocks).view(kvh, nd, -1, d)
-            vals = gather(v_cache, dec.blocks).view(kvh, nd, -1, d)
-            o, m, den = _partial(qf[:nd].permute(1, 0, 2, 3), keys, vals, dec.mask, scale)
-            res = o / den
+            nd = dec.mask.shape[0]
+            keys = gather(k_cache, dec.blocks).view(kvh, nd, -1, d).transpose(0, 1)
+            vals = gather(v_cache, dec.blocks).view(kvh, nd, -1, d).transpose(0, 1)
+            o, lse = _attend(qf[:nd], keys, vals, dec.mask, scale)  # batch = decode sequences
             if dec.members is not None:
                 sel = dec.members
-                res[:, sel] = merge(o[:, sel], m[:, sel], den[:, sel], dec.shared_pos)
-            out[:nd] = res.permute(1, 0, 2, 3)
+                o[sel] = with_shared(o[sel], lse[sel], dec.shared_pos)
+            out[:nd] = o
         for p in prep.prefills:
-            qp = qf[p.start : p.end]  # [n, kvh, g, d]
+            n = p.end - p.start
             if p.blocks is None:
                 # 4-D strided views take torch's flash kernel (3-D inputs fall back to math);
                 # fp32 costs no more there than bf16 and keeps bf16 models on the reference.
@@ -281,18 +306,17 @@ class TorchAttention:
                 )
                 out[p.start : p.end] = o[0].transpose(0, 1).reshape(-1, kvh, group, d)
                 continue
-            n = p.end - p.start
-            o, m, den = _partial(
-                qp.permute(1, 0, 2, 3).reshape(kvh, n * group, d),
-                gather(k_cache, p.blocks),
-                gather(v_cache, p.blocks),
-                p.mask,
-                scale,
+            o, lse = by_token(
+                *_attend(
+                    rows_first(qf[p.start : p.end]),
+                    gather(k_cache, p.blocks).unsqueeze(0),
+                    gather(v_cache, p.blocks).unsqueeze(0),
+                    p.mask,
+                    scale,
+                ),
+                n,
             )
-            shape = (kvh, n, group, -1)
-            o, m, den = o.view(shape), m.view(shape), den.view(shape)
-            res = o / den if p.shared_pos is None else merge(o, m, den, p.shared_pos)
-            out[p.start : p.end] = res.permute(1, 0, 2, 3)
+            out[p.start : p.end] = o if p.shared_pos is None else with_shared(o, lse, p.shared_pos)
         return out.view(num_tokens, num_heads, d).to(q.dtype)
 
 

@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from paged_backend.attention import AttentionMetadata, TorchAttention
+from paged_backend.attention import (
+    AttentionMetadata,
+    TorchAttention,
+    _attend,
+    _attend_matmul,
+    _merge,
+)
 
 BS, KVH, GROUP, D = 16, 3, 3, 32
 
@@ -75,3 +81,26 @@ def test_torch_backend_matches_dense(seed, shared_blocks):
         values = v_cache[:, token_slots].transpose(0, 1)
         want = dense_reference(q[qsl[i] : qsl[i + 1]], keys, values, context)
         torch.testing.assert_close(out[qsl[i] : qsl[i + 1]], want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_flash_and_matmul_partial_attention_agree_and_merge_to_the_whole(masked):
+    """`_attend` (torch's CPU flash kernel) and `_attend_matmul` (other devices) give the same
+    output and log-sum-exp, and merging the results over two halves of the keys gives the
+    result over all of them, as cascade attention relies on."""
+    torch.manual_seed(int(masked))
+    q, k, v = torch.randn(2, KVH, 5, D), torch.randn(2, KVH, 40, D), torch.randn(2, KVH, 40, D)
+    mask = None
+    if masked:  # each batch row sees a different number of keys in each half
+        allowed = torch.arange(40)[None, :] % 20 < torch.tensor([[7], [20]])
+        mask = torch.zeros(2, 1, 1, 40).masked_fill_(~allowed[:, None, None], float("-inf"))
+    whole, whole_lse = _attend(q, k, v, mask, D**-0.5)
+    for attend in (_attend, _attend_matmul):
+        halves = [
+            attend(q, k[:, :, s], v[:, :, s], None if mask is None else mask[..., s], D**-0.5)
+            for s in (slice(0, 20), slice(20, 40))
+        ]
+        torch.testing.assert_close(_merge(*halves[0], *halves[1]), whole)
+        full, lse = attend(q, k, v, mask, D**-0.5)
+        torch.testing.assert_close(full, whole)
+        torch.testing.assert_close(lse, whole_lse)
