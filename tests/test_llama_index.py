@@ -256,7 +256,9 @@ def test_query_engine_with_settings_llm_and_streaming(llm, index, monkeypatch):
 @pytest.fixture(scope="module")
 def small_llm() -> PagedLLM:
     """A 512-token context window: LlamaIndex must split retrieved text over several calls."""
-    return make_llm(engine_args={**ENGINE_ARGS, "num_kv_blocks": 96, "max_model_len": 512})
+    return make_llm(
+        engine_args={**ENGINE_ARGS, "block_size": 16, "num_kv_blocks": 96, "max_model_len": 512}
+    )
 
 
 def test_prompts_near_the_window_end_there_rather_than_fail(small_llm):

@@ -278,11 +278,12 @@ def test_n_completions_share_the_prompt_blocks(llm):
     assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     # Children 1 and 2 find every full block of the prompt that child 0 computed.
-    full_blocks = (num_prompt - 1) // 16
-    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 2 * 16 * full_blocks
+    bs = llm.engine.config.block_size
+    full_blocks = (num_prompt - 1) // bs
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 2 * bs * full_blocks
     assert after["kv_blocks_free"] == after["kv_blocks_total"]
     again = llm.generate(prompt, params, use_tqdm=False)[0]
-    assert again.num_cached_tokens == 16 * full_blocks
+    assert again.num_cached_tokens == bs * full_blocks
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
 
 

@@ -35,13 +35,14 @@ def test_prefix_cache_hits_every_full_shared_block(llm_fp32):
     ids = [tok(p).input_ids for p in prompts]
     while all(i[shared] == ids[0][shared] for i in ids):
         shared += 1
-    full_shared = shared // 16 * 16
+    bs = llm_fp32.engine.config.block_size
+    full_shared = shared // bs * bs
     first = llm_fp32.generate(prompts[:1], GREEDY, use_tqdm=False)
     rest = llm_fp32.generate(prompts[1:], GREEDY, use_tqdm=False)
     assert first[0].num_cached_tokens <= full_shared  # may hit earlier tests' blocks
     for out in rest:
         assert out.num_cached_tokens >= full_shared
-        assert out.num_cached_tokens % 16 == 0
+        assert out.num_cached_tokens % bs == 0
         assert out.num_cached_tokens < len(out.prompt_token_ids)
     no_cache = LLM(dtype="float32", enable_prefix_caching=False, num_kv_blocks=512)
     plain = no_cache.generate(prompts, GREEDY, use_tqdm=False)
@@ -58,7 +59,8 @@ def test_requests_arriving_together_share_prefix(tiny_llm, tiny_model):
     fresh = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=256)
     outs = fresh.generate(prompts, GREEDY, use_tqdm=False)
     shared = len(tok(SYSTEM).input_ids) - 1
-    assert all(o.num_cached_tokens >= shared // 16 * 16 - 16 for o in outs[1:])
+    bs = fresh.engine.config.block_size
+    assert all(o.num_cached_tokens >= shared // bs * bs - bs for o in outs[1:])
     assert fresh.stats()["kv_blocks_free"] == fresh.stats()["kv_blocks_total"]
     assert tiny_llm.stats()["prefix_cache_hits"] == before
 
@@ -82,7 +84,13 @@ def test_preemption_gives_unconstrained_output(tiny_model, policy):
     prompts = [SYSTEM[: 80 + 40 * i] + q for i, q in enumerate(QUESTIONS)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     roomy = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=512)
-    tight = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=14, scheduling_policy=policy)
+    tight = LLM(
+        model=str(tiny_model),
+        dtype="float32",
+        block_size=16,
+        num_kv_blocks=14,
+        scheduling_policy=policy,
+    )
     expected = roomy.generate(prompts, params, use_tqdm=False)
     got = tight.generate(prompts, params, use_tqdm=False)
     stats = tight.stats()
@@ -96,6 +104,7 @@ def test_priority_orders_the_queue_and_preempts(tiny_model):
     llm = LLM(
         model=str(tiny_model),
         dtype="float32",
+        block_size=16,
         num_kv_blocks=12,
         scheduling_policy="priority",
         max_num_seqs=8,

@@ -416,7 +416,7 @@ def test_preemption_does_not_advance_the_grammar_twice(tiny_model):
         temperature=0, max_tokens=100, structured_outputs=StructuredOutputsParams(regex=pattern)
     )
     roomy = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=256)
-    tight = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=14)
+    tight = LLM(model=str(tiny_model), dtype="float32", block_size=16, num_kv_blocks=14)
     expected = roomy.generate(prompts, params, use_tqdm=False)
     got = tight.generate(prompts, params, use_tqdm=False)
     stats = tight.stats()

@@ -66,7 +66,9 @@ def test_unknown_model_path_and_bad_engine_args(tmp_path):
     with pytest.raises(FileNotFoundError, match="does-not-exist"):
         LLM(model=str(tmp_path / "does-not-exist"))
     for kwargs, field in [
-        ({"block_size": 10}, "block_size"),
+        ({"block_size": 0}, "block_size"),
+        ({"block_size": 2.5}, "block_size"),
+        ({"block_size": 24, "attention_backend": "triton"}, "block_size"),
         ({"dtype": "int8"}, "dtype"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"attention_backend": "cuda"}, "attention_backend"),
