@@ -112,8 +112,12 @@ CHAT_TURNS = [
 class Ours:
     name = "paged-backend"
 
-    def __init__(self, dtype: str, pack_weights: bool | None = None) -> None:
-        self.engine = LLMEngine(EngineConfig(dtype=dtype, pack_weights=pack_weights))
+    def __init__(
+        self, dtype: str, pack_weights: bool | None = None, quantization: str | None = None
+    ) -> None:
+        self.engine = LLMEngine(
+            EngineConfig(dtype=dtype, pack_weights=pack_weights, quantization=quantization)
+        )
         self.tokenizer = self.engine.tokenizer
         # Decode-only steps: (batch size, seconds, context tokens attended over, summed).
         self.decode_steps: list[tuple[int, float, int]] = []
@@ -329,12 +333,15 @@ def main() -> None:
         action="store_true",
         help="our linears read plain bf16 weights through F.linear (to measure the packing)",
     )
+    parser.add_argument(
+        "--quantization", default=None, help="int4: our 4-bit copy for steps of 1-4 tokens"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     workloads = args.workloads.split(",")
     wanted = set(args.engines.split(","))
 
-    ours = Ours(args.dtype, False if args.no_pack_weights else None)
+    ours = Ours(args.dtype, False if args.no_pack_weights else None, args.quantization)
     tok = ours.tokenizer
     run_chat.tokenizer = tok
     prompts = {
@@ -351,6 +358,7 @@ def main() -> None:
             "dtype": str(ours.engine.runner.dtype),
             "packed_weights": head is not None and head.packed is not None,
             "block_size": ours.engine.config.block_size,
+            "quantization": args.quantization,
             "threads": torch.get_num_threads(),
             "hf_dtype": args.hf_dtype,
             "matmul_peak_gflops": peak,
@@ -428,7 +436,8 @@ def main() -> None:
 def print_table(results: dict, workloads: list[str]) -> None:
     c = results["config"]
     print(
-        f"dtype {c['dtype']} (packed weights {c['packed_weights']}, block size {c['block_size']}; "
+        f"dtype {c['dtype']} (packed weights {c['packed_weights']}, block size {c['block_size']}, "
+        f"quantization {c['quantization']}; "
         f"transformers {c['hf_dtype']}), "
         f"{c['threads']} threads, "
         f"bf16 matmul peak {c['matmul_peak_gflops']:.0f} GFLOP/s, "

@@ -127,6 +127,7 @@ class EngineConfig:
     seed: int = 0
     pack_weights: bool | None = None
     fp16_decode_weights: bool | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -165,6 +166,10 @@ class EngineConfig:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
+        if self.quantization not in (None, "int4"):
+            raise ValueError(
+                f"quantization must be None or 'int4' (CPU), got {self.quantization!r}"
             )
         for name in ("pack_weights", "fp16_decode_weights"):
             value = getattr(self, name)

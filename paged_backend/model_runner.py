@@ -9,7 +9,7 @@ import torch
 
 from paged_backend.attention import AttentionMetadata, get_backend
 from paged_backend.config import EngineConfig, ModelConfig
-from paged_backend.cpu_linear import can_pack
+from paged_backend.cpu_linear import can_pack, quantize_linears_int4
 from paged_backend.model_loader import load_safetensors
 from paged_backend.models import LlamaForCausalLM
 from paged_backend.request import Request
@@ -53,9 +53,11 @@ class ModelRunner:
             )
         pack, fp16_copy = self._cpu_linears(config, model)
         load_safetensors(model, model_path, model.checkpoint_name_map)
+        # From the full-precision weights: a Q4 grid survives only until the cast.
+        int4 = quantize_linears_int4(model.layers) if config.quantization == "int4" else None
         model.to(self.dtype)
-        if pack or fp16_copy:
-            model.use_cpu_linears_(pack, fp16_copy)
+        if pack or fp16_copy or int4:
+            model.use_cpu_linears_(pack, fp16_copy, int4)
         self.model = model.eval().requires_grad_(False)
         self.num_blocks = self._num_blocks(config, max_model_len)
         mc = model_config
@@ -81,11 +83,12 @@ class ModelRunner:
                 f"got {self.dtype} on {self.device.type}"
             )
         bf16_cpu = self.device.type == "cpu" and self.dtype == torch.bfloat16
-        if config.fp16_decode_weights and not bf16_cpu:
-            raise ValueError(
-                "fp16_decode_weights=True needs a bfloat16 model on CPU; "
-                f"got {self.dtype} on {self.device.type}"
-            )
+        for name in ("fp16_decode_weights", "quantization"):
+            if getattr(config, name) and not bf16_cpu:
+                raise ValueError(
+                    f"{name}={getattr(config, name)!r} needs a bfloat16 model on CPU; "
+                    f"got {self.dtype} on {self.device.type}"
+                )
         pack = packable if config.pack_weights is None else config.pack_weights
         if config.fp16_decode_weights is not None:
             return pack, config.fp16_decode_weights

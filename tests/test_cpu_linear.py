@@ -1,7 +1,8 @@
 """CPU linears of bf16 models (`paged_backend.cpu_linear`): packed weights are bit-identical to
 `F.linear` at every step size; the fp16 copy serves 1-2 row steps only and holds the bf16 values
-exactly; both are used by default only where they work; and an engine with packed weights gives
-exactly the outputs of the same engine without them."""
+exactly; the int4 copy holds a Q4 grid and serves 1-4 row steps; all are used only where they
+work; and an engine with packed weights gives exactly the outputs of the same engine without
+them, one with int4 the same greedy text on these prompts."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_backend import LLM, EngineConfig, SamplingParams
-from paged_backend.cpu_linear import FP16_MAX_ROWS, CpuLinear, can_pack, replace_linears_
+from paged_backend.cpu_linear import (
+    FP16_MAX_ROWS,
+    INT4_MAX_ROWS,
+    CpuLinear,
+    can_pack,
+    can_quantize_int4,
+    quantize_int4,
+    replace_linears_,
+)
 
 CPU = torch.device("cpu")
 needs_packing = pytest.mark.skipif(
@@ -74,13 +83,61 @@ def test_only_bf16_cpu_weights_can_be_packed():
     assert not can_pack(torch.bfloat16, torch.device("cuda"))
 
 
+def _q4_weight(n: int, k: int) -> torch.Tensor:
+    """A weight on a GGUF Q4_1-style grid: q * d + m per group of 32 inputs, d and m fp16."""
+    q = torch.randint(0, 16, (n, k // 32, 32)).float()
+    q[..., 0], q[..., 1] = 0, 15  # Q4_1 puts the group's min and max on the ends
+    d = (torch.rand(n, k // 32, 1) * 0.01 + 1e-3).half().float()
+    m = (torch.randn(n, k // 32, 1) * 0.05).half().float()
+    return (q * d + m).view(n, k)
+
+
+@pytest.mark.skipif(not can_quantize_int4(torch.ones(1, 32)), reason="no int4 CPU kernel")
+def test_int4_copy_holds_a_q4_grid_and_serves_small_steps_only():
+    torch.manual_seed(0)
+    weight = _q4_weight(96, 128)
+    packed, scales = quantize_int4(weight)
+    assert scales.shape == (4, 96, 2) and scales.dtype == torch.bfloat16
+    # The grid comes back exactly before the scales are rounded to bf16.
+    groups = weight.view(96, 4, 32)
+    low = groups.amin(-1, keepdim=True)
+    step = (groups.amax(-1, keepdim=True) - low) / 15
+    q = torch.round((groups - low) / step)
+    torch.testing.assert_close(q * step + low, groups, rtol=0, atol=1e-6)
+    # What the kernel computes: (q - 8) * scale + zero, with the bf16 scales and zeros.
+    s, z = scales[..., 0].float().t()[..., None], scales[..., 1].float().t()[..., None]
+    held = ((q - 8) * s + z).view(96, 128)
+    assert (held - weight).abs().max() <= 8 * 2**-8 * weight.abs().max()
+    w16 = weight.to(torch.bfloat16)
+    layer = CpuLinear(
+        w16, None, pack=can_pack(torch.bfloat16, CPU), fp16_copy=True, int4=(packed, scales)
+    )
+    assert layer.fp16 is None  # int4 takes the small steps
+    small = torch.randn(INT4_MAX_ROWS, 128, dtype=torch.bfloat16)
+    large = torch.randn(INT4_MAX_ROWS + 1, 128, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            layer(small).float(), small.float() @ held.t(), rtol=2e-2, atol=2e-2
+        )
+        assert torch.equal(layer(large), F.linear(large, w16))
+
+
 def test_fp32_engines_keep_plain_weights_and_refuse_the_options(llm_fp32):
     assert llm_fp32.engine.runner.model.cpu_head is None
-    for name in ("pack_weights", "fp16_decode_weights"):
+    for name, value in (
+        ("pack_weights", True),
+        ("fp16_decode_weights", True),
+        ("quantization", "int4"),
+    ):
         with pytest.raises(ValueError, match=name):
-            LLM(dtype="float32", num_kv_blocks=8, **{name: True})
+            LLM(dtype="float32", num_kv_blocks=8, **{name: value})
+    for name, value in (
+        ("pack_weights", 1.0),
+        ("fp16_decode_weights", "yes"),
+        ("quantization", "int8"),
+    ):
         with pytest.raises(ValueError, match=name):
-            EngineConfig(**{name: 1.0})
+            EngineConfig(**{name: value})
 
 
 @pytest.mark.slow
@@ -117,3 +174,23 @@ def test_bf16_engines_pack_by_default_and_give_the_plain_engines_outputs():
         g = default.generate([prompt], params, use_tqdm=False)[0]
         w = plain.generate([prompt], params, use_tqdm=False)[0]
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not can_quantize_int4(torch.ones(1, 32)), reason="no int4 CPU kernel")
+def test_int4_engine_keeps_the_bf16_engines_greedy_text():
+    """The default model comes from a Q4_1 GGUF file, so int4 holds its weights but for bf16
+    scales: one request at a time (every decode step reads the int4 copy), greedy text follows
+    the bf16 engine's for its first tokens and most of the rest on these prompts."""
+    args = {"num_kv_blocks": 96, "enable_prefix_caching": False}
+    int4 = LLM(quantization="int4", **args)
+    bf16 = LLM(**args)
+    layer = int4.engine.runner.model.layers[0].mlp.down_proj
+    assert layer.int4 is not None and layer.fp16 is None
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for question in ("Write a story about a dragon.", "Explain photosynthesis to a child."):
+        prompt = int4.engine.apply_chat_template([{"role": "user", "content": question}])
+        got = int4.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        want = bf16.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert got[:8] == want[:8]
+        assert sum(a == b for a, b in zip(got, want, strict=True)) >= len(want) // 2

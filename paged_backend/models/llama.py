@@ -18,7 +18,7 @@ from torch import nn
 
 from paged_backend.attention import AttentionBackend
 from paged_backend.config import ModelConfig
-from paged_backend.cpu_linear import CpuLinear, replace_linears_
+from paged_backend.cpu_linear import CpuLinear, Int4Weight, replace_linears_
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -183,11 +183,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.cpu_head: CpuLinear | None = None
 
-    def use_cpu_linears_(self, pack: bool, fp16_copy: bool) -> None:
+    def use_cpu_linears_(
+        self, pack: bool, fp16_copy: bool, int4: dict[str, Int4Weight] | None = None
+    ) -> None:
         """Run every projection and the output head through `CpuLinear` (packed bf16 weights,
-        an fp16 copy for 1-2 row steps); call after the weights are loaded and cast. A tied head
-        gets its own copy: the embedding table stays as it is for lookups."""
-        replace_linears_(self.layers, pack, fp16_copy)
+        an fp16 copy for 1-2 row steps, int4 copies of the layers from `quantize_linears_int4(
+        self.layers)`); call after the weights are loaded and cast. A tied head gets its own
+        copy: the embedding table stays as it is for lookups."""
+        replace_linears_(self.layers, pack, fp16_copy, int4)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.cpu_head = CpuLinear(weight, None, pack, fp16_copy)
         self.lm_head = None  # an untied head's weight lives on in `cpu_head`
