@@ -15,7 +15,7 @@ from paged_backend.attention import (
     _merge,
 )
 
-BS, KVH, GROUP, D = 16, 3, 3, 32
+KVH, GROUP, D = 3, 3, 32
 
 
 def dense_reference(q, keys, values, context: int) -> torch.Tensor:
@@ -31,26 +31,27 @@ def dense_reference(q, keys, values, context: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("shared_blocks", [0, 3, 7])
-def test_torch_backend_matches_dense(seed, shared_blocks):
+@pytest.mark.parametrize("bs", [4, 16])
+def test_torch_backend_matches_dense(seed, shared_blocks, bs):
     rng = np.random.default_rng(seed)
     num_blocks = 200
     # Per sequence: (context tokens already cached, new tokens). Decodes first, like the engine.
-    seqs = [(int(rng.integers(shared_blocks * BS + 1, 150)), 1) for _ in range(rng.integers(1, 5))]
+    seqs = [(int(rng.integers(shared_blocks * bs + 1, 150)), 1) for _ in range(rng.integers(1, 5))]
     seqs += [
-        (int(rng.integers(shared_blocks * BS, 150)), int(rng.integers(2, 40)))
+        (int(rng.integers(shared_blocks * bs, 150)), int(rng.integers(2, 40)))
         for _ in range(rng.integers(1, 4))
     ]
     seqs.append((0, int(rng.integers(2, 30))))  # a fresh prefill with no context
     free = list(rng.permutation(np.arange(shared_blocks, num_blocks)))
     tables = []
     for context, new in seqs:
-        n = -(-(context + new) // BS)
-        shares = context > 0 and context >= shared_blocks * BS
+        n = -(-(context + new) // bs)
+        shares = context > 0 and context >= shared_blocks * bs
         prefix = list(range(shared_blocks)) if shares else []
         tables.append(prefix + [int(free.pop()) for _ in range(n - len(prefix))])
     gen = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(KVH, num_blocks * BS, D, generator=gen)
-    v_cache = torch.randn(KVH, num_blocks * BS, D, generator=gen)
+    k_cache = torch.randn(KVH, num_blocks * bs, D, generator=gen)
+    v_cache = torch.randn(KVH, num_blocks * bs, D, generator=gen)
     total = sum(new for _, new in seqs)
     q = torch.randn(total, KVH * GROUP, D, generator=gen)
     k = torch.randn(total, KVH, D, generator=gen)
@@ -58,7 +59,7 @@ def test_torch_backend_matches_dense(seed, shared_blocks):
     qsl, slots = [0], []
     for (context, new), table in zip(seqs, tables, strict=True):
         qsl.append(qsl[-1] + new)
-        slots += [table[p // BS] * BS + p % BS for p in range(context, context + new)]
+        slots += [table[p // bs] * bs + p % bs for p in range(context, context + new)]
     width = max(map(len, tables))
     padded = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
     meta = AttentionMetadata(
@@ -67,16 +68,16 @@ def test_torch_backend_matches_dense(seed, shared_blocks):
         seq_lens=[c + n for c, n in seqs],
         block_tables=torch.from_numpy(padded),
         slot_mapping=torch.tensor(slots),
-        block_size=BS,
+        block_size=bs,
         block_tables_cpu=padded,
     )
     backend = TorchAttention(KVH * GROUP, KVH)
     backend.prepare(meta)
-    if shared_blocks >= 2 and sum(c >= shared_blocks * BS > 0 for c, _ in seqs) >= 2:
+    if shared_blocks >= 2 and sum(c >= shared_blocks * bs > 0 for c, _ in seqs) >= 2:
         assert meta.prepared.shared is not None  # the cascade path is what is under test
     out = backend.forward(q, k, v, (k_cache, v_cache), meta)
     for i, ((context, new), table) in enumerate(zip(seqs, tables, strict=True)):
-        token_slots = [table[p // BS] * BS + p % BS for p in range(context + new)]
+        token_slots = [table[p // bs] * bs + p % bs for p in range(context + new)]
         keys = k_cache[:, token_slots].transpose(0, 1)
         values = v_cache[:, token_slots].transpose(0, 1)
         want = dense_reference(q[qsl[i] : qsl[i + 1]], keys, values, context)
