@@ -1,4 +1,4 @@
-"""CPU linears for bf16 models: weights packed for oneDNN, plus an fp16 copy for 1-2 row steps.
+"""CPU linears for bf16 models: weights packed for oneDNN, plus a copy for steps of few rows.
 
 - **Packed weights.** `F.linear` on bf16 CPU tensors runs oneDNN but reorders the plain weight
   and sets the kernel up on every call. Reordering each weight once
@@ -13,14 +13,14 @@
   model's linears). fp16 holds every bf16 value of normal magnitude and accumulates in fp32, so
   the outputs stay as close to the reference as the bf16 path's, though not bit-identical. It
   costs the weights' memory again.
-
 - **int4 copy for steps of 1-4 rows** (opt-in, `EngineConfig(quantization="int4")`): 4-bit
   weights in groups of 32 inputs with a scale and zero each (min/max, like GGUF's Q4_1), read
   by torch's `_weight_int4pack_mm_for_cpu` in 4.7 ms for the default model's layers at one row
   (fp16: 9.8). A model converted from a Q4 GGUF file (the default model is) has weights exactly
   on such a grid, so the copy holds them but for rounding the scales and zeros to bf16; other
-  models lose precision. It replaces the fp16 copy for the layers; the output head keeps fp16
-  (int4 gives bf16 logits only, and fp32 activations run 25x slower).
+  models lose precision. It replaces the fp16 copy for the layers and costs a quarter of their
+  memory; the output head keeps fp16 (int4 gives bf16 logits only, and fp32 activations run 25x
+  slower).
 
 An int8 copy was tried and dropped: half the bytes, but no faster than fp16 at one row, slower
 than packed bf16 from two, and it moved greedy text.
