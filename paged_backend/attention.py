@@ -63,6 +63,7 @@ class AttentionBackend(Protocol):
 
 # ---- torch backend ---------------------------------------------------------------------------
 _MIN_SHARED_BLOCKS = 2  # shorter shared prefixes are not worth a separate pass
+_PREFIX_COPY_MAX_BYTES = 128 << 20  # fp32 copies of a shared prefix's K/V kept across steps
 
 
 @dataclass
@@ -174,6 +175,37 @@ class TorchAttention:
 
     def __init__(self, num_heads: int, num_kv_heads: int) -> None:
         self.group = num_heads // num_kv_heads
+        # A RAG batch rereads the same shared prefix every decode step: its K/V, gathered and
+        # cast to fp32, are kept per layer (keyed by the layer's cache tensor) for the blocks
+        # `prefix_blocks`, and dropped as soon as a step writes into any of those blocks.
+        self.prefix_blocks: np.ndarray | None = None
+        self.prefix_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.prefix_bytes = 0
+
+    def _track_prefix(self, meta: AttentionMetadata, blocks: np.ndarray | None) -> None:
+        """Keep the prefix copies only while they equal the cache: same blocks, none written."""
+        kept = self.prefix_blocks
+        if kept is not None and (
+            blocks is None
+            or not np.array_equal(blocks, kept)
+            or np.isin(meta.slot_mapping.numpy() // meta.block_size, kept).any()
+        ):
+            self.prefix_kv.clear()
+            self.prefix_bytes = 0
+            kept = None
+        self.prefix_blocks = blocks if kept is None else kept
+
+    def _prefix_kv(self, k_cache, v_cache, blocks: torch.Tensor, gather):
+        """The shared prefix's fp32 K/V for this layer, from the copies when there are some."""
+        kv = self.prefix_kv.get(k_cache.data_ptr())
+        if kv is None:
+            kv = (gather(k_cache, blocks).unsqueeze(0), gather(v_cache, blocks).unsqueeze(0))
+            size = 2 * kv[0].numel() * kv[0].element_size()
+            tracked = self.prefix_blocks is not None
+            if tracked and self.prefix_bytes + size <= _PREFIX_COPY_MAX_BYTES:
+                self.prefix_kv[k_cache.data_ptr()] = kv
+                self.prefix_bytes += size
+        return kv
 
     def prepare(self, meta: AttentionMetadata) -> None:
         bs, group = meta.block_size, self.group
@@ -196,6 +228,8 @@ class TorchAttention:
                 torch.tensor(rows, device=device),
                 torch.from_numpy(tables[members[0], :num_shared]).to(device),
             )
+        if device.type == "cpu":
+            self._track_prefix(meta, tables[members[0], :num_shared] if num_shared else None)
 
         def positions(seqs: list[int]) -> torch.Tensor | None:
             return torch.tensor([p for i in seqs for p in row_pos[i]], device=device)
@@ -269,13 +303,8 @@ class TorchAttention:
         shared = None
         if prep.shared is not None:
             s = prep.shared
-            o, lse = _attend(
-                rows_first(qf.index_select(0, s.rows)),
-                gather(k_cache, s.blocks).unsqueeze(0),
-                gather(v_cache, s.blocks).unsqueeze(0),
-                None,
-                scale,
-            )
+            keys, vals = self._prefix_kv(k_cache, v_cache, s.blocks, gather)
+            o, lse = _attend(rows_first(qf.index_select(0, s.rows)), keys, vals, None, scale)
             shared = by_token(o, lse, len(s.rows))
 
         def with_shared(o, lse, pos: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,40 @@ def dense_reference(q, keys, values, context: int) -> torch.Tensor:
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
+def run_and_check(backend, cache, seqs, tables, bs, gen):
+    """One step of `seqs` ((context, new tokens), decodes first) over block `tables`: forward,
+    then compare every sequence with dense attention over what the cache holds after it."""
+    k_cache, v_cache = cache
+    total = sum(new for _, new in seqs)
+    q = torch.randn(total, KVH * GROUP, D, generator=gen)
+    k = torch.randn(total, KVH, D, generator=gen)
+    v = torch.randn(total, KVH, D, generator=gen)
+    qsl, slots = [0], []
+    for (context, new), table in zip(seqs, tables, strict=True):
+        qsl.append(qsl[-1] + new)
+        slots += [table[p // bs] * bs + p % bs for p in range(context, context + new)]
+    width = max(map(len, tables))
+    padded = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
+    meta = AttentionMetadata(
+        num_decodes=sum(1 for _, new in seqs if new == 1),
+        query_start_loc=qsl,
+        seq_lens=[c + n for c, n in seqs],
+        block_tables=torch.from_numpy(padded),
+        slot_mapping=torch.tensor(slots),
+        block_size=bs,
+        block_tables_cpu=padded,
+    )
+    backend.prepare(meta)
+    out = backend.forward(q, k, v, cache, meta)
+    for i, ((context, new), table) in enumerate(zip(seqs, tables, strict=True)):
+        token_slots = [table[p // bs] * bs + p % bs for p in range(context + new)]
+        keys = k_cache[:, token_slots].transpose(0, 1)
+        values = v_cache[:, token_slots].transpose(0, 1)
+        want = dense_reference(q[qsl[i] : qsl[i + 1]], keys, values, context)
+        torch.testing.assert_close(out[qsl[i] : qsl[i + 1]], want, atol=1e-5, rtol=1e-4)
+    return meta
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("shared_blocks", [0, 3, 7])
 @pytest.mark.parametrize("bs", [4, 16])
@@ -50,38 +84,13 @@ def test_torch_backend_matches_dense(seed, shared_blocks, bs):
         prefix = list(range(shared_blocks)) if shares else []
         tables.append(prefix + [int(free.pop()) for _ in range(n - len(prefix))])
     gen = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(KVH, num_blocks * bs, D, generator=gen)
-    v_cache = torch.randn(KVH, num_blocks * bs, D, generator=gen)
-    total = sum(new for _, new in seqs)
-    q = torch.randn(total, KVH * GROUP, D, generator=gen)
-    k = torch.randn(total, KVH, D, generator=gen)
-    v = torch.randn(total, KVH, D, generator=gen)
-    qsl, slots = [0], []
-    for (context, new), table in zip(seqs, tables, strict=True):
-        qsl.append(qsl[-1] + new)
-        slots += [table[p // bs] * bs + p % bs for p in range(context, context + new)]
-    width = max(map(len, tables))
-    padded = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
-    meta = AttentionMetadata(
-        num_decodes=sum(1 for _, new in seqs if new == 1),
-        query_start_loc=qsl,
-        seq_lens=[c + n for c, n in seqs],
-        block_tables=torch.from_numpy(padded),
-        slot_mapping=torch.tensor(slots),
-        block_size=bs,
-        block_tables_cpu=padded,
+    cache = (
+        torch.randn(KVH, num_blocks * bs, D, generator=gen),
+        torch.randn(KVH, num_blocks * bs, D, generator=gen),
     )
-    backend = TorchAttention(KVH * GROUP, KVH)
-    backend.prepare(meta)
+    meta = run_and_check(TorchAttention(KVH * GROUP, KVH), cache, seqs, tables, bs, gen)
     if shared_blocks >= 2 and sum(c >= shared_blocks * bs > 0 for c, _ in seqs) >= 2:
         assert meta.prepared.shared is not None  # the cascade path is what is under test
-    out = backend.forward(q, k, v, (k_cache, v_cache), meta)
-    for i, ((context, new), table) in enumerate(zip(seqs, tables, strict=True)):
-        token_slots = [table[p // bs] * bs + p % bs for p in range(context + new)]
-        keys = k_cache[:, token_slots].transpose(0, 1)
-        values = v_cache[:, token_slots].transpose(0, 1)
-        want = dense_reference(q[qsl[i] : qsl[i + 1]], keys, values, context)
-        torch.testing.assert_close(out[qsl[i] : qsl[i + 1]], want, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -105,3 +114,29 @@ def test_flash_and_matmul_partial_attention_agree_and_merge_to_the_whole(masked)
         full, lse = attend(q, k, v, mask, D**-0.5)
         torch.testing.assert_close(full, whole)
         torch.testing.assert_close(lse, whole_lse)
+
+
+def test_shared_prefix_copies_are_reused_until_a_step_writes_into_their_blocks():
+    """Decode steps over the same shared blocks reuse the prefix's fp32 K/V. When those blocks
+    are freed and a new prompt is prefilled into them while two more requests share them in the
+    same step (in-batch prefix sharing), the copies go and the cascade reads the new contents."""
+    bs, num_blocks = 4, 16
+    gen = torch.Generator().manual_seed(0)
+    cache = (
+        torch.randn(KVH, num_blocks * bs, D, generator=gen),
+        torch.randn(KVH, num_blocks * bs, D, generator=gen),
+    )
+    backend = TorchAttention(KVH * GROUP, KVH)
+    decodes = [(17, 1), (18, 1)], [[0, 1, 2, 5, 6], [0, 1, 2, 7, 8]]  # sharing blocks 0-2
+    run_and_check(backend, cache, *decodes, bs, gen)
+    copies = dict(backend.prefix_kv)
+    assert copies  # kept for the next step
+    run_and_check(backend, cache, *decodes, bs, gen)
+    assert all(backend.prefix_kv[key] is kv for key, kv in copies.items())  # and reused
+    # One request writes a new 12-token prompt into blocks 0-2; two others hit them in-step.
+    seqs = [(0, 14), (12, 3), (12, 2)]
+    meta = run_and_check(
+        backend, cache, seqs, [[0, 1, 2, 9], [0, 1, 2, 10], [0, 1, 2, 11]], bs, gen
+    )
+    assert meta.prepared.shared is not None
+    assert all(backend.prefix_kv.get(key) is not kv for key, kv in copies.items())
