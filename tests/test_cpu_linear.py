@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_tiny_model
 from torch import nn
 
 from paged_backend import LLM, EngineConfig, SamplingParams
@@ -194,3 +195,25 @@ def test_int4_engine_keeps_the_bf16_engines_greedy_text():
         want = bf16.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
         assert got[:8] == want[:8]
         assert sum(a == b for a, b in zip(got, want, strict=True)) >= len(want) // 2
+
+
+@pytest.mark.skipif(not can_quantize_int4(torch.ones(1, 32)), reason="no int4 CPU kernel")
+def test_int4_engine_with_biases_and_an_untied_head(tmp_path, default_model_path):
+    """A Qwen2-shaped model (qkv bias, untied head): every layer gets its int4 copy and keeps
+    its bias; prefill steps (more than 4 tokens) never read the copy, so the first token is the
+    plain bf16 engine's; decode steps read it and produce valid tokens."""
+    path = make_tiny_model(tmp_path / "qwen2", default_model_path, "Qwen2ForCausalLM")
+    args = {"model": str(path), "dtype": "bfloat16", "num_kv_blocks": 64}
+    int4 = LLM(quantization="int4", **args)
+    bf16 = LLM(**args)
+    model = int4.engine.runner.model
+    assert model.lm_head is None and model.cpu_head.int4 is None  # the head keeps fp16
+    for layer in model.layers:
+        assert layer.self_attn.qkv_proj.int4 is not None
+        assert layer.self_attn.qkv_proj.bias is not None
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = "The archive of Lindenfeld holds"
+    got = int4.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    want = bf16.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got[0] == want[0] and len(got) == 6
+    assert all(0 <= t < model.config.vocab_size for t in got)
