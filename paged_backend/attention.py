@@ -180,7 +180,6 @@ class TorchAttention:
         # `prefix_blocks`, and dropped as soon as a step writes into any of those blocks.
         self.prefix_blocks: np.ndarray | None = None
         self.prefix_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.prefix_bytes = 0
 
     def _track_prefix(self, meta: AttentionMetadata, blocks: np.ndarray | None) -> None:
         """Keep the prefix copies only while they equal the cache: same blocks, none written."""
@@ -191,7 +190,6 @@ class TorchAttention:
             or np.isin(meta.slot_mapping.numpy() // meta.block_size, kept).any()
         ):
             self.prefix_kv.clear()
-            self.prefix_bytes = 0
             kept = None
         self.prefix_blocks = blocks if kept is None else kept
 
@@ -200,11 +198,10 @@ class TorchAttention:
         kv = self.prefix_kv.get(k_cache.data_ptr())
         if kv is None:
             kv = (gather(k_cache, blocks).unsqueeze(0), gather(v_cache, blocks).unsqueeze(0))
-            size = 2 * kv[0].numel() * kv[0].element_size()
-            tracked = self.prefix_blocks is not None
-            if tracked and self.prefix_bytes + size <= _PREFIX_COPY_MAX_BYTES:
+            size = kv[0].numel() * kv[0].element_size()  # of K; V is as large
+            kept = 2 * size * len(self.prefix_kv)  # every layer's copies are the same size
+            if self.prefix_blocks is not None and kept + 2 * size <= _PREFIX_COPY_MAX_BYTES:
                 self.prefix_kv[k_cache.data_ptr()] = kv
-                self.prefix_bytes += size
         return kv
 
     def prepare(self, meta: AttentionMetadata) -> None:

@@ -93,18 +93,24 @@ class CpuLinear(nn.Module):
         copy's result is not rounded to bf16 first: bf16 steps are 0.125 apart at logit 20,
         enough to tie or swap the top tokens."""
         out_dtype = out_dtype or x.dtype
-        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
-            packed, scales = self.int4
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales)
-            out = out.to(out_dtype)
-            return out if self.bias is None else out + self.bias
-        if self.fp16 is not None and x.shape[0] <= FP16_MAX_ROWS:
-            out = F.linear(x.to(torch.float16), self.fp16).to(out_dtype)
+        small = self._copy_product(x)
+        if small is not None:
+            out = small.to(out_dtype)
             return out if self.bias is None else out + self.bias
         if self.packed is None:
             return F.linear(x, self.weight, self.bias).to(out_dtype)
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return out.to(out_dtype)
+
+    def _copy_product(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`x @ weight.T` (no bias) from the copy that serves steps of `x`'s rows, if any."""
+        rows = x.shape[0]
+        if self.int4 is not None and rows <= INT4_MAX_ROWS:
+            packed, scales = self.int4
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales)
+        if self.fp16 is not None and rows <= FP16_MAX_ROWS:
+            return F.linear(x.to(torch.float16), self.fp16)
+        return None
 
 
 def quantize_linears_int4(module: nn.Module) -> dict[str, Int4Weight]:

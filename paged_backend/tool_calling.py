@@ -339,7 +339,7 @@ class ToolCallParser:
             value = json.loads(raw)
             name, arguments = value["name"], value.get("arguments", value.get("parameters", {}))
         except (ValueError, TypeError, KeyError, AttributeError):
-            return ToolCallDelta(self._index, raw.strip(), id=_new_id())
+            name = None
         if not isinstance(name, str):
             return ToolCallDelta(self._index, raw.strip(), id=_new_id())
         return ToolCallDelta(self._index, json.dumps(arguments), id=_new_id(), name=name)
