@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from paged_backend import EngineConfig, LLMEngine, SamplingParams
+from paged_backend import EngineConfig, LLMEngine, SamplingParams, cpu_ops
 from paged_backend.cpu_linear import CpuLinear, can_pack
 from paged_backend.model_loader import default_model_file
 
@@ -113,10 +113,19 @@ class Ours:
     name = "paged-backend"
 
     def __init__(
-        self, dtype: str, pack_weights: bool | None = None, quantization: str | None = None
+        self,
+        dtype: str,
+        pack_weights: bool | None = None,
+        quantization: str | None = None,
+        cpu_kernels: bool | None = None,
     ) -> None:
         self.engine = LLMEngine(
-            EngineConfig(dtype=dtype, pack_weights=pack_weights, quantization=quantization)
+            EngineConfig(
+                dtype=dtype,
+                pack_weights=pack_weights,
+                quantization=quantization,
+                cpu_kernels=cpu_kernels,
+            )
         )
         self.tokenizer = self.engine.tokenizer
         # Decode-only steps: (batch size, seconds, context tokens attended over, summed).
@@ -336,12 +345,22 @@ def main() -> None:
     parser.add_argument(
         "--quantization", default=None, help="int4: our 4-bit copy for steps of 1-4 tokens"
     )
+    parser.add_argument(
+        "--no-cpu-kernels",
+        action="store_true",
+        help="our norms and rotary run as torch ops instead of the fused C ops (to measure them)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     workloads = args.workloads.split(",")
     wanted = set(args.engines.split(","))
 
-    ours = Ours(args.dtype, False if args.no_pack_weights else None, args.quantization)
+    ours = Ours(
+        args.dtype,
+        False if args.no_pack_weights else None,
+        args.quantization,
+        False if args.no_cpu_kernels else None,
+    )
     tok = ours.tokenizer
     run_chat.tokenizer = tok
     prompts = {
@@ -359,6 +378,8 @@ def main() -> None:
             "packed_weights": head is not None and head.packed is not None,
             "block_size": ours.engine.config.block_size,
             "quantization": args.quantization,
+            "cpu_kernels": ours.engine.runner.model.layers[0].input_layernorm.norm
+            is cpu_ops.rms_norm,
             "threads": torch.get_num_threads(),
             "hf_dtype": args.hf_dtype,
             "matmul_peak_gflops": peak,
@@ -437,7 +458,7 @@ def print_table(results: dict, workloads: list[str]) -> None:
     c = results["config"]
     print(
         f"dtype {c['dtype']} (packed weights {c['packed_weights']}, block size {c['block_size']}, "
-        f"quantization {c['quantization']}; "
+        f"quantization {c['quantization']}, C ops {c['cpu_kernels']}; "
         f"transformers {c['hf_dtype']}), "
         f"{c['threads']} threads, "
         f"bf16 matmul peak {c['matmul_peak_gflops']:.0f} GFLOP/s, "

@@ -128,6 +128,7 @@ class EngineConfig:
     pack_weights: bool | None = None
     fp16_decode_weights: bool | None = None
     quantization: str | None = None
+    cpu_kernels: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -171,7 +172,7 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be None or 'int4' (CPU), got {self.quantization!r}"
             )
-        for name in ("pack_weights", "fp16_decode_weights"):
+        for name in ("pack_weights", "fp16_decode_weights", "cpu_kernels"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name} must be None (auto), True or False, got {value!r}")

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from paged_backend import cpu_ops
 from paged_backend.attention import AttentionMetadata, get_backend
 from paged_backend.config import EngineConfig, ModelConfig
 from paged_backend.cpu_linear import can_pack, quantize_linears_int4
@@ -45,12 +46,7 @@ class ModelRunner:
         )
         self.model_config = model_config
         with torch.device(self.device):
-            # Fused Triton kernels pay on a GPU; on CPU (interpreter) they are for tests only.
-            model = LlamaForCausalLM(
-                model_config,
-                max_model_len,
-                fused_kernels=self.backend.name == "triton" and self.device.type == "cuda",
-            )
+            model = LlamaForCausalLM(model_config, max_model_len, ops=self._ops(config))
         pack, fp16_copy = self._cpu_linears(config, model)
         load_safetensors(model, model_path, model.checkpoint_name_map)
         # From the full-precision weights: a Q4 grid survives only until the cast.
@@ -70,6 +66,23 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+
+    def _ops(self, config: EngineConfig) -> str:
+        """Who runs the layers' elementwise ops (`paged_backend.models.llama.make_ops`): fused
+        Triton kernels on a GPU (on CPU, under the interpreter, they are for tests only); the
+        fused C ops for bf16 on CPU by default wherever they build; else torch."""
+        bf16_cpu = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        if config.cpu_kernels and not (bf16_cpu and cpu_ops.available()):
+            raise ValueError(
+                "cpu_kernels=True needs a bfloat16 model on CPU and a C compiler to build "
+                f"{cpu_ops.SOURCE.name}; got {self.dtype} on {self.device.type}"
+                + ("" if cpu_ops.available() else ", and the build failed (see the log)")
+            )
+        if self.backend.name == "triton" and self.device.type == "cuda":
+            return "triton"
+        if config.cpu_kernels is False or not bf16_cpu:
+            return "torch"
+        return "cpu" if cpu_ops.available() else "torch"
 
     def _cpu_linears(self, config: EngineConfig, model: torch.nn.Module) -> tuple[bool, bool]:
         """(pack the weights, keep an fp16 copy for 1-2 row steps), see

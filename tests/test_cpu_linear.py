@@ -146,7 +146,7 @@ def test_fp32_engines_keep_plain_weights_and_refuse_the_options(llm_fp32):
 def test_bf16_engines_pack_by_default_and_give_the_plain_engines_outputs():
     """Packed weights alone: the same tokens and logprobs, bit for bit, through mixed
     prefill/decode batches. With the default fp16 copy as well, one request at a time (every
-    decode step reads the copy), greedy text stays the plain engine's on these prompts.
+    decode step reads the copy), greedy text stays the plain engine's up to a near tie.
     (No prefix caching: in bf16, a cached prefix's attention sums in another order, which can
     flip a near tie by itself.)"""
     args = {"dtype": "bfloat16", "num_kv_blocks": 96, "enable_prefix_caching": False}
@@ -172,9 +172,21 @@ def test_bf16_engines_pack_by_default_and_give_the_plain_engines_outputs():
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert g.outputs[0].logprobs == w.outputs[0].logprobs
     for prompt in prompts:
-        g = default.generate([prompt], params, use_tqdm=False)[0]
-        w = plain.generate([prompt], params, use_tqdm=False)[0]
-        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        g = default.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        w = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        _assert_same_text_but_for_ties(g, w)
+
+
+def _assert_same_text_but_for_ties(got, want, tie: float = 0.15) -> None:
+    """Greedy texts agree, or first part where the reference's top two tokens are tied within
+    bf16 logit rounding (0.125 apart at logit 20): there the fp32 logits of the fp16 copy can
+    pick the other one, and the texts go separate ways after it."""
+    for i, (g, w) in enumerate(zip(got.token_ids, want.token_ids, strict=True)):
+        if g != w:
+            ranked = want.logprobs[i]
+            assert g in ranked, f"token {i}: {g} is not in the reference's top 2"
+            assert abs(ranked[w].logprob - ranked[g].logprob) < tie, f"token {i} is no tie"
+            return
 
 
 @pytest.mark.slow

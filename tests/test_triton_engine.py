@@ -40,8 +40,8 @@ def test_fused_kernels_give_the_torch_ops_logits(tiny_model):
     config = ModelConfig.from_dir(tiny_model)
     tokens = torch.tensor([5, 17, 923, 4, 88, 1024, 7, 3])
     logits = []
-    for fused in (False, True):
-        model = LlamaForCausalLM(config, 64, fused_kernels=fused)
+    for ops in ("torch", "triton"):
+        model = LlamaForCausalLM(config, 64, ops=ops)
         load_safetensors(model, tiny_model, model.checkpoint_name_map)
         backend = TorchAttention(config.num_heads, config.num_kv_heads)
         caches = backend.allocate_kv_cache(

@@ -16,14 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_backend import cpu_ops
 from paged_backend.attention import AttentionBackend
 from paged_backend.config import ModelConfig
 from paged_backend.cpu_linear import CpuLinear, Int4Weight, replace_linears_
-
-
-def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # One fused op (it accumulates in fp32): at this model size op count is the cost.
-    return F.rms_norm(x, weight.shape, weight, eps)
+from paged_backend.cpu_ops import apply_rotary, torch_rms_norm
 
 
 def torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -33,16 +30,21 @@ def torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Ops:
-    """The elementwise pieces of a layer: torch ops, or fused Triton kernels on a GPU."""
+    """The elementwise pieces of a layer: torch ops, fused C ops (bf16 on CPU, see
+    `paged_backend.cpu_ops`) or fused Triton kernels (GPU). `rms_norm(x, weight, eps, residual)`
+    with a residual returns (normed, x + residual); `rotary` may rotate its input in place."""
 
-    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
     rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
 
 
-def make_ops(fused_kernels: bool) -> Ops:
-    if not fused_kernels:
+def make_ops(kind: str) -> Ops:
+    """`kind`: "torch", "cpu" (the C ops; torch's SiLU-and-mul is as fast) or "triton"."""
+    if kind == "torch":
         return Ops(torch_rms_norm, apply_rotary, torch_silu_and_mul)
+    if kind == "cpu":
+        return Ops(cpu_ops.rms_norm, cpu_ops.rotary_embedding, torch_silu_and_mul)
     from paged_backend.kernels import rms_norm, rotary_embedding, silu_and_mul
 
     return Ops(rms_norm, rotary_embedding, silu_and_mul)
@@ -55,8 +57,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.norm = ops.rms_norm if ops is not None else torch_rms_norm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with `residual`: (norm(x + residual), x + residual)."""
+        return self.norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -94,12 +97,6 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # [T, 1, head_dim] so they broadcast over heads.
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -161,18 +158,26 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.mlp = MLP(config, ops)
 
-    def forward(self, x, cos, sin, kv_cache, backend, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, backend, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, backend, meta):
+        """(this layer's output, the residual stream before it): the residual add is left to
+        the next norm, which fuses it. `residual` is None at the first layer."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(h, cos, sin, kv_cache, backend, meta)
+        h, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    """`fused_kernels` swaps RMSNorm, rotary and SiLU-and-mul for Triton kernels (GPU)."""
+    """`ops` ("torch", "cpu" or "triton", see `make_ops`) picks who runs RMSNorm, rotary and
+    SiLU-and-mul."""
 
-    def __init__(self, config: ModelConfig, max_len: int, fused_kernels: bool = False) -> None:
+    def __init__(self, config: ModelConfig, max_len: int, ops: str = "torch") -> None:
         super().__init__()
         self.config = config
-        ops = make_ops(fused_kernels)
+        ops = make_ops(ops)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -208,9 +213,10 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, backend, meta)
-        x = self.norm(x[logits_indices])
+            x, residual = layer(x, residual, cos, sin, kv_cache, backend, meta)
+        x, _ = self.norm(x[logits_indices], residual[logits_indices])
         if self.cpu_head is not None:
             return self.cpu_head(x, out_dtype=torch.float32)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -1,0 +1,122 @@
+"""Fused C ops for bf16 models on CPU (`paged_backend.cpu_ops`): RMSNorm with the residual add
+and rotary give the torch ops' values (rotary and the residual bit for bit, the norm within a
+last-bit difference of summation order), fall back to torch where they do not apply, and an
+engine uses them by default for bf16 and runs on torch ops when they cannot be built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_backend import LLM, SamplingParams, cpu_ops
+
+needs_ops = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
+BF16 = torch.bfloat16
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 steps (same-sign values)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@needs_ops
+@pytest.mark.parametrize("rows", [1, 7, 64, cpu_ops.MAX_ROWS])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_gives_the_torch_values(rows, with_residual):
+    torch.manual_seed(rows)
+    x = (torch.randn(rows, 640) * 3).to(BF16)[:, 32:608]  # strided rows, 576 wide
+    residual = (torch.randn(rows, 576) * 5).to(BF16) if with_residual else None
+    weight = (torch.rand(576) + 0.5).to(BF16)
+    got = cpu_ops.rms_norm(x, weight, 1e-5, residual)
+    want = cpu_ops.torch_rms_norm(x, weight, 1e-5, residual)
+    if with_residual:
+        assert torch.equal(got[1], want[1])  # x + residual, rounded once to bf16
+        got, want = got[0], want[0]
+    assert got.shape == want.shape and got.dtype == BF16
+    assert _bf16_ulps(got, want).max() <= 1
+    assert (got != want).float().mean() < 1e-3
+
+
+@needs_ops
+@pytest.mark.parametrize("tokens", [1, 5, 100])
+def test_rotary_gives_the_torch_values_in_place(tokens):
+    """On the q/k heads of a fused qkv row (a strided view), as the model calls it."""
+    torch.manual_seed(tokens)
+    qkv = torch.randn(tokens, 12 * 64 + 3 * 64).to(BF16)
+    positions = torch.randint(0, 4000, (tokens,))
+    freqs = torch.outer(positions.float(), 1.0 / 10000 ** (torch.arange(0, 64, 2) / 64))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(BF16)[:, None], emb.sin().to(BF16)[:, None]
+    qk = qkv[:, : 12 * 64].view(tokens, 12, 64)
+    want = cpu_ops.apply_rotary(qk, cos, sin)
+    v_before = qkv[:, 12 * 64 :].clone()
+    got = cpu_ops.rotary_embedding(qk, cos, sin)
+    assert got.data_ptr() == qk.data_ptr()
+    assert torch.equal(got, want)
+    assert torch.equal(qkv[:, 12 * 64 :], v_before)  # the rest of the row is untouched
+
+
+@needs_ops
+def test_large_steps_and_other_dtypes_run_the_torch_ops():
+    weight = torch.rand(576).to(BF16)
+    big = torch.randn(cpu_ops.MAX_ROWS + 1, 576).to(BF16)
+    assert torch.equal(
+        cpu_ops.rms_norm(big, weight, 1e-5), cpu_ops.torch_rms_norm(big, weight, 1e-5)
+    )
+    x32 = torch.randn(4, 576)
+    assert torch.equal(
+        cpu_ops.rms_norm(x32, weight.float(), 1e-5),
+        cpu_ops.torch_rms_norm(x32, weight.float(), 1e-5),
+    )
+    q = torch.randn(3, 2, 8)
+    cos, sin = torch.rand(3, 1, 8), torch.rand(3, 1, 8)
+    out = cpu_ops.rotary_embedding(q, cos, sin)
+    assert torch.equal(out, cpu_ops.apply_rotary(q, cos, sin)) and out.data_ptr() != q.data_ptr()
+
+
+def _ops_of(engine) -> tuple:
+    layer = engine.runner.model.layers[0]
+    return layer.input_layernorm.norm, layer.self_attn.rotary
+
+
+@needs_ops
+def test_bf16_engines_use_the_ops_and_match_torch_ops(tiny_model, one_thread):
+    """Same first-token log-probabilities (within bf16 noise) with and without them."""
+    args = {"model": str(tiny_model), "dtype": "bfloat16", "num_kv_blocks": 64}
+    fused, plain = LLM(**args), LLM(cpu_kernels=False, **args)
+    assert _ops_of(fused.engine) == (cpu_ops.rms_norm, cpu_ops.rotary_embedding)
+    assert _ops_of(plain.engine) == (cpu_ops.torch_rms_norm, cpu_ops.apply_rotary)
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    prompts = [[1, 5, 17, 923, 4, 88, 1024, 7, 3], [1, 400, 33, 2048]]
+    for got, want in zip(
+        fused.generate(prompts, params, use_tqdm=False),
+        plain.generate(prompts, params, use_tqdm=False),
+        strict=True,
+    ):
+        got_lp, want_lp = got.outputs[0].logprobs[0], want.outputs[0].logprobs[0]
+        shared = set(got_lp) & set(want_lp)
+        assert len(shared) >= 4
+        for token in shared:
+            assert abs(got_lp[token].logprob - want_lp[token].logprob) < 0.1
+
+
+def test_without_a_compiler_engines_keep_torch_ops(tiny_model, one_thread, tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PAGED_BACKEND_CACHE", str(tmp_path / "cache"))
+    cpu_ops.load_library.cache_clear()
+    try:
+        assert not cpu_ops.available()
+        args = {"model": str(tiny_model), "dtype": "bfloat16", "num_kv_blocks": 16}
+        with pytest.raises(ValueError, match="cpu_kernels=True"):
+            LLM(cpu_kernels=True, **args)
+        engine = LLM(**args).engine
+        assert _ops_of(engine) == (cpu_ops.torch_rms_norm, cpu_ops.apply_rotary)
+    finally:
+        cpu_ops.load_library.cache_clear()
+
+
+def test_fp32_engines_refuse_cpu_kernels(tiny_model):
+    with pytest.raises(ValueError, match="cpu_kernels=True needs a bfloat16 model"):
+        LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=16, cpu_kernels=True)
+    with pytest.raises(ValueError, match="cpu_kernels"):
+        LLM(model=str(tiny_model), cpu_kernels="yes")
