@@ -14,6 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from paged_backend import cpu_ops
+
 
 @dataclass
 class AttentionMetadata:
@@ -90,6 +92,15 @@ class _Prefill:
     blocks: torch.Tensor | None  # blocks from `first_key` on; None: attend to the new k/v only
     mask: torch.Tensor | None  # [1, 1, q_len * group, keys] additive causal mask over those keys
     shared_pos: torch.Tensor | None  # positions of this sequence's rows in `_Shared.rows`
+
+
+@dataclass
+class _CDecode:
+    """A step of decodes only, with no shared prefix, for `cpu_ops.decode_attention`."""
+
+    block_tables: torch.Tensor  # int32 [S, width], contiguous
+    seq_lens: torch.Tensor  # int32 [S]
+    scratch: torch.Tensor  # fp32 scores of one kv head's queries over the longest context
 
 
 @dataclass
@@ -173,8 +184,11 @@ class TorchAttention:
         cache = torch.zeros(shape, dtype=dtype, device=device)
         return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]
 
-    def __init__(self, num_heads: int, num_kv_heads: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, c_decode: bool = False) -> None:
+        """`c_decode`: steps of decodes only and no shared prefix, over at most
+        `cpu_ops.DECODE_MAX_KEYS` keys in all, run `cpu_ops.decode_attention` (bf16 caches)."""
         self.group = num_heads // num_kv_heads
+        self.c_decode = c_decode
         # A RAG batch rereads the same shared prefix every decode step: its K/V, gathered and
         # cast to fp32, are kept per layer (keyed by the layer's cache tensor) for the blocks
         # `prefix_blocks`, and dropped as soon as a step writes into any of those blocks.
@@ -227,11 +241,23 @@ class TorchAttention:
             )
         if device.type == "cpu":
             self._track_prefix(meta, tables[members[0], :num_shared] if num_shared else None)
+        nd = meta.num_decodes
+        if (
+            self.c_decode
+            and not num_shared
+            and nd == len(meta.seq_lens)
+            and sum(meta.seq_lens) <= cpu_ops.DECODE_MAX_KEYS
+        ):
+            meta.prepared = _CDecode(
+                torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int32)),
+                torch.tensor(meta.seq_lens, dtype=torch.int32),
+                torch.empty(self.group * max(meta.seq_lens)),
+            )
+            return
 
         def positions(seqs: list[int]) -> torch.Tensor | None:
             return torch.tensor([p for i in seqs for p in row_pos[i]], device=device)
 
-        nd = meta.num_decodes
         decodes = None
         if nd:
             lens = np.array(meta.seq_lens[:nd])
@@ -272,12 +298,16 @@ class TorchAttention:
         meta.prepared = _TorchPrepared(shared, decodes, prefills)
 
     def forward(self, q, k, v, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        prep = meta.prepared
+        if isinstance(prep, _CDecode):
+            return cpu_ops.decode_attention(
+                q, k, v, kv_cache, prep.block_tables, prep.seq_lens, meta.block_size, prep.scratch
+            )
         k_cache, v_cache = kv_cache
         kvh, _, d = k_cache.shape
         bs = meta.block_size
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-        prep: _TorchPrepared = meta.prepared
         num_tokens, num_heads, _ = q.shape
         group = num_heads // kvh
         scale = d**-0.5
@@ -346,9 +376,11 @@ class TorchAttention:
         return out.view(num_tokens, num_heads, d).to(q.dtype)
 
 
-def get_backend(name: str, num_heads: int, num_kv_heads: int) -> AttentionBackend:
+def get_backend(
+    name: str, num_heads: int, num_kv_heads: int, c_decode: bool = False
+) -> AttentionBackend:
     if name == "torch":
-        return TorchAttention(num_heads, num_kv_heads)
+        return TorchAttention(num_heads, num_kv_heads, c_decode)
     if name == "triton":
         from paged_backend.kernels.backend import TritonAttention
 

@@ -41,12 +41,17 @@ class ModelRunner:
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         self.block_size = config.block_size
+        backend = config.resolve_backend(self.device)
+        ops = self._ops(config, backend)
         self.backend = get_backend(
-            config.resolve_backend(self.device), model_config.num_heads, model_config.num_kv_heads
+            backend,
+            model_config.num_heads,
+            model_config.num_kv_heads,
+            c_decode=ops == "cpu" and model_config.head_dim % 16 == 0,
         )
         self.model_config = model_config
         with torch.device(self.device):
-            model = LlamaForCausalLM(model_config, max_model_len, ops=self._ops(config))
+            model = LlamaForCausalLM(model_config, max_model_len, ops=ops)
         pack, fp16_copy = self._cpu_linears(config, model)
         load_safetensors(model, model_path, model.checkpoint_name_map)
         # From the full-precision weights: a Q4 grid survives only until the cast.
@@ -67,10 +72,11 @@ class ModelRunner:
             self.device,
         )
 
-    def _ops(self, config: EngineConfig) -> str:
+    def _ops(self, config: EngineConfig, backend: str) -> str:
         """Who runs the layers' elementwise ops (`paged_backend.models.llama.make_ops`): fused
         Triton kernels on a GPU (on CPU, under the interpreter, they are for tests only); the
-        fused C ops for bf16 on CPU by default wherever they build; else torch."""
+        fused C ops for bf16 on CPU by default wherever they build (the torch attention backend
+        then also runs small decode steps in C); else torch."""
         bf16_cpu = self.device.type == "cpu" and self.dtype == torch.bfloat16
         if config.cpu_kernels and not (bf16_cpu and cpu_ops.available()):
             raise ValueError(
@@ -78,7 +84,7 @@ class ModelRunner:
                 f"{cpu_ops.SOURCE.name}; got {self.dtype} on {self.device.type}"
                 + ("" if cpu_ops.available() else ", and the build failed (see the log)")
             )
-        if self.backend.name == "triton" and self.device.type == "cuda":
+        if backend == "triton" and self.device.type == "cuda":
             return "triton"
         if config.cpu_kernels is False or not bf16_cpu:
             return "torch"

@@ -1,14 +1,17 @@
 """Fused C ops for bf16 models on CPU (`paged_backend.cpu_ops`): RMSNorm with the residual add
 and rotary give the torch ops' values (rotary and the residual bit for bit, the norm within a
-last-bit difference of summation order), fall back to torch where they do not apply, and an
-engine uses them by default for bf16 and runs on torch ops when they cannot be built."""
+last-bit difference of summation order), decode attention the torch backend's (and the same
+cache writes), each falls back to torch where it does not apply, and an engine uses them by
+default for bf16 and runs on torch ops when they cannot be built."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from paged_backend import LLM, SamplingParams, cpu_ops
+from paged_backend.attention import AttentionMetadata, TorchAttention, _CDecode
 
 needs_ops = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
 BF16 = torch.bfloat16
@@ -74,6 +77,86 @@ def test_large_steps_and_other_dtypes_run_the_torch_ops():
     assert torch.equal(out, cpu_ops.apply_rotary(q, cos, sin)) and out.data_ptr() != q.data_ptr()
 
 
+def _decode_step(lens, bs, num_kv_heads, group, dim, packed_qkv, seed):
+    """Random bf16 caches and one step of decodes (`lens`: context after the step) over
+    shuffled blocks, as (q, k, v, (k_cache, v_cache), meta)."""
+    gen = torch.Generator().manual_seed(seed)
+    widths = [-(-n // bs) for n in lens]
+    blocks = torch.randperm(sum(widths) + 3, generator=gen).tolist()
+    tables = np.zeros((len(lens), max(widths)), dtype=np.int32)
+    for i, w in enumerate(widths):
+        tables[i, :w] = [blocks.pop() for _ in range(w)]
+    slots = [int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)]
+    slots_total = (sum(widths) + 3) * bs
+    cache = tuple(
+        torch.randn(num_kv_heads, slots_total, dim, generator=gen).to(BF16) for _ in range(2)
+    )
+    heads, s = num_kv_heads * group, len(lens)
+    if packed_qkv:  # views into one fused qkv row per token, as the model passes them
+        qkv = torch.randn(s, (heads + 2 * num_kv_heads) * dim, generator=gen).to(BF16)
+        q, k, v = qkv.split([heads * dim, num_kv_heads * dim, num_kv_heads * dim], dim=1)
+        q, k, v = q.view(s, heads, dim), k.view(s, -1, dim), v.view(s, -1, dim)
+    else:  # separate tensors (q/k norms), one of them not heads-packed
+        q = torch.randn(heads, s, dim, generator=gen).to(BF16).transpose(0, 1)
+        k, v = (torch.randn(s, num_kv_heads, dim, generator=gen).to(BF16) for _ in range(2))
+    meta = AttentionMetadata(
+        num_decodes=s,
+        query_start_loc=list(range(s + 1)),
+        seq_lens=list(lens),
+        block_tables=torch.from_numpy(tables),
+        slot_mapping=torch.tensor(slots),
+        block_size=bs,
+        block_tables_cpu=tables,
+    )
+    return q, k, v, cache, meta
+
+
+@needs_ops
+@pytest.mark.parametrize(
+    ("lens", "bs", "num_kv_heads", "group", "dim", "packed_qkv"),
+    [
+        ([1], 4, 3, 3, 64, True),
+        ([37, 5, 130], 4, 3, 3, 64, True),
+        ([300, 17], 16, 2, 1, 128, False),
+        ([64] * 8, 4, 1, 4, 16, True),
+    ],
+)
+def test_decode_attention_gives_the_torch_backends_output_and_cache(
+    lens, bs, num_kv_heads, group, dim, packed_qkv
+):
+    outs, caches = [], []
+    for c_decode in (True, False):
+        q, k, v, cache, meta = _decode_step(lens, bs, num_kv_heads, group, dim, packed_qkv, 0)
+        backend = TorchAttention(num_kv_heads * group, num_kv_heads, c_decode=c_decode)
+        backend.prepare(meta)
+        assert isinstance(meta.prepared, _CDecode) == c_decode
+        outs.append(backend.forward(q, k, v, cache, meta))
+        caches.append(cache)
+    got, want = outs
+    assert got.shape == want.shape == (len(lens), num_kv_heads * group, dim)
+    assert got.dtype == BF16
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+    assert (got != want).float().mean() < 0.01  # rounding differences only
+    assert all(torch.equal(a, b) for a, b in zip(*caches, strict=True))
+
+
+@needs_ops
+def test_decode_attention_takes_small_decode_only_steps_without_a_shared_prefix():
+    backend = TorchAttention(9, 3, c_decode=True)
+    too_long = [cpu_ops.DECODE_MAX_KEYS // 2 + 1] * 2
+    *_, meta = _decode_step(too_long, 16, 3, 3, 64, True, 0)
+    backend.prepare(meta)
+    assert not isinstance(meta.prepared, _CDecode)
+    *_, meta = _decode_step([20, 30], 4, 3, 3, 64, True, 0)
+    meta.block_tables_cpu[1, :2] = meta.block_tables_cpu[0, :2]  # two shared leading blocks
+    backend.prepare(meta)
+    assert meta.prepared.shared is not None
+    *_, meta = _decode_step([20, 30], 4, 3, 3, 64, True, 0)
+    meta.num_decodes = 1  # the second sequence is a 1-token prefill chunk
+    backend.prepare(meta)
+    assert not isinstance(meta.prepared, _CDecode)
+
+
 def _ops_of(engine) -> tuple:
     layer = engine.runner.model.layers[0]
     return layer.input_layernorm.norm, layer.self_attn.rotary
@@ -81,23 +164,26 @@ def _ops_of(engine) -> tuple:
 
 @needs_ops
 def test_bf16_engines_use_the_ops_and_match_torch_ops(tiny_model, one_thread):
-    """Same first-token log-probabilities (within bf16 noise) with and without them."""
+    """Same log-probabilities (within bf16 noise) with and without them, for the prefill's
+    token and a decode step's."""
     args = {"model": str(tiny_model), "dtype": "bfloat16", "num_kv_blocks": 64}
     fused, plain = LLM(**args), LLM(cpu_kernels=False, **args)
     assert _ops_of(fused.engine) == (cpu_ops.rms_norm, cpu_ops.rotary_embedding)
     assert _ops_of(plain.engine) == (cpu_ops.torch_rms_norm, cpu_ops.apply_rotary)
-    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    assert fused.engine.runner.backend.c_decode and not plain.engine.runner.backend.c_decode
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=5)
     prompts = [[1, 5, 17, 923, 4, 88, 1024, 7, 3], [1, 400, 33, 2048]]
     for got, want in zip(
         fused.generate(prompts, params, use_tqdm=False),
         plain.generate(prompts, params, use_tqdm=False),
         strict=True,
     ):
-        got_lp, want_lp = got.outputs[0].logprobs[0], want.outputs[0].logprobs[0]
-        shared = set(got_lp) & set(want_lp)
-        assert len(shared) >= 4
-        for token in shared:
-            assert abs(got_lp[token].logprob - want_lp[token].logprob) < 0.1
+        assert got.outputs[0].token_ids[0] == want.outputs[0].token_ids[0]
+        for got_lp, want_lp in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+            shared = set(got_lp) & set(want_lp)
+            assert len(shared) >= 4
+            for token in shared:
+                assert abs(got_lp[token].logprob - want_lp[token].logprob) < 0.1
 
 
 def test_without_a_compiler_engines_keep_torch_ops(tiny_model, one_thread, tmp_path, monkeypatch):

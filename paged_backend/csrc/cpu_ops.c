@@ -82,3 +82,84 @@ void silu_and_mul_bf16(const bf16 *x, bf16 *out, int64_t rows, int64_t dim) {
         }
     }
 }
+
+/* exp(x) for x <= 0 (Cephes' expf: range reduction by ln 2, degree-6 polynomial, ~1 ulp),
+ * written in plain arithmetic so that loops over it vectorise. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round(x / ln 2) */
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * r * r + r + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return y * two_n;
+}
+
+static inline float dot_bf16(const float *q, const bf16 *k, int64_t dim) {
+    float acc[16] = {0};
+    for (int64_t i = 0; i < dim; i += 16)
+        for (int j = 0; j < 16; j++) acc[j] += q[i + j] * to_f32(k[i + j]);
+    float sum = 0.0f;
+    for (int j = 0; j < 16; j++) sum += acc[j];
+    return sum;
+}
+
+/* One decode step of paged attention: for each sequence, write its new token's k/v into the
+ * head-major caches [kv_heads, slots, dim] (slot = block * block_size + offset), then attend its
+ * query heads over all `seq_lens[s]` tokens (fp32 scores and softmax, exact two-pass), out in
+ * bf16 [seqs, heads, dim]. Query heads h * group .. h * group + group - 1 read kv head h. `dim` is
+ * a multiple of 16. Each token's heads are packed in q, k and v, whose rows are `q_stride`,
+ * `k_stride`, `v_stride` apart (views into the fused qkv output); `scores` holds group * max len. */
+void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t q_stride,
+                           int64_t k_stride, int64_t v_stride,
+                           bf16 *k_cache, bf16 *v_cache, int64_t cache_head_stride,
+                           const int32_t *block_tables, int64_t max_blocks,
+                           const int32_t *seq_lens, int64_t block_size, int64_t num_seqs,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t dim, float scale,
+                           bf16 *out, float *scores) {
+    int64_t group = num_heads / num_kv_heads;
+    float qf[group * dim], acc[group * dim];
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int32_t *table = block_tables + s * max_blocks;
+        int64_t len = seq_lens[s], pos = len - 1;
+        int64_t slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            bf16 *kc = k_cache + h * cache_head_stride, *vc = v_cache + h * cache_head_stride;
+            memcpy(kc + slot * dim, k + s * k_stride + h * dim, dim * sizeof(bf16));
+            memcpy(vc + slot * dim, v + s * v_stride + h * dim, dim * sizeof(bf16));
+            for (int64_t i = 0; i < group * dim; i++)
+                qf[i] = to_f32(q[s * q_stride + h * group * dim + i]);
+            for (int64_t t = 0; t < len; t++) {
+                const bf16 *kr = kc + ((int64_t)table[t / block_size] * block_size + t % block_size) * dim;
+                for (int64_t g = 0; g < group; g++)
+                    scores[g * len + t] = dot_bf16(qf + g * dim, kr, dim) * scale;
+            }
+            float total[group];
+            for (int64_t g = 0; g < group; g++) {
+                float *sg = scores + g * len, top = sg[0], part[16] = {0};
+                for (int64_t t = 1; t < len; t++) top = sg[t] > top ? sg[t] : top;
+                for (int64_t t = 0; t < len; t++) sg[t] = exp_nonpositive(sg[t] - top);
+                for (int64_t t = 0; t < len; t++) part[t & 15] += sg[t];
+                total[g] = 0.0f;
+                for (int j = 0; j < 16; j++) total[g] += part[j];
+            }
+            memset(acc, 0, sizeof acc);
+            for (int64_t t = 0; t < len; t++) {
+                const bf16 *vr = vc + ((int64_t)table[t / block_size] * block_size + t % block_size) * dim;
+                for (int64_t g = 0; g < group; g++) {
+                    float p = scores[g * len + t];
+                    for (int64_t i = 0; i < dim; i++) acc[g * dim + i] += p * to_f32(vr[i]);
+                }
+            }
+            for (int64_t i = 0; i < group * dim; i++)
+                out[(s * num_heads + h * group) * dim + i] = to_bf16(acc[i] / total[i / dim]);
+        }
+    }
+}
