@@ -185,8 +185,9 @@ class TorchAttention:
         return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]
 
     def __init__(self, num_heads: int, num_kv_heads: int, c_decode: bool = False) -> None:
-        """`c_decode`: steps of decodes only and no shared prefix, over at most
-        `cpu_ops.DECODE_MAX_KEYS` keys in all, run `cpu_ops.decode_attention` (bf16 caches)."""
+        """`c_decode`: steps of decodes only and no shared prefix, of at most
+        `cpu_ops.DECODE_MAX_SEQS` sequences and `cpu_ops.DECODE_MAX_KEYS` keys in all, run
+        `cpu_ops.decode_attention` (bf16 caches)."""
         self.group = num_heads // num_kv_heads
         self.c_decode = c_decode
         # A RAG batch rereads the same shared prefix every decode step: its K/V, gathered and
@@ -245,7 +246,7 @@ class TorchAttention:
         if (
             self.c_decode
             and not num_shared
-            and nd == len(meta.seq_lens)
+            and nd == len(meta.seq_lens) <= cpu_ops.DECODE_MAX_SEQS
             and sum(meta.seq_lens) <= cpu_ops.DECODE_MAX_KEYS
         ):
             meta.prepared = _CDecode(

@@ -11,11 +11,11 @@ cache directory, keyed by source, flags and CPU; without a compiler the engine k
 Steps over `MAX_ROWS` rows (prefill) run torch ops: there its two threads beat one C loop.
 
 `decode_attention` is one decode step of paged attention (cache write included) for the torch
-backend's steps of decodes only, with no shared prefix (`TorchAttention`): one call a layer
+backend's steps of a few decodes, with no shared prefix (`TorchAttention`): one call a layer
 where the torch path gathers, casts and runs the flash kernel in ~15 ops (39 against 7 µs for one
-sequence of 30 tokens, 337 against 287 µs at 3,000; 524 against 344 µs for 32 x 100).
-Single-threaded, it loses once the keys outgrow the cache (32 x 1,000: 10.8 against 5.7 ms):
-`DECODE_MAX_KEYS` bounds the step's total context.
+sequence of 30 tokens, 337 against 287 µs at 3,000; single-stream decode 15% faster). It is
+single-threaded: in the engine, steps of 8 sequences ran equally fast either way and steps of 32
+9% slower in C, so `DECODE_MAX_SEQS` and `DECODE_MAX_KEYS` (the step's total context) bound it.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from paged_backend.config import default_cache_dir
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 256  # one C loop beats torch's ops up to here (38 against 48 µs for a norm at 200)
-DECODE_MAX_KEYS = 8192  # summed context of a decode step that `decode_attention` takes on
+DECODE_MAX_SEQS = 4  # decode steps that `decode_attention` takes on: this many sequences,
+DECODE_MAX_KEYS = 8192  # with at most this much context in all
 SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.c"
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
 

@@ -118,7 +118,7 @@ def _decode_step(lens, bs, num_kv_heads, group, dim, packed_qkv, seed):
         ([1], 4, 3, 3, 64, True),
         ([37, 5, 130], 4, 3, 3, 64, True),
         ([300, 17], 16, 2, 1, 128, False),
-        ([64] * 8, 4, 1, 4, 16, True),
+        ([64] * 4, 4, 1, 4, 16, True),
     ],
 )
 def test_decode_attention_gives_the_torch_backends_output_and_cache(
@@ -141,12 +141,14 @@ def test_decode_attention_gives_the_torch_backends_output_and_cache(
 
 
 @needs_ops
-def test_decode_attention_takes_small_decode_only_steps_without_a_shared_prefix():
+def test_decode_attention_takes_few_decodes_without_a_shared_prefix():
     backend = TorchAttention(9, 3, c_decode=True)
     too_long = [cpu_ops.DECODE_MAX_KEYS // 2 + 1] * 2
-    *_, meta = _decode_step(too_long, 16, 3, 3, 64, True, 0)
-    backend.prepare(meta)
-    assert not isinstance(meta.prepared, _CDecode)
+    too_many = [10] * (cpu_ops.DECODE_MAX_SEQS + 1)
+    for lens in (too_long, too_many):
+        *_, meta = _decode_step(lens, 16, 3, 3, 64, True, 0)
+        backend.prepare(meta)
+        assert not isinstance(meta.prepared, _CDecode)
     *_, meta = _decode_step([20, 30], 4, 3, 3, 64, True, 0)
     meta.block_tables_cpu[1, :2] = meta.block_tables_cpu[0, :2]  # two shared leading blocks
     backend.prepare(meta)
