@@ -184,15 +184,20 @@ class TorchAttention:
         cache = torch.zeros(shape, dtype=dtype, device=device)
         return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]
 
-    def __init__(self, num_heads: int, num_kv_heads: int, c_decode: bool = False) -> None:
-        """`c_decode`: steps of decodes only and no shared prefix, of at most
-        `cpu_ops.DECODE_MAX_SEQS` sequences and `cpu_ops.DECODE_MAX_KEYS` keys in all, run
-        `cpu_ops.decode_attention` (bf16 caches)."""
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, c_decode: bool = False, c_prefix: bool = False
+    ) -> None:
+        """For bf16 caches, C kernels (`paged_backend.cpu_ops`): with `c_decode`, steps of
+        decodes only and no shared prefix, of at most `cpu_ops.DECODE_MAX_SEQS` sequences and
+        `cpu_ops.DECODE_MAX_KEYS` keys in all, run `decode_attention`; with `c_prefix`, a shared
+        prefix is attended by `prefix_attention`."""
         self.group = num_heads // num_kv_heads
         self.c_decode = c_decode
+        self.c_prefix = c_prefix
         # A RAG batch rereads the same shared prefix every decode step: its K/V, gathered and
-        # cast to fp32, are kept per layer (keyed by the layer's cache tensor) for the blocks
-        # `prefix_blocks`, and dropped as soon as a step writes into any of those blocks.
+        # cast to fp32 (or packed for the C kernel), are kept per layer (keyed by the layer's
+        # cache tensor) for the blocks `prefix_blocks`, and dropped as soon as a step writes
+        # into any of those blocks.
         self.prefix_blocks: np.ndarray | None = None
         self.prefix_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -208,14 +213,15 @@ class TorchAttention:
             kept = None
         self.prefix_blocks = blocks if kept is None else kept
 
-    def _prefix_kv(self, k_cache, v_cache, blocks: torch.Tensor, gather):
-        """The shared prefix's fp32 K/V for this layer, from the copies when there are some."""
+    def _prefix_copy(self, k_cache: torch.Tensor, make) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared prefix's K/V copy for this layer (fp32, or packed for
+        `cpu_ops.prefix_attention`), from the kept copies when there are some, else `make()`."""
         kv = self.prefix_kv.get(k_cache.data_ptr())
         if kv is None:
-            kv = (gather(k_cache, blocks).unsqueeze(0), gather(v_cache, blocks).unsqueeze(0))
-            size = kv[0].numel() * kv[0].element_size()  # of K; V is as large
-            kept = 2 * size * len(self.prefix_kv)  # every layer's copies are the same size
-            if self.prefix_blocks is not None and kept + 2 * size <= _PREFIX_COPY_MAX_BYTES:
+            kv = make()
+            size = sum(t.numel() * t.element_size() for t in kv)
+            kept = size * len(self.prefix_kv)  # every layer's copies are the same size
+            if self.prefix_blocks is not None and kept + size <= _PREFIX_COPY_MAX_BYTES:
                 self.prefix_kv[k_cache.data_ptr()] = kv
         return kv
 
@@ -329,9 +335,20 @@ class TorchAttention:
             return o, lse.view(kvh, n, group).permute(1, 0, 2)
 
         shared = None
-        if prep.shared is not None:
+        if prep.shared is not None and self.c_prefix:
             s = prep.shared
-            keys, vals = self._prefix_kv(k_cache, v_cache, s.blocks, gather)
+            packed = self._prefix_copy(k_cache, lambda: cpu_ops.pack_prefix(kv_cache, s.blocks, bs))
+            q_rows = q.index_select(0, s.rows).view(-1, kvh, group, d).permute(1, 0, 2, 3)
+            o, lse = cpu_ops.prefix_attention(
+                q_rows.reshape(kvh, -1, d), packed, len(s.blocks) * bs
+            )
+            shared = by_token(o[None], lse[None], len(s.rows))
+        elif prep.shared is not None:
+            s = prep.shared
+            keys, vals = self._prefix_copy(
+                k_cache,
+                lambda: (gather(k_cache, s.blocks)[None], gather(v_cache, s.blocks)[None]),
+            )
             o, lse = _attend(rows_first(qf.index_select(0, s.rows)), keys, vals, None, scale)
             shared = by_token(o, lse, len(s.rows))
 
@@ -378,10 +395,10 @@ class TorchAttention:
 
 
 def get_backend(
-    name: str, num_heads: int, num_kv_heads: int, c_decode: bool = False
+    name: str, num_heads: int, num_kv_heads: int, c_decode: bool = False, c_prefix: bool = False
 ) -> AttentionBackend:
     if name == "torch":
-        return TorchAttention(num_heads, num_kv_heads, c_decode)
+        return TorchAttention(num_heads, num_kv_heads, c_decode, c_prefix)
     if name == "triton":
         from paged_backend.kernels.backend import TritonAttention
 

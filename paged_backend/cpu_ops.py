@@ -10,6 +10,13 @@ cache directory, keyed by source, flags and CPU; without a compiler the engine k
 
 Steps over `MAX_ROWS` rows (prefill) run torch ops: there its two threads beat one C loop.
 
+`prefix_attention` is cascade attention over a shared prefix (a RAG batch's system prompt and
+context, `TorchAttention`'s `_Shared`), on CPUs with AVX512-BF16: QK^T and PV on bf16 dot products
+(exact products, fp32 sums; the probabilities enter PV rounded to bf16, as in flash attention on
+bf16), softmax in fp32, over keys packed once per prefix (`pack_prefix`). One thread does it in
+302 µs where torch's fp32 flash kernel takes 445 on two (32 x 9 query heads over 944 keys), and
+13.9 against 18.3 ms for a prefill's 4,560 rows a kv head.
+
 `decode_attention` is one decode step of paged attention (cache write included) for the torch
 backend's steps of a few decodes, with no shared prefix (`TorchAttention`): one call a layer
 where the torch path gathers, casts and runs the flash kernel in ~15 ops (39 against 7 µs for one
@@ -112,6 +119,13 @@ def load_library() -> ctypes.CDLL | None:
         *(ptr, i64, ptr, i64),  # block tables, their width, sequence lengths, block size
         *(i64, i64, i64, i64, ctypes.c_float, ptr, ptr),  # sizes, scale, out, scratch
     ]
+    lib.has_prefix_attention.restype = ctypes.c_int
+    if lib.has_prefix_attention():
+        lib.pack_prefix_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr]
+        lib.prefix_attention_bf16.argtypes = [
+            *(ptr, i64, i64, ptr, ptr, i64, i64, ctypes.c_float),
+            *(ptr, ptr, ptr),
+        ]
     return lib
 
 
@@ -196,3 +210,54 @@ def decode_attention(
         *(out.data_ptr(), scratch.data_ptr()),
     )
     return out
+
+
+def has_prefix_attention() -> bool:
+    lib = load_library()
+    return lib is not None and bool(lib.has_prefix_attention())
+
+
+def _padded(length: int) -> int:
+    return -(-length // 32) * 32
+
+
+def pack_prefix(
+    kv_cache: tuple[torch.Tensor, torch.Tensor], blocks: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of the whole `blocks` (int32) of the head-major bf16 caches, packed
+    for `prefix_attention`: [kv_heads, padded * dim] each (padded: tokens rounded up to 32)."""
+    k_cache, v_cache = kv_cache
+    num_kv_heads, _, dim = k_cache.shape
+    length = len(blocks) * block_size
+    blocks = blocks.to(torch.int32).contiguous()
+    kp = torch.empty(num_kv_heads, _padded(length) * dim, dtype=torch.bfloat16)
+    vp = torch.empty_like(kp)
+    lib = load_library()
+    for h in range(num_kv_heads):
+        lib.pack_prefix_bf16(
+            *(k_cache[h].data_ptr(), v_cache[h].data_ptr(), blocks.data_ptr()),
+            *(block_size, length, dim, kp[h].data_ptr(), vp[h].data_ptr()),
+        )
+    return kp, vp
+
+
+def prefix_attention(
+    q: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of bf16 query rows q [kv_heads, rows, dim] (each kv head's queries) over all
+    `length` tokens of a `pack_prefix`, no mask: (out [kv_heads, rows, dim], log-sum-exp
+    [kv_heads, rows]), fp32."""
+    num_kv_heads, rows, dim = q.shape
+    kp, vp = packed
+    rows4 = -(-rows // 4) * 4
+    q = (q if rows4 == rows else F.pad(q, (0, 0, 0, rows4 - rows))).contiguous()
+    out = torch.empty(num_kv_heads, rows4, dim)
+    lse = torch.empty(num_kv_heads, rows4)
+    work = torch.empty(6 * _padded(length))  # 4 rows of fp32 scores and their bf16 copies
+    lib = load_library()
+    for h in range(num_kv_heads):
+        lib.prefix_attention_bf16(
+            *(q[h].data_ptr(), rows4, dim, kp[h].data_ptr(), vp[h].data_ptr(), length, dim),
+            *(dim**-0.5, out[h].data_ptr(), lse[h].data_ptr(), work.data_ptr()),
+        )
+    return out[:, :rows].contiguous(), lse[:, :rows].contiguous()

@@ -48,6 +48,9 @@ class ModelRunner:
             model_config.num_heads,
             model_config.num_kv_heads,
             c_decode=ops == "cpu" and model_config.head_dim % 16 == 0,
+            c_prefix=ops == "cpu"
+            and model_config.head_dim % 64 == 0
+            and cpu_ops.has_prefix_attention(),
         )
         self.model_config = model_config
         with torch.device(self.device):

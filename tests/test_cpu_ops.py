@@ -77,15 +77,17 @@ def test_large_steps_and_other_dtypes_run_the_torch_ops():
     assert torch.equal(out, cpu_ops.apply_rotary(q, cos, sin)) and out.data_ptr() != q.data_ptr()
 
 
-def _decode_step(lens, bs, num_kv_heads, group, dim, packed_qkv, seed):
+def _decode_step(lens, bs, num_kv_heads, group, dim, packed_qkv, seed, shared_blocks=0):
     """Random bf16 caches and one step of decodes (`lens`: context after the step) over
-    shuffled blocks, as (q, k, v, (k_cache, v_cache), meta)."""
+    shuffled blocks, all sequences sharing their first `shared_blocks`, as (q, k, v,
+    (k_cache, v_cache), meta)."""
     gen = torch.Generator().manual_seed(seed)
     widths = [-(-n // bs) for n in lens]
     blocks = torch.randperm(sum(widths) + 3, generator=gen).tolist()
     tables = np.zeros((len(lens), max(widths)), dtype=np.int32)
     for i, w in enumerate(widths):
         tables[i, :w] = [blocks.pop() for _ in range(w)]
+    tables[:, :shared_blocks] = tables[0, :shared_blocks]
     slots = [int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)]
     slots_total = (sum(widths) + 3) * bs
     cache = tuple(
@@ -157,6 +159,57 @@ def test_decode_attention_takes_few_decodes_without_a_shared_prefix():
     meta.num_decodes = 1  # the second sequence is a 1-token prefill chunk
     backend.prepare(meta)
     assert not isinstance(meta.prepared, _CDecode)
+
+
+needs_prefix_attention = pytest.mark.skipif(
+    not cpu_ops.has_prefix_attention(), reason="no AVX512-BF16 (or no C compiler)"
+)
+
+
+def _cascade(backend, q, k, v, cache, meta) -> torch.Tensor:
+    backend.prepare(meta)
+    assert meta.prepared.shared is not None
+    return backend.forward(q, k, v, cache, meta)
+
+
+@needs_prefix_attention
+@pytest.mark.parametrize(("lens", "dim", "group"), [([40, 37, 61], 64, 3), ([90] * 5, 128, 2)])
+def test_prefix_attention_gives_the_torch_cascade_and_keeps_its_packing(lens, dim, group):
+    """A step of decodes sharing their first 8 blocks: the C kernel's cascade gives the torch
+    backend's output within bf16 rounding (its probabilities enter PV in bf16), and the next
+    step over the same prefix reuses the packed copy."""
+    outs = []
+    for c_prefix in (True, False):
+        backend = TorchAttention(2 * group, 2, c_prefix=c_prefix)
+        step = _decode_step(lens, 4, 2, group, dim, True, 0, shared_blocks=8)
+        outs.append(_cascade(backend, *step))
+        copies = dict(backend.prefix_kv)
+        again = _cascade(backend, *step)  # the same step again: same k/v, and the kept copy
+        assert all(backend.prefix_kv[key] is kv for key, kv in copies.items())
+        assert torch.equal(again, outs[-1])
+        (kept,) = copies.values()
+        assert kept[0].dtype == (BF16 if c_prefix else torch.float32)  # packed, or fp32
+    got, want = outs
+    assert got.dtype == want.dtype == BF16
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert (got.float() - want.float()).abs().mean() < 2e-3
+
+
+@needs_prefix_attention
+def test_prefix_attention_over_padded_keys_and_rows():
+    """Prefix lengths off the kernel's 32-key tiles and row counts off its 4-row tiles."""
+    gen = torch.Generator().manual_seed(1)
+    for length, rows in ((4, 1), (36, 7), (100, 13)):
+        k_cache, v_cache = (torch.randn(2, 128, 64, generator=gen).to(BF16) for _ in range(2))
+        blocks = torch.randperm(32, generator=gen)[: length // 4].int()
+        q = torch.randn(2, rows, 64, generator=gen).to(BF16)
+        packed = cpu_ops.pack_prefix((k_cache, v_cache), blocks, 4)
+        out, lse = cpu_ops.prefix_attention(q, packed, length)
+        slots = (blocks.long()[:, None] * 4 + torch.arange(4)).reshape(-1)
+        keys, values = k_cache[:, slots].float(), v_cache[:, slots].float()
+        scores = q.float() @ keys.transpose(1, 2) / 8
+        torch.testing.assert_close(lse, scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, scores.softmax(-1) @ values, atol=1e-2, rtol=1e-2)
 
 
 def _ops_of(engine) -> tuple:

@@ -1,10 +1,9 @@
-/* Fused elementwise ops for bf16 rows on CPU: one call where torch runs 3-9 ops.
- *
- * Each op rounds to bf16 exactly where the torch ops it replaces do (see `paged_backend.cpu_ops`),
- * so outputs match them but for the last-bit differences of a different summation order or exp.
- * Single-threaded: the engine calls them for small steps only, where torch's per-op dispatch
- * costs more than the arithmetic. Built at first use with the system C compiler.
+/* CPU ops for bf16 models (see `paged_backend.cpu_ops`), built at first use with the system C
+ * compiler: fused elementwise ops (one call where torch runs 3-9 ops, rounding to bf16 where those
+ * ops do), decode attention over the paged cache for small steps, and, on CPUs with AVX512-BF16,
+ * attention over a shared prefix. Single-threaded: the engine calls them where that pays.
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -68,17 +67,6 @@ void rotary_bf16(bf16 *x, const bf16 *cos, const bf16 *sin, int64_t tokens, int6
                 v[i] = to_bf16(lo);
                 v[i + half] = to_bf16(hi);
             }
-        }
-    }
-}
-
-/* out = bf16(bf16(silu(gate)) * up) for rows x = [gate | up], each `dim` wide. */
-void silu_and_mul_bf16(const bf16 *x, bf16 *out, int64_t rows, int64_t dim) {
-    for (int64_t r = 0; r < rows; r++) {
-        const bf16 *gate = x + r * 2 * dim, *up = gate + dim;
-        for (int64_t i = 0; i < dim; i++) {
-            float g = to_f32(gate[i]);
-            out[r * dim + i] = to_bf16(round_bf16(g / (1.0f + expf(-g))) * to_f32(up[i]));
         }
     }
 }
@@ -163,3 +151,137 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
         }
     }
 }
+
+/* Attention over a shared prefix (cascade attention) on AVX512-BF16 dot products, where the CPU
+ * has them: `has_prefix_attention` says whether this build does. */
+#ifdef __AVX512BF16__
+int has_prefix_attention(void) { return 1; }
+
+/* exp_nonpositive on 16 lanes (-inf gives 0). */
+static inline __m512 exp_nonpositive16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), magic), magic);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512 res = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+    /* exp(-87) is tiny but not 0: padding keys (-inf) must weigh exactly nothing */
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), res);
+}
+
+/* Gather `len` tokens of one kv head's cache rows [slots][dim] through `blocks` and pack them for
+ * `prefix_attention_bf16`: keys as [padded/16][dim/2][16][2], values as [padded/2][dim][2],
+ * zero past `len` (padded: len rounded up to 32). */
+void pack_prefix_bf16(const bf16 *k_cache, const bf16 *v_cache, const int32_t *blocks,
+                      int64_t block_size, int64_t len, int64_t dim, bf16 *kp, bf16 *vp) {
+    int64_t padded = (len + 31) / 32 * 32, pairs = dim / 2;
+    memset(kp, 0, padded * dim * sizeof(bf16));
+    memset(vp, 0, padded * dim * sizeof(bf16));
+    for (int64_t t = 0; t < len; t++) {
+        int64_t slot = (int64_t)blocks[t / block_size] * block_size + t % block_size;
+        const bf16 *k = k_cache + slot * dim, *v = v_cache + slot * dim;
+        bf16 *kd = kp + ((t / 16) * pairs * 16 + t % 16) * 2;
+        for (int64_t p = 0; p < pairs; p++) {
+            kd[p * 32] = k[2 * p];
+            kd[p * 32 + 1] = k[2 * p + 1];
+        }
+        bf16 *vd = vp + (t / 2) * dim * 2 + t % 2;
+        for (int64_t d = 0; d < dim; d++) vd[2 * d] = v[d];
+    }
+}
+
+/* Attention of `rows` query rows [rows][dim] (bf16, `q_stride` apart, rows a multiple of 4) over
+ * `len` packed keys/values, without mask: out [rows][dim] fp32 and log-sum-exp [rows]. QK^T and
+ * PV run on AVX512-BF16 dot products (exact bf16 products, fp32 sums); softmax in fp32; the
+ * probabilities enter PV rounded to bf16, as flash attention on bf16 does. `work`: 4 * padded
+ * floats plus 4 * padded bf16. */
+void prefix_attention_bf16(const bf16 *q, int64_t rows, int64_t q_stride, const bf16 *kp,
+                           const bf16 *vp, int64_t len, int64_t dim, float scale, float *out,
+                           float *lse, float *work) {
+    int64_t padded = (len + 31) / 32 * 32, pairs = dim / 2;
+    float *s = work;
+    bf16 *pb = (bf16 *)(work + 4 * padded);
+    for (int64_t r = 0; r < rows; r += 4) {
+        const uint32_t *q0 = (const uint32_t *)(q + r * q_stride);
+        int64_t qs = q_stride / 2;
+        for (int64_t b = 0; b < padded / 16; b += 2) { /* 4 rows x 32 keys at a time */
+            __m512 acc[4][2];
+            for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+            const bf16 *k0 = kp + b * pairs * 32, *k1 = k0 + pairs * 32;
+            for (int64_t p = 0; p < pairs; p++) {
+                __m512bh kb0 = (__m512bh)_mm512_loadu_si512(k0 + p * 32);
+                __m512bh kb1 = (__m512bh)_mm512_loadu_si512(k1 + p * 32);
+                for (int i = 0; i < 4; i++) {
+                    __m512bh x = (__m512bh)_mm512_set1_epi32(q0[i * qs + p]);
+                    acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, kb0);
+                    acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, kb1);
+                }
+            }
+            for (int i = 0; i < 4; i++) {
+                _mm512_storeu_ps(s + i * padded + b * 16, acc[i][0]);
+                _mm512_storeu_ps(s + i * padded + b * 16 + 16, acc[i][1]);
+            }
+        }
+        float total[4], top[4];
+        const __m512 vscale = _mm512_set1_ps(scale);
+        for (int i = 0; i < 4; i++) {
+            float *si = s + i * padded;
+            for (int64_t t = len; t < padded; t++) si[t] = -INFINITY;
+            __m512 vmax = _mm512_set1_ps(-INFINITY);
+            for (int64_t t = 0; t < padded; t += 16) {
+                __m512 x = _mm512_mul_ps(_mm512_loadu_ps(si + t), vscale);
+                _mm512_storeu_ps(si + t, x);
+                vmax = _mm512_max_ps(vmax, x);
+            }
+            float m = _mm512_reduce_max_ps(vmax);
+            __m512 vm = _mm512_set1_ps(m), vsum = _mm512_setzero_ps();
+            bf16 *pi = pb + i * padded;
+            for (int64_t t = 0; t < padded; t += 16) {
+                __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(si + t), vm));
+                vsum = _mm512_add_ps(vsum, e);
+                _mm256_storeu_si256((__m256i *)(pi + t), (__m256i)_mm512_cvtneps_pbh(e));
+            }
+            total[i] = _mm512_reduce_add_ps(vsum);
+            top[i] = m;
+        }
+        const uint32_t *pr[4];
+        for (int i = 0; i < 4; i++) pr[i] = (const uint32_t *)(pb + i * padded);
+        for (int64_t db = 0; db < dim; db += 64) { /* 4 rows x 4 blocks of 16 dims at a time */
+            __m512 c[4][4];
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 4; j++) c[i][j] = _mm512_setzero_ps();
+            int64_t nb = dim - db < 64 ? (dim - db) / 16 : 4;
+            for (int64_t tp = 0; tp < padded / 2; tp++) {
+                const bf16 *vrow = vp + tp * dim * 2 + db * 2;
+                __m512bh v0 = (__m512bh)_mm512_loadu_si512(vrow);
+                __m512bh v1 = (__m512bh)_mm512_loadu_si512(vrow + 32);
+                __m512bh v2 = nb > 2 ? (__m512bh)_mm512_loadu_si512(vrow + 64) : v0;
+                __m512bh v3 = nb > 3 ? (__m512bh)_mm512_loadu_si512(vrow + 96) : v0;
+                for (int i = 0; i < 4; i++) {
+                    __m512bh x = (__m512bh)_mm512_set1_epi32(pr[i][tp]);
+                    c[i][0] = _mm512_dpbf16_ps(c[i][0], x, v0);
+                    c[i][1] = _mm512_dpbf16_ps(c[i][1], x, v1);
+                    c[i][2] = _mm512_dpbf16_ps(c[i][2], x, v2);
+                    c[i][3] = _mm512_dpbf16_ps(c[i][3], x, v3);
+                }
+            }
+            for (int i = 0; i < 4; i++) {
+                __m512 inv = _mm512_set1_ps(1.0f / total[i]);
+                for (int64_t j = 0; j < nb; j++)
+                    _mm512_storeu_ps(out + (r + i) * dim + db + 16 * j, _mm512_mul_ps(c[i][j], inv));
+            }
+        }
+        for (int i = 0; i < 4; i++) lse[r + i] = top[i] + logf(total[i]);
+    }
+}
+#else
+int has_prefix_attention(void) { return 0; }
+#endif
