@@ -6,6 +6,8 @@ default for bf16 and runs on torch ops when they cannot be built."""
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -252,6 +254,22 @@ def test_without_a_compiler_engines_keep_torch_ops(tiny_model, one_thread, tmp_p
             LLM(cpu_kernels=True, **args)
         engine = LLM(**args).engine
         assert _ops_of(engine) == (cpu_ops.torch_rms_norm, cpu_ops.apply_rotary)
+    finally:
+        cpu_ops.load_library.cache_clear()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 baseline build")
+def test_a_build_without_avx512_bf16_has_the_other_ops_but_not_prefix_attention(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(cpu_ops, "FLAGS", ["-O3", "-march=x86-64", "-shared", "-fPIC"])
+    monkeypatch.setenv("PAGED_BACKEND_CACHE", str(tmp_path))
+    cpu_ops.load_library.cache_clear()
+    try:
+        assert cpu_ops.available() and not cpu_ops.has_prefix_attention()
+        x, weight = torch.randn(3, 64).to(BF16), torch.rand(64).to(BF16)
+        got, want = cpu_ops.rms_norm(x, weight, 1e-6), cpu_ops.torch_rms_norm(x, weight, 1e-6)
+        assert _bf16_ulps(got, want).max() <= 1
     finally:
         cpu_ops.load_library.cache_clear()
 

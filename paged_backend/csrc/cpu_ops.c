@@ -3,7 +3,6 @@
  * ops do), decode attention over the paged cache for small steps, and, on CPUs with AVX512-BF16,
  * attention over a shared prefix. Single-threaded: the engine calls them where that pays.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -155,6 +154,8 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
 /* Attention over a shared prefix (cascade attention) on AVX512-BF16 dot products, where the CPU
  * has them: `has_prefix_attention` says whether this build does. */
 #ifdef __AVX512BF16__
+#include <immintrin.h>
+
 int has_prefix_attention(void) { return 1; }
 
 /* exp_nonpositive on 16 lanes (-inf gives 0). */
