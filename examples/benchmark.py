@@ -348,7 +348,8 @@ def main() -> None:
     parser.add_argument(
         "--no-cpu-kernels",
         action="store_true",
-        help="our norms and rotary run as torch ops instead of the fused C ops (to measure them)",
+        help="ours without the C kernels (fused norm and rotary, decode and shared-prefix "
+        "attention), to measure them",
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()

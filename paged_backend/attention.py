@@ -335,21 +335,21 @@ class TorchAttention:
             return o, lse.view(kvh, n, group).permute(1, 0, 2)
 
         shared = None
-        if prep.shared is not None and self.c_prefix:
+        if prep.shared is not None:
             s = prep.shared
-            packed = self._prefix_copy(k_cache, lambda: cpu_ops.pack_prefix(kv_cache, s.blocks, bs))
-            q_rows = q.index_select(0, s.rows).view(-1, kvh, group, d).permute(1, 0, 2, 3)
-            o, lse = cpu_ops.prefix_attention(
-                q_rows.reshape(kvh, -1, d), packed, len(s.blocks) * bs
-            )
-            shared = by_token(o[None], lse[None], len(s.rows))
-        elif prep.shared is not None:
-            s = prep.shared
-            keys, vals = self._prefix_copy(
-                k_cache,
-                lambda: (gather(k_cache, s.blocks)[None], gather(v_cache, s.blocks)[None]),
-            )
-            o, lse = _attend(rows_first(qf.index_select(0, s.rows)), keys, vals, None, scale)
+            if self.c_prefix:  # bf16 query rows over the packed prefix
+                packed = self._prefix_copy(
+                    k_cache, lambda: cpu_ops.pack_prefix(kv_cache, s.blocks, bs)
+                )
+                q_rows = rows_first(q.view(num_tokens, kvh, group, d).index_select(0, s.rows))
+                o, lse = cpu_ops.prefix_attention(q_rows[0], packed, len(s.blocks) * bs)
+                o, lse = o[None], lse[None]
+            else:
+                keys, vals = self._prefix_copy(
+                    k_cache,
+                    lambda: (gather(k_cache, s.blocks)[None], gather(v_cache, s.blocks)[None]),
+                )
+                o, lse = _attend(rows_first(qf.index_select(0, s.rows)), keys, vals, None, scale)
             shared = by_token(o, lse, len(s.rows))
 
         def with_shared(o, lse, pos: torch.Tensor) -> torch.Tensor:

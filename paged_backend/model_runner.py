@@ -40,6 +40,7 @@ class ModelRunner:
     ) -> None:
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
+        self.bf16_cpu = self.device.type == "cpu" and self.dtype == torch.bfloat16
         self.block_size = config.block_size
         backend = config.resolve_backend(self.device)
         ops = self._ops(config, backend)
@@ -80,8 +81,7 @@ class ModelRunner:
         Triton kernels on a GPU (on CPU, under the interpreter, they are for tests only); the
         fused C ops for bf16 on CPU by default wherever they build (the torch attention backend
         then also runs small decode steps in C); else torch."""
-        bf16_cpu = self.device.type == "cpu" and self.dtype == torch.bfloat16
-        if config.cpu_kernels and not (bf16_cpu and cpu_ops.available()):
+        if config.cpu_kernels and not (self.bf16_cpu and cpu_ops.available()):
             raise ValueError(
                 "cpu_kernels=True needs a bfloat16 model on CPU and a C compiler to build "
                 f"{cpu_ops.SOURCE.name}; got {self.dtype} on {self.device.type}"
@@ -89,7 +89,7 @@ class ModelRunner:
             )
         if backend == "triton" and self.device.type == "cuda":
             return "triton"
-        if config.cpu_kernels is False or not bf16_cpu:
+        if config.cpu_kernels is False or not self.bf16_cpu:
             return "torch"
         return "cpu" if cpu_ops.available() else "torch"
 
@@ -104,9 +104,8 @@ class ModelRunner:
                 "pack_weights=True needs a bfloat16 model on a CPU with oneDNN bf16 support; "
                 f"got {self.dtype} on {self.device.type}"
             )
-        bf16_cpu = self.device.type == "cpu" and self.dtype == torch.bfloat16
         for name in ("fp16_decode_weights", "quantization"):
-            if getattr(config, name) and not bf16_cpu:
+            if getattr(config, name) and not self.bf16_cpu:
                 raise ValueError(
                     f"{name}={getattr(config, name)!r} needs a bfloat16 model on CPU; "
                     f"got {self.dtype} on {self.device.type}"
@@ -115,7 +114,7 @@ class ModelRunner:
         if config.fp16_decode_weights is not None:
             return pack, config.fp16_decode_weights
         size = sum(p.numel() for p in model.parameters()) * torch.finfo(self.dtype).bits // 8
-        return pack, bf16_cpu and size <= FP16_COPY_MAX_BYTES
+        return pack, self.bf16_cpu and size <= FP16_COPY_MAX_BYTES
 
     def _num_blocks(self, config: EngineConfig, max_model_len: int) -> int:
         if config.num_kv_blocks is not None:
