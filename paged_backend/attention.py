@@ -96,11 +96,15 @@ class _Prefill:
 
 @dataclass
 class _CDecode:
-    """A step of decodes only, with no shared prefix, for `cpu_ops.decode_attention`."""
+    """A step of decodes only, for `cpu_ops.decode_attention` (and `cpu_ops.prefix_attention`
+    for a shared prefix)."""
 
     block_tables: torch.Tensor  # int32 [S, width], contiguous
     seq_lens: torch.Tensor  # int32 [S]
-    scratch: torch.Tensor  # fp32 scores of one kv head's queries over the longest context
+    scratch: torch.Tensor  # fp32 scores of one kv head's queries over the longest context, a
+    # row for each thread
+    shared: _Shared | None
+    prefix_pos: torch.Tensor | None  # int32 [S]: each sequence's row in `shared.rows`, or -1
 
 
 @dataclass
@@ -161,6 +165,12 @@ def _merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.T
     return o1 * torch.exp(lse1 - lse).unsqueeze(-1) + o2 * torch.exp(lse2 - lse).unsqueeze(-1)
 
 
+def _rows_first(q_rows: torch.Tensor) -> torch.Tensor:
+    """[n, kvh, g, d] token rows -> [1, kvh, n * g, d]: one KV head's queries together."""
+    _, kvh, _, d = q_rows.shape
+    return q_rows.permute(1, 0, 2, 3).reshape(1, kvh, -1, d)
+
+
 def _additive(allowed: torch.Tensor) -> torch.Tensor:
     return torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
@@ -187,10 +197,9 @@ class TorchAttention:
     def __init__(
         self, num_heads: int, num_kv_heads: int, c_decode: bool = False, c_prefix: bool = False
     ) -> None:
-        """For bf16 caches, C kernels (`paged_backend.cpu_ops`): with `c_decode`, steps of
-        decodes only and no shared prefix, of at most `cpu_ops.DECODE_MAX_SEQS` sequences and
-        `cpu_ops.DECODE_MAX_KEYS` keys in all, run `decode_attention`; with `c_prefix`, a shared
-        prefix is attended by `prefix_attention`."""
+        """For bf16 caches, C kernels (`paged_backend.cpu_ops`): with `c_prefix`, a shared prefix
+        is attended by `prefix_attention`; with `c_decode`, steps of decodes only run
+        `decode_attention` (those with a shared prefix only with `c_prefix` too)."""
         self.group = num_heads // num_kv_heads
         self.c_decode = c_decode
         self.c_prefix = c_prefix
@@ -225,6 +234,18 @@ class TorchAttention:
                 self.prefix_kv[k_cache.data_ptr()] = kv
         return kv
 
+    def _c_prefix(self, q: torch.Tensor, kv_cache: KVCache, shared: _Shared, block_size: int):
+        """`cpu_ops.prefix_attention` of the shared rows' bf16 queries over the packed prefix:
+        (out [kv_heads, rows * group, dim], lse [kv_heads, rows * group]), rows kv-head-major."""
+        kvh, _, d = kv_cache[0].shape
+        packed = self._prefix_copy(
+            kv_cache[0], lambda: cpu_ops.pack_prefix(kv_cache, shared.blocks, block_size)
+        )
+        q_rows = q.view(q.shape[0], kvh, self.group, d).index_select(0, shared.rows)
+        return cpu_ops.prefix_attention(
+            _rows_first(q_rows)[0], packed, len(shared.blocks) * block_size
+        )
+
     def prepare(self, meta: AttentionMetadata) -> None:
         bs, group = meta.block_size, self.group
         device = meta.block_tables.device
@@ -249,16 +270,15 @@ class TorchAttention:
         if device.type == "cpu":
             self._track_prefix(meta, tables[members[0], :num_shared] if num_shared else None)
         nd = meta.num_decodes
-        if (
-            self.c_decode
-            and not num_shared
-            and nd == len(meta.seq_lens) <= cpu_ops.DECODE_MAX_SEQS
-            and sum(meta.seq_lens) <= cpu_ops.DECODE_MAX_KEYS
-        ):
+        if self.c_decode and nd == len(meta.seq_lens) and (self.c_prefix or not num_shared):
             meta.prepared = _CDecode(
                 torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int32)),
                 torch.tensor(meta.seq_lens, dtype=torch.int32),
-                torch.empty(self.group * max(meta.seq_lens)),
+                torch.empty(torch.get_num_threads(), self.group * max(meta.seq_lens)),
+                shared,
+                torch.tensor([row_pos.get(i, [-1])[0] for i in range(nd)], dtype=torch.int32)
+                if shared
+                else None,
             )
             return
 
@@ -307,8 +327,13 @@ class TorchAttention:
     def forward(self, q, k, v, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         prep = meta.prepared
         if isinstance(prep, _CDecode):
+            prefix = None
+            if prep.shared is not None:
+                o, lse = self._c_prefix(q, kv_cache, prep.shared, meta.block_size)
+                prefix = (prep.prefix_pos, len(prep.shared.blocks) * meta.block_size, o, lse)
             return cpu_ops.decode_attention(
-                q, k, v, kv_cache, prep.block_tables, prep.seq_lens, meta.block_size, prep.scratch
+                *(q, k, v, kv_cache, prep.block_tables, prep.seq_lens, meta.block_size),
+                *(prep.scratch, prefix),
             )
         k_cache, v_cache = kv_cache
         kvh, _, d = k_cache.shape
@@ -325,10 +350,6 @@ class TorchAttention:
             picked = cache.view(kvh, -1, bs, d).index_select(1, blocks)
             return picked.view(kvh, -1, d).float()
 
-        def rows_first(q_rows: torch.Tensor) -> torch.Tensor:
-            """[n, kvh, g, d] token rows -> [1, kvh, n * g, d]: one KV head's queries together."""
-            return q_rows.permute(1, 0, 2, 3).reshape(1, kvh, -1, d)
-
         def by_token(o: torch.Tensor, lse: torch.Tensor, n: int):
             """`_attend`'s [1, kvh, n * g, *] results back to token rows [n, kvh, g, *]."""
             o = o.view(kvh, n, group, d).permute(1, 0, 2, 3)
@@ -337,19 +358,14 @@ class TorchAttention:
         shared = None
         if prep.shared is not None:
             s = prep.shared
-            if self.c_prefix:  # bf16 query rows over the packed prefix
-                packed = self._prefix_copy(
-                    k_cache, lambda: cpu_ops.pack_prefix(kv_cache, s.blocks, bs)
-                )
-                q_rows = rows_first(q.view(num_tokens, kvh, group, d).index_select(0, s.rows))
-                o, lse = cpu_ops.prefix_attention(q_rows[0], packed, len(s.blocks) * bs)
-                o, lse = o[None], lse[None]
+            if self.c_prefix:
+                o, lse = (t[None] for t in self._c_prefix(q, kv_cache, s, bs))
             else:
                 keys, vals = self._prefix_copy(
                     k_cache,
                     lambda: (gather(k_cache, s.blocks)[None], gather(v_cache, s.blocks)[None]),
                 )
-                o, lse = _attend(rows_first(qf.index_select(0, s.rows)), keys, vals, None, scale)
+                o, lse = _attend(_rows_first(qf.index_select(0, s.rows)), keys, vals, None, scale)
             shared = by_token(o, lse, len(s.rows))
 
         def with_shared(o, lse, pos: torch.Tensor) -> torch.Tensor:
@@ -382,7 +398,7 @@ class TorchAttention:
                 continue
             o, lse = by_token(
                 *_attend(
-                    rows_first(qf[p.start : p.end]),
+                    _rows_first(qf[p.start : p.end]),
                     gather(k_cache, p.blocks).unsqueeze(0),
                     gather(v_cache, p.blocks).unsqueeze(0),
                     p.mask,

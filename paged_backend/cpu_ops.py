@@ -1,5 +1,5 @@
-"""Fused RMSNorm (with the residual add), rotary embedding and decode attention for bf16 models
-on CPU.
+"""Fused RMSNorm (with the residual add), rotary embedding, and decode and shared-prefix
+attention for bf16 models on CPU.
 
 At this model size a decode step is mostly per-op dispatch: torch runs `F.rms_norm` on bf16 as
 ~8 ops (18-20 µs at 1-32 rows) and rotate-half rotary as 6 (13-27 µs); the residual add is one
@@ -8,21 +8,22 @@ do, so outputs are the same bits but for rare last-bit differences of summation 
 norm. It is compiled at first use with the system C compiler (`CC`, else `cc`/`gcc`) into the
 cache directory, keyed by source, flags and CPU; without a compiler the engine keeps torch ops.
 
-Steps over `MAX_ROWS` rows (prefill) run torch ops: there its two threads beat one C loop.
-
 `prefix_attention` is cascade attention over a shared prefix (a RAG batch's system prompt and
 context, `TorchAttention`'s `_Shared`), on CPUs with AVX512-BF16: QK^T and PV on bf16 dot products
 (exact products, fp32 sums; the probabilities enter PV rounded to bf16, as in flash attention on
-bf16), softmax in fp32, over keys packed once per prefix (`pack_prefix`). One thread does it in
-302 µs where torch's fp32 flash kernel takes 445 on two (32 x 9 query heads over 944 keys), and
-13.9 against 18.3 ms for a prefill's 4,560 rows a kv head.
+bf16), softmax in fp32, over keys packed once per prefix (`pack_prefix`). At 32 x 9 query heads
+over 944 keys it takes 215 µs on two threads (416 on one) where torch's fp32 flash kernel takes
+445 on two.
 
 `decode_attention` is one decode step of paged attention (cache write included) for the torch
-backend's steps of a few decodes, with no shared prefix (`TorchAttention`): one call a layer
-where the torch path gathers, casts and runs the flash kernel in ~15 ops (39 against 7 µs for one
-sequence of 30 tokens, 337 against 287 µs at 3,000; single-stream decode 15% faster). It is
-single-threaded: in the engine, steps of 8 sequences ran equally fast either way and steps of 32
-9% slower in C, so `DECODE_MAX_SEQS` and `DECODE_MAX_KEYS` (the step's total context) bound it.
+backend's steps of decodes only (`TorchAttention`), merging a shared prefix's `prefix_attention`
+result by log-sum-exp: one call a layer where the torch path gathers, casts, runs the flash
+kernel and merges in ~15-30 ops. Per layer, with two threads: 474 against 766 µs for 32
+sequences of 100 tokens, 200 against 474 for 8 of 300, 293 against 574 for one of 3,000.
+
+The attention kernels run their loops on torch's OpenMP threads (`OPENMP_FLAGS`); the
+elementwise ops are single-threaded and take steps of up to `MAX_ROWS` rows (over that, prefill,
+torch's two threads win).
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ from paged_backend.config import default_cache_dir
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 256  # one C loop beats torch's ops up to here (38 against 48 µs for a norm at 200)
-DECODE_MAX_SEQS = 4  # decode steps that `decode_attention` takes on: this many sequences,
-DECODE_MAX_KEYS = 8192  # with at most this much context in all
 SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.c"
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
+# Where torch runs on OpenMP (libgomp on Linux), the kernels build with it too: the loader then
+# reuses torch's already-loaded libgomp.so.1, so their parallel loops run on torch's thread pool,
+# whose threads are still spinning from the last torch op, instead of a second pool fighting it.
+OPENMP_FLAGS = ["-fopenmp"] if torch.backends.openmp.is_available() else []
 
 
 def torch_rms_norm(
@@ -89,26 +92,8 @@ def load_library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler found: CPU ops stay in torch")
         return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, _cpu_flags()]).encode()).hexdigest()[
-        :16
-    ]
-    path = default_cache_dir() / f"cpu_ops-{key}.so"
-    try:
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                built = Path(tmp) / path.name
-                subprocess.run(
-                    [compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
-                    check=True,
-                    capture_output=True,
-                )
-                os.replace(built, path)  # atomic: concurrent builders each finish whole
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        logger.warning("building %s failed, CPU ops stay in torch: %s %s", SOURCE, exc, detail)
+    lib = _build(compiler, FLAGS + OPENMP_FLAGS) or (OPENMP_FLAGS and _build(compiler, FLAGS))
+    if not lib:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.rms_norm_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_float]
@@ -118,15 +103,40 @@ def load_library() -> ctypes.CDLL | None:
         *(ptr, ptr, i64),  # the caches and their head stride
         *(ptr, i64, ptr, i64),  # block tables, their width, sequence lengths, block size
         *(i64, i64, i64, i64, ctypes.c_float, ptr, ptr),  # sizes, scale, out, scratch
+        *(i64, ctypes.c_int),  # scratch row stride, threads
+        *(ptr, i64, ptr, ptr, i64),  # a shared prefix's rows, length, out, lse, rows a head
     ]
     lib.has_prefix_attention.restype = ctypes.c_int
     if lib.has_prefix_attention():
-        lib.pack_prefix_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr]
+        lib.pack_prefix_bf16.argtypes = [
+            *(ptr, ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int)
+        ]
         lib.prefix_attention_bf16.argtypes = [
-            *(ptr, i64, i64, ptr, ptr, i64, i64, ctypes.c_float),
-            *(ptr, ptr, ptr),
+            *(ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_float, ptr, ptr, ptr, ctypes.c_int)
         ]
     return lib
+
+
+def _build(compiler: str, flags: list[str]) -> ctypes.CDLL | None:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_flags()]).encode()).hexdigest()
+    path = default_cache_dir() / f"cpu_ops-{key[:16]}.so"
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                built = Path(tmp) / path.name
+                subprocess.run(
+                    [compiler, *flags, "-o", str(built), str(SOURCE), "-lm"],
+                    check=True,
+                    capture_output=True,
+                )
+                os.replace(built, path)  # atomic: concurrent builders each finish whole
+        return ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        logger.warning("building %s with %s failed: %s %s", SOURCE, flags, exc, detail)
+        return None
 
 
 def available() -> bool:
@@ -193,21 +203,29 @@ def decode_attention(
     seq_lens: torch.Tensor,
     block_size: int,
     scratch: torch.Tensor,
+    prefix: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Write each sequence's new k/v [S, kv_heads, dim] into the head-major bf16 caches
     [kv_heads, slots, dim] and attend its q [S, heads, dim] over its `seq_lens` (int32) tokens
     through `block_tables` (int32 [S, width], contiguous): out [S, heads, dim] in bf16. `scratch`:
-    fp32, at least heads / kv_heads * max(seq_lens) elements."""
+    fp32 [threads, heads / kv_heads * max(seq_lens)], one row for each thread to use.
+
+    `prefix` = (pos, length, out, lse) merges a shared prefix's attention (`prefix_attention`'s
+    out [kv_heads, rows, dim] and lse): sequence s with pos[s] >= 0 (int32 [S]) attends itself
+    only from token `length` on and takes the prefix's result at rows pos[s] * group + g."""
     k_cache, v_cache = kv_cache
     num_seqs, num_heads, dim = q.shape
     q, k, v = _heads_packed(q), _heads_packed(k), _heads_packed(v)
     out = torch.empty(num_seqs, num_heads, dim, dtype=q.dtype)
+    pos, length, p_out, p_lse = prefix or (None, 0, None, None)
     load_library().decode_attention_bf16(
         *(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0)),
         *(k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0)),
         *(block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), block_size),
         *(num_seqs, num_heads, k_cache.shape[0], dim, dim**-0.5),
-        *(out.data_ptr(), scratch.data_ptr()),
+        *(out.data_ptr(), scratch.data_ptr(), scratch.shape[1], scratch.shape[0]),
+        *(None if pos is None else pos.data_ptr(), length),
+        *(None, None, 0) if p_out is None else (p_out.data_ptr(), p_lse.data_ptr(), p_out.shape[1]),
     )
     return out
 
@@ -232,12 +250,11 @@ def pack_prefix(
     blocks = blocks.to(torch.int32).contiguous()
     kp = torch.empty(num_kv_heads, _padded(length) * dim, dtype=torch.bfloat16)
     vp = torch.empty_like(kp)
-    lib = load_library()
-    for h in range(num_kv_heads):
-        lib.pack_prefix_bf16(
-            *(k_cache[h].data_ptr(), v_cache[h].data_ptr(), blocks.data_ptr()),
-            *(block_size, length, dim, kp[h].data_ptr(), vp[h].data_ptr()),
-        )
+    load_library().pack_prefix_bf16(
+        *(k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), blocks.data_ptr()),
+        *(block_size, length, num_kv_heads, dim, kp.data_ptr(), vp.data_ptr()),
+        torch.get_num_threads(),
+    )
     return kp, vp
 
 
@@ -253,11 +270,10 @@ def prefix_attention(
     q = (q if rows4 == rows else F.pad(q, (0, 0, 0, rows4 - rows))).contiguous()
     out = torch.empty(num_kv_heads, rows4, dim)
     lse = torch.empty(num_kv_heads, rows4)
-    work = torch.empty(6 * _padded(length))  # 4 rows of fp32 scores and their bf16 copies
-    lib = load_library()
-    for h in range(num_kv_heads):
-        lib.prefix_attention_bf16(
-            *(q[h].data_ptr(), rows4, dim, kp[h].data_ptr(), vp[h].data_ptr(), length, dim),
-            *(dim**-0.5, out[h].data_ptr(), lse[h].data_ptr(), work.data_ptr()),
-        )
+    threads = torch.get_num_threads()
+    work = torch.empty(threads, 6 * _padded(length))  # 4 rows of fp32 scores and bf16 copies
+    load_library().prefix_attention_bf16(
+        *(q.data_ptr(), num_kv_heads, rows4, dim, kp.data_ptr(), vp.data_ptr(), length),
+        *(dim**-0.5, out.data_ptr(), lse.data_ptr(), work.data_ptr(), threads),
+    )
     return out[:, :rows].contiguous(), lse[:, :rows].contiguous()

@@ -79,17 +79,19 @@ def test_large_steps_and_other_dtypes_run_the_torch_ops():
     assert torch.equal(out, cpu_ops.apply_rotary(q, cos, sin)) and out.data_ptr() != q.data_ptr()
 
 
-def _decode_step(lens, bs, num_kv_heads, group, dim, packed_qkv, seed, shared_blocks=0):
+def _decode_step(
+    lens, bs, num_kv_heads, group, dim, packed_qkv, seed, shared_blocks=0, sharing=None
+):
     """Random bf16 caches and one step of decodes (`lens`: context after the step) over
-    shuffled blocks, all sequences sharing their first `shared_blocks`, as (q, k, v,
-    (k_cache, v_cache), meta)."""
+    shuffled blocks, the first `sharing` sequences (default all) sharing their first
+    `shared_blocks`, as (q, k, v, (k_cache, v_cache), meta)."""
     gen = torch.Generator().manual_seed(seed)
     widths = [-(-n // bs) for n in lens]
     blocks = torch.randperm(sum(widths) + 3, generator=gen).tolist()
     tables = np.zeros((len(lens), max(widths)), dtype=np.int32)
     for i, w in enumerate(widths):
         tables[i, :w] = [blocks.pop() for _ in range(w)]
-    tables[:, :shared_blocks] = tables[0, :shared_blocks]
+    tables[:sharing, :shared_blocks] = tables[0, :shared_blocks]
     slots = [int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)]
     slots_total = (sum(widths) + 3) * bs
     cache = tuple(
@@ -145,21 +147,21 @@ def test_decode_attention_gives_the_torch_backends_output_and_cache(
 
 
 @needs_ops
-def test_decode_attention_takes_few_decodes_without_a_shared_prefix():
-    backend = TorchAttention(9, 3, c_decode=True)
-    too_long = [cpu_ops.DECODE_MAX_KEYS // 2 + 1] * 2
-    too_many = [10] * (cpu_ops.DECODE_MAX_SEQS + 1)
-    for lens in (too_long, too_many):
+def test_decode_attention_takes_every_step_of_decodes_only():
+    """Any number of sequences and keys; a shared prefix only where the prefix kernel runs too;
+    never a step with a prefill chunk."""
+    for lens in ([5000, 4000], [10] * 40):
         *_, meta = _decode_step(lens, 16, 3, 3, 64, True, 0)
-        backend.prepare(meta)
-        assert not isinstance(meta.prepared, _CDecode)
-    *_, meta = _decode_step([20, 30], 4, 3, 3, 64, True, 0)
-    meta.block_tables_cpu[1, :2] = meta.block_tables_cpu[0, :2]  # two shared leading blocks
-    backend.prepare(meta)
-    assert meta.prepared.shared is not None
+        TorchAttention(9, 3, c_decode=True).prepare(meta)
+        assert isinstance(meta.prepared, _CDecode) and meta.prepared.shared is None
+    for c_prefix in (False, True):
+        *_, meta = _decode_step([20, 30], 4, 3, 3, 64, True, 0, shared_blocks=2)
+        TorchAttention(9, 3, c_decode=True, c_prefix=c_prefix).prepare(meta)
+        assert meta.prepared.shared is not None
+        assert isinstance(meta.prepared, _CDecode) == c_prefix
     *_, meta = _decode_step([20, 30], 4, 3, 3, 64, True, 0)
     meta.num_decodes = 1  # the second sequence is a 1-token prefill chunk
-    backend.prepare(meta)
+    TorchAttention(9, 3, c_decode=True).prepare(meta)
     assert not isinstance(meta.prepared, _CDecode)
 
 
@@ -175,16 +177,28 @@ def _cascade(backend, q, k, v, cache, meta) -> torch.Tensor:
 
 
 @needs_prefix_attention
-@pytest.mark.parametrize(("lens", "dim", "group"), [([40, 37, 61], 64, 3), ([90] * 5, 128, 2)])
-def test_prefix_attention_gives_the_torch_cascade_and_keeps_its_packing(lens, dim, group):
-    """A step of decodes sharing their first 8 blocks: the C kernel's cascade gives the torch
-    backend's output within bf16 rounding (its probabilities enter PV in bf16), and the next
-    step over the same prefix reuses the packed copy."""
+@pytest.mark.parametrize(
+    ("lens", "dim", "group", "sharing", "c_decode"),
+    [
+        ([40, 37, 61], 64, 3, None, False),
+        ([90] * 5, 128, 2, None, False),
+        ([40, 37, 61], 64, 3, None, True),
+        ([90, 45, 33, 70], 128, 2, 3, True),  # the last sequence is not in the prefix
+    ],
+)
+def test_prefix_attention_gives_the_torch_cascade_and_keeps_its_packing(
+    lens, dim, group, sharing, c_decode
+):
+    """A step of decodes sharing their first 8 blocks, the tails in torch or (`c_decode`) in
+    the C decode kernel, which merges the prefix's result: the torch backend's output within
+    bf16 rounding (the probabilities enter PV in bf16), and the next step over the same prefix
+    reuses the packed copy."""
     outs = []
     for c_prefix in (True, False):
-        backend = TorchAttention(2 * group, 2, c_prefix=c_prefix)
-        step = _decode_step(lens, 4, 2, group, dim, True, 0, shared_blocks=8)
+        backend = TorchAttention(2 * group, 2, c_decode=c_decode and c_prefix, c_prefix=c_prefix)
+        step = _decode_step(lens, 4, 2, group, dim, True, 0, shared_blocks=8, sharing=sharing)
         outs.append(_cascade(backend, *step))
+        assert isinstance(step[-1].prepared, _CDecode) == (c_decode and c_prefix)
         copies = dict(backend.prefix_kv)
         again = _cascade(backend, *step)  # the same step again: same k/v, and the kept copy
         assert all(backend.prefix_kv[key] is kv for key, kv in copies.items())

@@ -1,11 +1,19 @@
 /* CPU ops for bf16 models (see `paged_backend.cpu_ops`), built at first use with the system C
  * compiler: fused elementwise ops (one call where torch runs 3-9 ops, rounding to bf16 where those
  * ops do), decode attention over the paged cache for small steps, and, on CPUs with AVX512-BF16,
- * attention over a shared prefix. Single-threaded: the engine calls them where that pays.
+ * attention over a shared prefix. The attention kernels split their work over `threads` OpenMP
+ * threads: built with -fopenmp, they share torch's OpenMP runtime (libgomp.so.1, already loaded
+ * by torch), so they run on the threads that torch's own ops have just left spinning.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_thread_num(void) { return 0; }
+#endif
 
 typedef uint16_t bf16;
 
@@ -100,53 +108,82 @@ static inline float dot_bf16(const float *q, const bf16 *k, int64_t dim) {
 
 /* One decode step of paged attention: for each sequence, write its new token's k/v into the
  * head-major caches [kv_heads, slots, dim] (slot = block * block_size + offset), then attend its
- * query heads over all `seq_lens[s]` tokens (fp32 scores and softmax, exact two-pass), out in
+ * query heads over its `seq_lens[s]` tokens (fp32 scores and softmax, exact two-pass), out in
  * bf16 [seqs, heads, dim]. Query heads h * group .. h * group + group - 1 read kv head h. `dim` is
  * a multiple of 16. Each token's heads are packed in q, k and v, whose rows are `q_stride`,
- * `k_stride`, `v_stride` apart (views into the fused qkv output); `scores` holds group * max len. */
+ * `k_stride`, `v_stride` apart (views into the fused qkv output); `scores` holds group * max len
+ * floats, `scores_stride` apart, for each of `threads` threads, which share the (sequence, kv
+ * head) pairs.
+ *
+ * Cascade: where `prefix_pos` is given and prefix_pos[s] >= 0, sequence s attends only to its
+ * tokens from `prefix_len` on and merges, by log-sum-exp, the result of its query row over the
+ * first `prefix_len` (a shared prefix): `prefix_out` [kv_heads][prefix_rows][dim] and
+ * `prefix_lse` [kv_heads][prefix_rows] (fp32), at rows prefix_pos[s] * group + g. */
 void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t q_stride,
                            int64_t k_stride, int64_t v_stride,
                            bf16 *k_cache, bf16 *v_cache, int64_t cache_head_stride,
                            const int32_t *block_tables, int64_t max_blocks,
                            const int32_t *seq_lens, int64_t block_size, int64_t num_seqs,
                            int64_t num_heads, int64_t num_kv_heads, int64_t dim, float scale,
-                           bf16 *out, float *scores) {
+                           bf16 *out, float *scores, int64_t scores_stride, int threads,
+                           const int32_t *prefix_pos, int64_t prefix_len, const float *prefix_out,
+                           const float *prefix_lse, int64_t prefix_rows) {
     int64_t group = num_heads / num_kv_heads;
-    float qf[group * dim], acc[group * dim];
+#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if (threads > 1)
     for (int64_t s = 0; s < num_seqs; s++) {
-        const int32_t *table = block_tables + s * max_blocks;
-        int64_t len = seq_lens[s], pos = len - 1;
-        int64_t slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
         for (int64_t h = 0; h < num_kv_heads; h++) {
+            float qf[group * dim], acc[group * dim], total[group], top[group];
+            float *sc = scores + omp_get_thread_num() * scores_stride;
+            const int32_t *table = block_tables + s * max_blocks;
+            int64_t len = seq_lens[s], pos = len - 1;
+            int64_t first = prefix_pos && prefix_pos[s] >= 0 ? prefix_len : 0, n = len - first;
+            int64_t slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
             bf16 *kc = k_cache + h * cache_head_stride, *vc = v_cache + h * cache_head_stride;
             memcpy(kc + slot * dim, k + s * k_stride + h * dim, dim * sizeof(bf16));
             memcpy(vc + slot * dim, v + s * v_stride + h * dim, dim * sizeof(bf16));
             for (int64_t i = 0; i < group * dim; i++)
                 qf[i] = to_f32(q[s * q_stride + h * group * dim + i]);
-            for (int64_t t = 0; t < len; t++) {
-                const bf16 *kr = kc + ((int64_t)table[t / block_size] * block_size + t % block_size) * dim;
+            for (int64_t t = 0; t < n; t++) {
+                int64_t key = first + t;
+                const bf16 *kr = kc + ((int64_t)table[key / block_size] * block_size + key % block_size) * dim;
                 for (int64_t g = 0; g < group; g++)
-                    scores[g * len + t] = dot_bf16(qf + g * dim, kr, dim) * scale;
+                    sc[g * n + t] = dot_bf16(qf + g * dim, kr, dim) * scale;
             }
-            float total[group];
             for (int64_t g = 0; g < group; g++) {
-                float *sg = scores + g * len, top = sg[0], part[16] = {0};
-                for (int64_t t = 1; t < len; t++) top = sg[t] > top ? sg[t] : top;
-                for (int64_t t = 0; t < len; t++) sg[t] = exp_nonpositive(sg[t] - top);
-                for (int64_t t = 0; t < len; t++) part[t & 15] += sg[t];
+                float *sg = sc + g * n, m = sg[0], part[16] = {0};
+                for (int64_t t = 1; t < n; t++) m = sg[t] > m ? sg[t] : m;
+                for (int64_t t = 0; t < n; t++) sg[t] = exp_nonpositive(sg[t] - m);
+                for (int64_t t = 0; t < n; t++) part[t & 15] += sg[t];
                 total[g] = 0.0f;
                 for (int j = 0; j < 16; j++) total[g] += part[j];
+                top[g] = m;
             }
             memset(acc, 0, sizeof acc);
-            for (int64_t t = 0; t < len; t++) {
-                const bf16 *vr = vc + ((int64_t)table[t / block_size] * block_size + t % block_size) * dim;
+            for (int64_t t = 0; t < n; t++) {
+                int64_t key = first + t;
+                const bf16 *vr = vc + ((int64_t)table[key / block_size] * block_size + key % block_size) * dim;
                 for (int64_t g = 0; g < group; g++) {
-                    float p = scores[g * len + t];
+                    float p = sc[g * n + t];
                     for (int64_t i = 0; i < dim; i++) acc[g * dim + i] += p * to_f32(vr[i]);
                 }
             }
-            for (int64_t i = 0; i < group * dim; i++)
-                out[(s * num_heads + h * group) * dim + i] = to_bf16(acc[i] / total[i / dim]);
+            bf16 *o = out + (s * num_heads + h * group) * dim;
+            for (int64_t g = 0; g < group; g++) {
+                float a = 1.0f, b = 0.0f; /* weights of the tail's sums and the prefix's output */
+                const float *po = NULL;
+                if (first) { /* out = (acc e^top + po e^lse) / (total e^top + e^lse) */
+                    int64_t row = h * prefix_rows + prefix_pos[s] * group + g;
+                    float lse = prefix_lse[row], m = lse > top[g] ? lse : top[g];
+                    a = expf(top[g] - m);
+                    b = expf(lse - m);
+                    po = prefix_out + row * dim;
+                }
+                float inv = 1.0f / (total[g] * a + b);
+                for (int64_t i = 0; i < dim; i++) {
+                    float x = acc[g * dim + i] * a + (po ? po[i] * b : 0.0f);
+                    o[g * dim + i] = to_bf16(x * inv);
+                }
+            }
         }
     }
 }
@@ -178,110 +215,130 @@ static inline __m512 exp_nonpositive16(__m512 x) {
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), res);
 }
 
-/* Gather `len` tokens of one kv head's cache rows [slots][dim] through `blocks` and pack them for
- * `prefix_attention_bf16`: keys as [padded/16][dim/2][16][2], values as [padded/2][dim][2],
- * zero past `len` (padded: len rounded up to 32). */
-void pack_prefix_bf16(const bf16 *k_cache, const bf16 *v_cache, const int32_t *blocks,
-                      int64_t block_size, int64_t len, int64_t dim, bf16 *kp, bf16 *vp) {
+/* Gather `len` tokens of each of `heads` kv heads' cache rows [slots][dim] (heads
+ * `cache_head_stride` apart) through `blocks` and pack them for `prefix_attention_bf16`: keys as
+ * [padded/16][dim/2][16][2], values as [padded/2][dim][2] per head, zero past `len` (padded: len
+ * rounded up to 32). */
+void pack_prefix_bf16(const bf16 *k_cache, const bf16 *v_cache, int64_t cache_head_stride,
+                      const int32_t *blocks, int64_t block_size, int64_t len, int64_t heads,
+                      int64_t dim, bf16 *kp, bf16 *vp, int threads) {
     int64_t padded = (len + 31) / 32 * 32, pairs = dim / 2;
-    memset(kp, 0, padded * dim * sizeof(bf16));
-    memset(vp, 0, padded * dim * sizeof(bf16));
-    for (int64_t t = 0; t < len; t++) {
-        int64_t slot = (int64_t)blocks[t / block_size] * block_size + t % block_size;
-        const bf16 *k = k_cache + slot * dim, *v = v_cache + slot * dim;
-        bf16 *kd = kp + ((t / 16) * pairs * 16 + t % 16) * 2;
-        for (int64_t p = 0; p < pairs; p++) {
-            kd[p * 32] = k[2 * p];
-            kd[p * 32 + 1] = k[2 * p + 1];
+#pragma omp parallel for num_threads(threads) if (threads > 1)
+    for (int64_t h = 0; h < heads; h++) {
+        bf16 *kh = kp + h * padded * dim, *vh = vp + h * padded * dim;
+        memset(kh, 0, padded * dim * sizeof(bf16));
+        memset(vh, 0, padded * dim * sizeof(bf16));
+        for (int64_t t = 0; t < len; t++) {
+            int64_t slot = (int64_t)blocks[t / block_size] * block_size + t % block_size;
+            const bf16 *k = k_cache + h * cache_head_stride + slot * dim;
+            const bf16 *v = v_cache + h * cache_head_stride + slot * dim;
+            bf16 *kd = kh + ((t / 16) * pairs * 16 + t % 16) * 2;
+            for (int64_t p = 0; p < pairs; p++) {
+                kd[p * 32] = k[2 * p];
+                kd[p * 32 + 1] = k[2 * p + 1];
+            }
+            bf16 *vd = vh + (t / 2) * dim * 2 + t % 2;
+            for (int64_t d = 0; d < dim; d++) vd[2 * d] = v[d];
         }
-        bf16 *vd = vp + (t / 2) * dim * 2 + t % 2;
-        for (int64_t d = 0; d < dim; d++) vd[2 * d] = v[d];
     }
 }
 
-/* Attention of `rows` query rows [rows][dim] (bf16, `q_stride` apart, rows a multiple of 4) over
- * `len` packed keys/values, without mask: out [rows][dim] fp32 and log-sum-exp [rows]. QK^T and
- * PV run on AVX512-BF16 dot products (exact bf16 products, fp32 sums); softmax in fp32; the
- * probabilities enter PV rounded to bf16, as flash attention on bf16 does. `work`: 4 * padded
- * floats plus 4 * padded bf16. */
-void prefix_attention_bf16(const bf16 *q, int64_t rows, int64_t q_stride, const bf16 *kp,
-                           const bf16 *vp, int64_t len, int64_t dim, float scale, float *out,
-                           float *lse, float *work) {
+/* Attention of 4 query rows (bf16, `q_stride` apart) over `len` packed keys/values, without
+ * mask: out [4][dim] fp32 and log-sum-exp [4]. QK^T and PV run on AVX512-BF16 dot products (exact
+ * bf16 products, fp32 sums); softmax in fp32; the probabilities enter PV rounded to bf16, as flash
+ * attention on bf16 does. `work`: 4 * padded floats plus 4 * padded bf16. */
+static void prefix_rows4(const bf16 *q, int64_t q_stride, const bf16 *kp, const bf16 *vp,
+                         int64_t len, int64_t dim, float scale, float *out, float *lse,
+                         float *work) {
     int64_t padded = (len + 31) / 32 * 32, pairs = dim / 2;
     float *s = work;
     bf16 *pb = (bf16 *)(work + 4 * padded);
-    for (int64_t r = 0; r < rows; r += 4) {
-        const uint32_t *q0 = (const uint32_t *)(q + r * q_stride);
-        int64_t qs = q_stride / 2;
-        for (int64_t b = 0; b < padded / 16; b += 2) { /* 4 rows x 32 keys at a time */
-            __m512 acc[4][2];
-            for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-            const bf16 *k0 = kp + b * pairs * 32, *k1 = k0 + pairs * 32;
-            for (int64_t p = 0; p < pairs; p++) {
-                __m512bh kb0 = (__m512bh)_mm512_loadu_si512(k0 + p * 32);
-                __m512bh kb1 = (__m512bh)_mm512_loadu_si512(k1 + p * 32);
-                for (int i = 0; i < 4; i++) {
-                    __m512bh x = (__m512bh)_mm512_set1_epi32(q0[i * qs + p]);
-                    acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, kb0);
-                    acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, kb1);
-                }
-            }
+    const uint32_t *q0 = (const uint32_t *)q;
+    int64_t qs = q_stride / 2;
+    for (int64_t b = 0; b < padded / 16; b += 2) { /* 4 rows x 32 keys at a time */
+        __m512 acc[4][2];
+        for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+        const bf16 *k0 = kp + b * pairs * 32, *k1 = k0 + pairs * 32;
+        for (int64_t p = 0; p < pairs; p++) {
+            __m512bh kb0 = (__m512bh)_mm512_loadu_si512(k0 + p * 32);
+            __m512bh kb1 = (__m512bh)_mm512_loadu_si512(k1 + p * 32);
             for (int i = 0; i < 4; i++) {
-                _mm512_storeu_ps(s + i * padded + b * 16, acc[i][0]);
-                _mm512_storeu_ps(s + i * padded + b * 16 + 16, acc[i][1]);
+                __m512bh x = (__m512bh)_mm512_set1_epi32(q0[i * qs + p]);
+                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, kb0);
+                acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, kb1);
             }
         }
-        float total[4], top[4];
-        const __m512 vscale = _mm512_set1_ps(scale);
         for (int i = 0; i < 4; i++) {
-            float *si = s + i * padded;
-            for (int64_t t = len; t < padded; t++) si[t] = -INFINITY;
-            __m512 vmax = _mm512_set1_ps(-INFINITY);
-            for (int64_t t = 0; t < padded; t += 16) {
-                __m512 x = _mm512_mul_ps(_mm512_loadu_ps(si + t), vscale);
-                _mm512_storeu_ps(si + t, x);
-                vmax = _mm512_max_ps(vmax, x);
-            }
-            float m = _mm512_reduce_max_ps(vmax);
-            __m512 vm = _mm512_set1_ps(m), vsum = _mm512_setzero_ps();
-            bf16 *pi = pb + i * padded;
-            for (int64_t t = 0; t < padded; t += 16) {
-                __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(si + t), vm));
-                vsum = _mm512_add_ps(vsum, e);
-                _mm256_storeu_si256((__m256i *)(pi + t), (__m256i)_mm512_cvtneps_pbh(e));
-            }
-            total[i] = _mm512_reduce_add_ps(vsum);
-            top[i] = m;
+            _mm512_storeu_ps(s + i * padded + b * 16, acc[i][0]);
+            _mm512_storeu_ps(s + i * padded + b * 16 + 16, acc[i][1]);
         }
-        const uint32_t *pr[4];
-        for (int i = 0; i < 4; i++) pr[i] = (const uint32_t *)(pb + i * padded);
-        for (int64_t db = 0; db < dim; db += 64) { /* 4 rows x 4 blocks of 16 dims at a time */
-            __m512 c[4][4];
-            for (int i = 0; i < 4; i++)
-                for (int j = 0; j < 4; j++) c[i][j] = _mm512_setzero_ps();
-            int64_t nb = dim - db < 64 ? (dim - db) / 16 : 4;
-            for (int64_t tp = 0; tp < padded / 2; tp++) {
-                const bf16 *vrow = vp + tp * dim * 2 + db * 2;
-                __m512bh v0 = (__m512bh)_mm512_loadu_si512(vrow);
-                __m512bh v1 = (__m512bh)_mm512_loadu_si512(vrow + 32);
-                __m512bh v2 = nb > 2 ? (__m512bh)_mm512_loadu_si512(vrow + 64) : v0;
-                __m512bh v3 = nb > 3 ? (__m512bh)_mm512_loadu_si512(vrow + 96) : v0;
-                for (int i = 0; i < 4; i++) {
-                    __m512bh x = (__m512bh)_mm512_set1_epi32(pr[i][tp]);
-                    c[i][0] = _mm512_dpbf16_ps(c[i][0], x, v0);
-                    c[i][1] = _mm512_dpbf16_ps(c[i][1], x, v1);
-                    c[i][2] = _mm512_dpbf16_ps(c[i][2], x, v2);
-                    c[i][3] = _mm512_dpbf16_ps(c[i][3], x, v3);
-                }
-            }
-            for (int i = 0; i < 4; i++) {
-                __m512 inv = _mm512_set1_ps(1.0f / total[i]);
-                for (int64_t j = 0; j < nb; j++)
-                    _mm512_storeu_ps(out + (r + i) * dim + db + 16 * j, _mm512_mul_ps(c[i][j], inv));
-            }
-        }
-        for (int i = 0; i < 4; i++) lse[r + i] = top[i] + logf(total[i]);
     }
+    float total[4], top[4];
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int i = 0; i < 4; i++) {
+        float *si = s + i * padded;
+        for (int64_t t = len; t < padded; t++) si[t] = -INFINITY;
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < padded; t += 16) {
+            __m512 x = _mm512_mul_ps(_mm512_loadu_ps(si + t), vscale);
+            _mm512_storeu_ps(si + t, x);
+            vmax = _mm512_max_ps(vmax, x);
+        }
+        float m = _mm512_reduce_max_ps(vmax);
+        __m512 vm = _mm512_set1_ps(m), vsum = _mm512_setzero_ps();
+        bf16 *pi = pb + i * padded;
+        for (int64_t t = 0; t < padded; t += 16) {
+            __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(si + t), vm));
+            vsum = _mm512_add_ps(vsum, e);
+            _mm256_storeu_si256((__m256i *)(pi + t), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        total[i] = _mm512_reduce_add_ps(vsum);
+        top[i] = m;
+    }
+    const uint32_t *pr[4];
+    for (int i = 0; i < 4; i++) pr[i] = (const uint32_t *)(pb + i * padded);
+    for (int64_t db = 0; db < dim; db += 64) { /* 4 rows x 4 blocks of 16 dims at a time */
+        __m512 c[4][4];
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < 4; j++) c[i][j] = _mm512_setzero_ps();
+        int64_t nb = dim - db < 64 ? (dim - db) / 16 : 4;
+        for (int64_t tp = 0; tp < padded / 2; tp++) {
+            const bf16 *vrow = vp + tp * dim * 2 + db * 2;
+            __m512bh v0 = (__m512bh)_mm512_loadu_si512(vrow);
+            __m512bh v1 = (__m512bh)_mm512_loadu_si512(vrow + 32);
+            __m512bh v2 = nb > 2 ? (__m512bh)_mm512_loadu_si512(vrow + 64) : v0;
+            __m512bh v3 = nb > 3 ? (__m512bh)_mm512_loadu_si512(vrow + 96) : v0;
+            for (int i = 0; i < 4; i++) {
+                __m512bh x = (__m512bh)_mm512_set1_epi32(pr[i][tp]);
+                c[i][0] = _mm512_dpbf16_ps(c[i][0], x, v0);
+                c[i][1] = _mm512_dpbf16_ps(c[i][1], x, v1);
+                c[i][2] = _mm512_dpbf16_ps(c[i][2], x, v2);
+                c[i][3] = _mm512_dpbf16_ps(c[i][3], x, v3);
+            }
+        }
+        for (int i = 0; i < 4; i++) {
+            __m512 inv = _mm512_set1_ps(1.0f / total[i]);
+            for (int64_t j = 0; j < nb; j++)
+                _mm512_storeu_ps(out + i * dim + db + 16 * j, _mm512_mul_ps(c[i][j], inv));
+        }
+    }
+    for (int i = 0; i < 4; i++) lse[i] = top[i] + logf(total[i]);
+}
+
+/* Attention of each kv head's `rows` query rows (bf16 [heads][rows][dim], rows a multiple of 4)
+ * over its `len` packed keys/values (`pack_prefix_bf16`), without mask: out [heads][rows][dim]
+ * fp32 and log-sum-exp [heads][rows]. `threads` threads share the blocks of 4 rows; `work` holds
+ * 6 * padded floats for each. */
+void prefix_attention_bf16(const bf16 *q, int64_t heads, int64_t rows, int64_t dim,
+                           const bf16 *kp, const bf16 *vp, int64_t len, float scale, float *out,
+                           float *lse, float *work, int threads) {
+    int64_t padded = (len + 31) / 32 * 32;
+#pragma omp parallel for collapse(2) num_threads(threads) if (threads > 1)
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t r = 0; r < rows; r += 4)
+            prefix_rows4(q + (h * rows + r) * dim, dim, kp + h * padded * dim,
+                         vp + h * padded * dim, len, dim, scale, out + (h * rows + r) * dim,
+                         lse + h * rows + r, work + omp_get_thread_num() * 6 * padded);
 }
 #else
 int has_prefix_attention(void) { return 0; }
