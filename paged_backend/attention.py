@@ -92,6 +92,8 @@ class _Prefill:
     blocks: torch.Tensor | None  # blocks from `first_key` on; None: attend to the new k/v only
     mask: torch.Tensor | None  # [1, 1, q_len * group, keys] additive causal mask over those keys
     shared_pos: torch.Tensor | None  # positions of this sequence's rows in `_Shared.rows`
+    num_keys: int = 0  # tokens from `first_key` to the end of the chunk
+    offset: int = 0  # keys before the chunk's first token, from `first_key` (its cached context)
 
 
 @dataclass
@@ -305,21 +307,21 @@ class TorchAttention:
         for i in range(nd, len(meta.seq_lens)):
             start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens[i]
             context = seq_len - (end - start)
-            if context == 0:
+            if context == 0 and not self.c_prefix:
                 prefills.append(_Prefill(start, end, None, None, None))
                 continue
             first_key = skip[i] * bs
             blocks = torch.from_numpy(tables[i, skip[i] : (seq_len + bs - 1) // bs]).to(device)
-            q_pos = torch.arange(context, seq_len, device=device)
-            k_pos = torch.arange(first_key, first_key + len(blocks) * bs, device=device)
-            mask = (k_pos[None, :] <= q_pos[:, None]).repeat_interleave(group, dim=0)
+            mask = None
+            if not self.c_prefix:  # the C kernel masks by position
+                q_pos = torch.arange(context, seq_len, device=device)
+                k_pos = torch.arange(first_key, first_key + len(blocks) * bs, device=device)
+                allowed = (k_pos[None, :] <= q_pos[:, None]).repeat_interleave(group, dim=0)
+                mask = _additive(allowed)[None, None]
+            shared_pos = positions([i]) if i in row_pos else None
             prefills.append(
                 _Prefill(
-                    start,
-                    end,
-                    blocks,
-                    _additive(mask)[None, None],
-                    positions([i]) if i in row_pos else None,
+                    start, end, blocks, mask, shared_pos, seq_len - first_key, context - first_key
                 )
             )
         meta.prepared = _TorchPrepared(shared, decodes, prefills)
@@ -384,7 +386,12 @@ class TorchAttention:
             out[:nd] = o
         for p in prep.prefills:
             n = p.end - p.start
-            if p.blocks is None:
+            if self.c_prefix:  # bf16 queries over the chunk's packed keys, causal
+                packed = cpu_ops.pack_prefix(kv_cache, p.blocks, bs, p.num_keys)
+                q_rows = _rows_first(q[p.start : p.end].view(n, kvh, group, d))[0]
+                o, lse = cpu_ops.prefix_attention(q_rows, packed, p.num_keys, (group, p.offset))
+                o, lse = by_token(o[None], lse[None], n)
+            elif p.blocks is None:
                 # 4-D strided views take torch's flash kernel (3-D inputs fall back to math);
                 # fp32 costs no more there than bf16 and keeps bf16 models on the reference.
                 o = F.scaled_dot_product_attention(
@@ -396,16 +403,17 @@ class TorchAttention:
                 )
                 out[p.start : p.end] = o[0].transpose(0, 1).reshape(-1, kvh, group, d)
                 continue
-            o, lse = by_token(
-                *_attend(
-                    _rows_first(qf[p.start : p.end]),
-                    gather(k_cache, p.blocks).unsqueeze(0),
-                    gather(v_cache, p.blocks).unsqueeze(0),
-                    p.mask,
-                    scale,
-                ),
-                n,
-            )
+            else:
+                o, lse = by_token(
+                    *_attend(
+                        _rows_first(qf[p.start : p.end]),
+                        gather(k_cache, p.blocks).unsqueeze(0),
+                        gather(v_cache, p.blocks).unsqueeze(0),
+                        p.mask,
+                        scale,
+                    ),
+                    n,
+                )
             out[p.start : p.end] = o if p.shared_pos is None else with_shared(o, lse, p.shared_pos)
         return out.view(num_tokens, num_heads, d).to(q.dtype)
 

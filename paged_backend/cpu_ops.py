@@ -21,9 +21,8 @@ result by log-sum-exp: one call a layer where the torch path gathers, casts, run
 kernel and merges in ~15-30 ops. Per layer, with two threads: 474 against 766 µs for 32
 sequences of 100 tokens, 200 against 474 for 8 of 300, 293 against 574 for one of 3,000.
 
-The attention kernels run their loops on torch's OpenMP threads (`OPENMP_FLAGS`); the
-elementwise ops are single-threaded and take steps of up to `MAX_ROWS` rows (over that, prefill,
-torch's two threads win).
+Every kernel splits its loops over torch's OpenMP threads (`OPENMP_FLAGS`); the elementwise
+ones only from 32K elements a step (prefill), where waking the second thread pays.
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ from paged_backend.config import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 256  # one C loop beats torch's ops up to here (38 against 48 µs for a norm at 200)
 SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.c"
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
 # Where torch runs on OpenMP (libgomp on Linux), the kernels build with it too: the loader then
@@ -95,24 +93,23 @@ def load_library() -> ctypes.CDLL | None:
     lib = _build(compiler, FLAGS + OPENMP_FLAGS) or (OPENMP_FLAGS and _build(compiler, FLAGS))
     if not lib:
         return None
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.rms_norm_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_float]
-    lib.rotary_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64]
+    ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.rms_norm_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_float, c_int]
+    lib.rotary_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, c_int]
+    lib.silu_and_mul_bf16.argtypes = [ptr, ptr, i64, i64, c_int]
     lib.decode_attention_bf16.argtypes = [
         *(ptr, ptr, ptr, i64, i64, i64),  # q, k, v and their row strides
         *(ptr, ptr, i64),  # the caches and their head stride
         *(ptr, i64, ptr, i64),  # block tables, their width, sequence lengths, block size
         *(i64, i64, i64, i64, ctypes.c_float, ptr, ptr),  # sizes, scale, out, scratch
-        *(i64, ctypes.c_int),  # scratch row stride, threads
+        *(i64, c_int),  # scratch row stride, threads
         *(ptr, i64, ptr, ptr, i64),  # a shared prefix's rows, length, out, lse, rows a head
     ]
-    lib.has_prefix_attention.restype = ctypes.c_int
+    lib.has_prefix_attention.restype = c_int
     if lib.has_prefix_attention():
-        lib.pack_prefix_bf16.argtypes = [
-            *(ptr, ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int)
-        ]
+        lib.pack_prefix_bf16.argtypes = [*(ptr, ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, c_int)]
         lib.prefix_attention_bf16.argtypes = [
-            *(ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_float, ptr, ptr, ptr, ctypes.c_int)
+            *(ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_float, ptr, ptr, ptr, c_int, i64, i64)
         ]
     return lib
 
@@ -149,7 +146,7 @@ def rms_norm(
     """`torch_rms_norm` in one call for bf16 rows [T, hidden] (unit stride within a row;
     `residual` contiguous)."""
     rows, dim = x.shape
-    if rows > MAX_ROWS or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+    if x.dtype != torch.bfloat16 or x.stride(1) != 1:
         return torch_rms_norm(x, weight, eps, residual)
     out = torch.empty(rows, dim, dtype=x.dtype)
     if residual is not None:
@@ -165,6 +162,7 @@ def rms_norm(
         dim,
         x.stride(0),
         eps,
+        torch.get_num_threads(),
     )
     return out if residual is None else (out, new_residual)
 
@@ -174,8 +172,7 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     row) and returned; cos, sin: bf16 tables at each token's position, [T, 1, head_dim]."""
     tokens, heads, dim = x.shape
     if (
-        tokens > MAX_ROWS
-        or x.dtype != torch.bfloat16
+        x.dtype != torch.bfloat16
         or x.stride(2) != 1
         or x.stride(1) != dim
         or cos.dtype != torch.bfloat16
@@ -183,9 +180,26 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
         return apply_rotary(x, cos, sin)
     cos, sin = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
     load_library().rotary_bf16(
-        x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, dim, x.stride(0)
+        *(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, dim, x.stride(0)),
+        torch.get_num_threads(),
     )
     return x
+
+
+def torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`torch_silu_and_mul` in one call for contiguous bf16 rows [T, 2 * dim] (gate | up)."""
+    if x.dtype != torch.bfloat16 or not x.is_contiguous():
+        return torch_silu_and_mul(x)
+    rows, dim = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, dim, dtype=x.dtype)
+    threads = torch.get_num_threads()
+    load_library().silu_and_mul_bf16(x.data_ptr(), out.data_ptr(), rows, dim, threads)
+    return out
 
 
 def _heads_packed(x: torch.Tensor) -> torch.Tensor:
@@ -240,13 +254,17 @@ def _padded(length: int) -> int:
 
 
 def pack_prefix(
-    kv_cache: tuple[torch.Tensor, torch.Tensor], blocks: torch.Tensor, block_size: int
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    blocks: torch.Tensor,
+    block_size: int,
+    length: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values of the whole `blocks` (int32) of the head-major bf16 caches, packed
-    for `prefix_attention`: [kv_heads, padded * dim] each (padded: tokens rounded up to 32)."""
+    """The keys and values of the first `length` tokens (default: all) of `blocks` (int32) of the
+    head-major bf16 caches, packed for `prefix_attention`: [kv_heads, padded * dim] each (padded:
+    tokens rounded up to 32)."""
     k_cache, v_cache = kv_cache
     num_kv_heads, _, dim = k_cache.shape
-    length = len(blocks) * block_size
+    length = len(blocks) * block_size if length is None else length
     blocks = blocks.to(torch.int32).contiguous()
     kp = torch.empty(num_kv_heads, _padded(length) * dim, dtype=torch.bfloat16)
     vp = torch.empty_like(kp)
@@ -259,11 +277,15 @@ def pack_prefix(
 
 
 def prefix_attention(
-    q: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor], length: int
+    q: torch.Tensor,
+    packed: tuple[torch.Tensor, torch.Tensor],
+    length: int,
+    causal: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of bf16 query rows q [kv_heads, rows, dim] (each kv head's queries) over all
-    `length` tokens of a `pack_prefix`, no mask: (out [kv_heads, rows, dim], log-sum-exp
-    [kv_heads, rows]), fp32."""
+    """Attention of bf16 query rows q [kv_heads, rows, dim] (each kv head's queries) over the
+    `length` tokens of a `pack_prefix`: (out [kv_heads, rows, dim], log-sum-exp [kv_heads, rows]),
+    fp32. No mask, or `causal` = (group, offset): row r is the query of token r // group of a chunk
+    that starts after key `offset`, and sees the keys up to its own."""
     num_kv_heads, rows, dim = q.shape
     kp, vp = packed
     rows4 = -(-rows // 4) * 4
@@ -275,5 +297,6 @@ def prefix_attention(
     load_library().prefix_attention_bf16(
         *(q.data_ptr(), num_kv_heads, rows4, dim, kp.data_ptr(), vp.data_ptr(), length),
         *(dim**-0.5, out.data_ptr(), lse.data_ptr(), work.data_ptr(), threads),
+        *(causal or (0, 0)),
     )
     return out[:, :rows].contiguous(), lse[:, :rows].contiguous()

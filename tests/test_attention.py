@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from paged_backend import cpu_ops
 from paged_backend.attention import (
     AttentionMetadata,
     TorchAttention,
@@ -19,24 +20,26 @@ KVH, GROUP, D = 3, 3, 32
 
 
 def dense_reference(q, keys, values, context: int) -> torch.Tensor:
-    """q [n, H, D] at positions context.., keys/values [seq_len, KVH, D]."""
+    """q [n, H, D] at positions context.., keys/values [seq_len, KVH, D]; fp32."""
     n, seq_len = q.shape[0], keys.shape[0]
+    q, keys, values = q.float(), keys.float(), values.float()
     k = keys.repeat_interleave(GROUP, dim=1).transpose(0, 1)
     v = values.repeat_interleave(GROUP, dim=1).transpose(0, 1)
-    scores = q.transpose(0, 1) @ k.transpose(-1, -2) * D**-0.5
+    scores = q.transpose(0, 1) @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
     allowed = torch.arange(seq_len)[None, :] <= torch.arange(context, context + n)[:, None]
     scores = scores.masked_fill(~allowed, float("-inf"))
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
-def run_and_check(backend, cache, seqs, tables, bs, gen):
+def run_and_check(backend, cache, seqs, tables, bs, gen, tol=(1e-5, 1e-4)):
     """One step of `seqs` ((context, new tokens), decodes first) over block `tables`: forward,
-    then compare every sequence with dense attention over what the cache holds after it."""
+    then compare every sequence with dense attention over what the cache holds after it, within
+    `tol` (atol, rtol). q/k/v take the cache's dtype and head dim."""
     k_cache, v_cache = cache
-    total = sum(new for _, new in seqs)
-    q = torch.randn(total, KVH * GROUP, D, generator=gen)
-    k = torch.randn(total, KVH, D, generator=gen)
-    v = torch.randn(total, KVH, D, generator=gen)
+    total, dim, dtype = sum(new for _, new in seqs), k_cache.shape[-1], k_cache.dtype
+    q = torch.randn(total, KVH * GROUP, dim, generator=gen).to(dtype)
+    k = torch.randn(total, KVH, dim, generator=gen).to(dtype)
+    v = torch.randn(total, KVH, dim, generator=gen).to(dtype)
     qsl, slots = [0], []
     for (context, new), table in zip(seqs, tables, strict=True):
         qsl.append(qsl[-1] + new)
@@ -59,23 +62,22 @@ def run_and_check(backend, cache, seqs, tables, bs, gen):
         keys = k_cache[:, token_slots].transpose(0, 1)
         values = v_cache[:, token_slots].transpose(0, 1)
         want = dense_reference(q[qsl[i] : qsl[i + 1]], keys, values, context)
-        torch.testing.assert_close(out[qsl[i] : qsl[i + 1]], want, atol=1e-5, rtol=1e-4)
+        got = out[qsl[i] : qsl[i + 1]].float()
+        torch.testing.assert_close(got, want, atol=tol[0], rtol=tol[1])
     return meta
 
 
-@pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("shared_blocks", [0, 3, 7])
-@pytest.mark.parametrize("bs", [4, 16])
-def test_torch_backend_matches_dense(seed, shared_blocks, bs):
+def random_step(seed: int, shared_blocks: int, bs: int, num_blocks: int, decodes_only=False):
+    """A step's sequences ((context, new tokens), decodes first, as the engine orders them),
+    those with enough context sharing their first `shared_blocks`, and their block tables."""
     rng = np.random.default_rng(seed)
-    num_blocks = 200
-    # Per sequence: (context tokens already cached, new tokens). Decodes first, like the engine.
     seqs = [(int(rng.integers(shared_blocks * bs + 1, 150)), 1) for _ in range(rng.integers(1, 5))]
-    seqs += [
-        (int(rng.integers(shared_blocks * bs, 150)), int(rng.integers(2, 40)))
-        for _ in range(rng.integers(1, 4))
-    ]
-    seqs.append((0, int(rng.integers(2, 30))))  # a fresh prefill with no context
+    if not decodes_only:
+        seqs += [
+            (int(rng.integers(shared_blocks * bs, 150)), int(rng.integers(2, 40)))
+            for _ in range(rng.integers(1, 4))
+        ]
+        seqs.append((0, int(rng.integers(2, 30))))  # a fresh prefill with no context
     free = list(rng.permutation(np.arange(shared_blocks, num_blocks)))
     tables = []
     for context, new in seqs:
@@ -83,14 +85,38 @@ def test_torch_backend_matches_dense(seed, shared_blocks, bs):
         shares = context > 0 and context >= shared_blocks * bs
         prefix = list(range(shared_blocks)) if shares else []
         tables.append(prefix + [int(free.pop()) for _ in range(n - len(prefix))])
+    return seqs, tables
+
+
+def random_cache(gen, num_blocks: int, bs: int, dim: int, dtype=torch.float32):
+    return tuple(torch.randn(KVH, num_blocks * bs, dim, generator=gen).to(dtype) for _ in "kv")
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("shared_blocks", [0, 3, 7])
+@pytest.mark.parametrize("bs", [4, 16])
+def test_torch_backend_matches_dense(seed, shared_blocks, bs):
+    seqs, tables = random_step(seed, shared_blocks, bs, 200)
     gen = torch.Generator().manual_seed(seed)
-    cache = (
-        torch.randn(KVH, num_blocks * bs, D, generator=gen),
-        torch.randn(KVH, num_blocks * bs, D, generator=gen),
-    )
+    cache = random_cache(gen, 200, bs, D)
     meta = run_and_check(TorchAttention(KVH * GROUP, KVH), cache, seqs, tables, bs, gen)
     if shared_blocks >= 2 and sum(c >= shared_blocks * bs > 0 for c, _ in seqs) >= 2:
         assert meta.prepared.shared is not None  # the cascade path is what is under test
+
+
+@pytest.mark.skipif(not cpu_ops.has_prefix_attention(), reason="no AVX512-BF16 C kernels")
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("shared_blocks", [0, 5])
+@pytest.mark.parametrize("decodes_only", [False, True])
+def test_c_kernels_match_dense(seed, shared_blocks, decodes_only):
+    """bf16 caches through the C kernels: causal prefill chunks (with and without context), the
+    shared prefix, and decode steps merging it, within bf16 rounding of dense attention."""
+    seqs, tables = random_step(seed, shared_blocks, 4, 300, decodes_only)
+    gen = torch.Generator().manual_seed(seed)
+    cache = random_cache(gen, 300, 4, 64, torch.bfloat16)
+    backend = TorchAttention(KVH * GROUP, KVH, c_decode=True, c_prefix=True)
+    meta = run_and_check(backend, cache, seqs, tables, 4, gen, tol=(2e-2, 2e-2))
+    assert (type(meta.prepared).__name__ == "_CDecode") == decodes_only
 
 
 @pytest.mark.parametrize("masked", [False, True])

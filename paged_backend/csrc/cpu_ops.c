@@ -33,12 +33,18 @@ static inline bf16 to_bf16(float f) { /* round to nearest even, as c10::BFloat16
 
 static inline float round_bf16(float f) { return to_f32(to_bf16(f)); }
 
+/* Row loops of the elementwise ops split over `threads` threads once a step has this many
+ * elements: below it, waking the other thread costs more than it saves. */
+#define PARALLEL_MIN_ELEMENTS (1 << 15)
+
 /* out = bf16(h * rsqrt(mean(h^2) + eps) * weight) per row (one rounding, as F.rms_norm), h = x,
  * or with `residual`: h = bf16(x + residual), also written to `new_residual`. */
 void rms_norm_bf16(const bf16 *x, const bf16 *residual, const bf16 *weight, bf16 *out,
-                   bf16 *new_residual, int64_t rows, int64_t dim, int64_t x_stride, float eps) {
-    float h[dim];
+                   bf16 *new_residual, int64_t rows, int64_t dim, int64_t x_stride, float eps,
+                   int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
+        float h[dim];
         const bf16 *xr = x + r * x_stride;
         for (int64_t i = 0; i < dim; i++) h[i] = to_f32(xr[i]);
         if (residual) {
@@ -61,8 +67,9 @@ void rms_norm_bf16(const bf16 *x, const bf16 *residual, const bf16 *weight, bf16
 /* Rotate-half rotary embedding, in place on `heads` heads of `dim` per token row:
  * x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), cos/sin [tokens, dim] in bf16. */
 void rotary_bf16(bf16 *x, const bf16 *cos, const bf16 *sin, int64_t tokens, int64_t heads,
-                 int64_t dim, int64_t x_stride) {
+                 int64_t dim, int64_t x_stride, int threads) {
     int64_t half = dim / 2;
+#pragma omp parallel for num_threads(threads) if (tokens * heads * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t t = 0; t < tokens; t++) {
         const bf16 *c = cos + t * dim, *s = sin + t * dim;
         for (int64_t h = 0; h < heads; h++) {
@@ -95,6 +102,19 @@ static inline float exp_nonpositive(float x) {
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
     return y * two_n;
+}
+
+/* out = bf16(bf16(silu(gate)) * up) for rows [gate | up] of 2 * dim (as F.silu then *). */
+void silu_and_mul_bf16(const bf16 *x, bf16 *out, int64_t rows, int64_t dim, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16 *gate = x + r * 2 * dim, *up = gate + dim;
+        for (int64_t i = 0; i < dim; i++) {
+            float g = to_f32(gate[i]), e = exp_nonpositive(-fabsf(g));
+            float sigmoid = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+            out[r * dim + i] = to_bf16(round_bf16(g * sigmoid) * to_f32(up[i]));
+        }
+    }
 }
 
 static inline float dot_bf16(const float *q, const bf16 *k, int64_t dim) {
@@ -243,16 +263,19 @@ void pack_prefix_bf16(const bf16 *k_cache, const bf16 *v_cache, int64_t cache_he
     }
 }
 
-/* Attention of 4 query rows (bf16, `q_stride` apart) over `len` packed keys/values, without
- * mask: out [4][dim] fp32 and log-sum-exp [4]. QK^T and PV run on AVX512-BF16 dot products (exact
- * bf16 products, fp32 sums); softmax in fp32; the probabilities enter PV rounded to bf16, as flash
- * attention on bf16 does. `work`: 4 * padded floats plus 4 * padded bf16. */
+/* Attention of 4 query rows (bf16, `q_stride` apart) over packed keys/values (`packed` keys a
+ * head, padded to 32), row i over the first limits[i] keys: out [4][dim] fp32 and log-sum-exp [4].
+ * QK^T and PV run on AVX512-BF16 dot products (exact bf16 products, fp32 sums); softmax in fp32;
+ * the probabilities enter PV rounded to bf16, as flash attention on bf16 does. `work`: 4 * packed
+ * floats plus 4 * packed bf16. */
 static void prefix_rows4(const bf16 *q, int64_t q_stride, const bf16 *kp, const bf16 *vp,
-                         int64_t len, int64_t dim, float scale, float *out, float *lse,
-                         float *work) {
-    int64_t padded = (len + 31) / 32 * 32, pairs = dim / 2;
+                         int64_t packed, const int64_t *limits, int64_t dim, float scale,
+                         float *out, float *lse, float *work) {
+    int64_t len = limits[0], pairs = dim / 2;
+    for (int i = 1; i < 4; i++) len = limits[i] > len ? limits[i] : len;
+    int64_t padded = (len + 31) / 32 * 32;
     float *s = work;
-    bf16 *pb = (bf16 *)(work + 4 * padded);
+    bf16 *pb = (bf16 *)(work + 4 * packed);
     const uint32_t *q0 = (const uint32_t *)q;
     int64_t qs = q_stride / 2;
     for (int64_t b = 0; b < padded / 16; b += 2) { /* 4 rows x 32 keys at a time */
@@ -277,7 +300,7 @@ static void prefix_rows4(const bf16 *q, int64_t q_stride, const bf16 *kp, const 
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int i = 0; i < 4; i++) {
         float *si = s + i * padded;
-        for (int64_t t = len; t < padded; t++) si[t] = -INFINITY;
+        for (int64_t t = limits[i]; t < padded; t++) si[t] = -INFINITY;
         __m512 vmax = _mm512_set1_ps(-INFINITY);
         for (int64_t t = 0; t < padded; t += 16) {
             __m512 x = _mm512_mul_ps(_mm512_loadu_ps(si + t), vscale);
@@ -326,19 +349,29 @@ static void prefix_rows4(const bf16 *q, int64_t q_stride, const bf16 *kp, const 
 }
 
 /* Attention of each kv head's `rows` query rows (bf16 [heads][rows][dim], rows a multiple of 4)
- * over its `len` packed keys/values (`pack_prefix_bf16`), without mask: out [heads][rows][dim]
- * fp32 and log-sum-exp [heads][rows]. `threads` threads share the blocks of 4 rows; `work` holds
- * 6 * padded floats for each. */
+ * over its `len` packed keys/values (`pack_prefix_bf16`): out [heads][rows][dim] fp32 and
+ * log-sum-exp [heads][rows]. Without mask (`causal_group` 0), or causal: row r is token
+ * r / causal_group of a chunk whose first token follows key `causal_offset`, and sees the keys up
+ * to its own. `threads` threads share the blocks of 4 rows; `work` holds 6 * padded floats for
+ * each. */
 void prefix_attention_bf16(const bf16 *q, int64_t heads, int64_t rows, int64_t dim,
                            const bf16 *kp, const bf16 *vp, int64_t len, float scale, float *out,
-                           float *lse, float *work, int threads) {
+                           float *lse, float *work, int threads, int64_t causal_group,
+                           int64_t causal_offset) {
     int64_t padded = (len + 31) / 32 * 32;
-#pragma omp parallel for collapse(2) num_threads(threads) if (threads > 1)
+#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if (threads > 1)
     for (int64_t h = 0; h < heads; h++)
-        for (int64_t r = 0; r < rows; r += 4)
+        for (int64_t r = 0; r < rows; r += 4) {
+            int64_t limits[4];
+            for (int i = 0; i < 4; i++) {
+                int64_t limit = causal_group ? causal_offset + (r + i) / causal_group + 1 : len;
+                limits[i] = limit < len ? limit : len;
+            }
             prefix_rows4(q + (h * rows + r) * dim, dim, kp + h * padded * dim,
-                         vp + h * padded * dim, len, dim, scale, out + (h * rows + r) * dim,
-                         lse + h * rows + r, work + omp_get_thread_num() * 6 * padded);
+                         vp + h * padded * dim, padded, limits, dim, scale,
+                         out + (h * rows + r) * dim, lse + h * rows + r,
+                         work + omp_get_thread_num() * 6 * padded);
+        }
 }
 #else
 int has_prefix_attention(void) { return 0; }

@@ -20,12 +20,7 @@ from paged_backend import cpu_ops
 from paged_backend.attention import AttentionBackend
 from paged_backend.config import ModelConfig
 from paged_backend.cpu_linear import CpuLinear, Int4Weight, replace_linears_
-from paged_backend.cpu_ops import apply_rotary, torch_rms_norm
-
-
-def torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+from paged_backend.cpu_ops import apply_rotary, torch_rms_norm, torch_silu_and_mul
 
 
 @dataclass(frozen=True)
@@ -40,11 +35,11 @@ class Ops:
 
 
 def make_ops(kind: str) -> Ops:
-    """`kind`: "torch", "cpu" (the C ops; torch's SiLU-and-mul is as fast) or "triton"."""
+    """`kind`: "torch", "cpu" (the C ops) or "triton"."""
     if kind == "torch":
         return Ops(torch_rms_norm, apply_rotary, torch_silu_and_mul)
     if kind == "cpu":
-        return Ops(cpu_ops.rms_norm, cpu_ops.rotary_embedding, torch_silu_and_mul)
+        return Ops(cpu_ops.rms_norm, cpu_ops.rotary_embedding, cpu_ops.silu_and_mul)
     from paged_backend.kernels import rms_norm, rotary_embedding, silu_and_mul
 
     return Ops(rms_norm, rotary_embedding, silu_and_mul)
