@@ -7,20 +7,26 @@
   bit-identical to `F.linear` (under inference mode, as the engine runs). The default model's
   linears over 32 rows take 29.6 ms instead of 38.4 (2 AVX-512 cores). The packed weight
   replaces the plain one: no extra memory.
-- **fp16 copy for steps of 1-2 rows.** Such a step streams every weight from memory once and
-  does little arithmetic with it, so its speed is the rate the kernel reads weights: torch's
-  fp16 GEMV reads 1.5x faster than the packed bf16 one (9.8 against 14.3 ms for the default
-  model's linears). fp16 holds every bf16 value of normal magnitude and accumulates in fp32, so
-  the outputs stay as close to the reference as the bf16 path's, though not bit-identical. It
-  costs the weights' memory again.
+- **bf16 copy for steps of 1-4 rows, packed for `cpu_ops.gemv`** (on CPUs with AVX512-BF16,
+  with the C kernels on): the weight in blocks of 16 outputs by pairs of inputs, streamed once
+  by AVX512-BF16 dot products on both threads (exact bf16 products, fp32 sums, as oneDNN's).
+  At one row it reads 60-70 GB/s from cache and ~41 GB/s from memory, where the fp16 GEMV
+  reads ~28: 18 against 48 µs for the qkv projection, 1.4 against 2.1 ms for the head. It
+  takes the fp16 copy's place (and memory) and needs no casts.
+- **fp16 copy for steps of 1-2 rows** (where the bf16 copy cannot run). Such a step streams
+  every weight from memory once and does little arithmetic with it, so its speed is the rate
+  the kernel reads weights: torch's fp16 GEMV reads 1.5x faster than the packed bf16 one (9.8
+  against 14.3 ms for the default model's linears). fp16 holds every bf16 value of normal
+  magnitude and accumulates in fp32, so the outputs stay as close to the reference as the bf16
+  path's, though not bit-identical. It costs the weights' memory again.
 - **int4 copy for steps of 1-4 rows** (opt-in, `EngineConfig(quantization="int4")`): 4-bit
   weights in groups of 32 inputs with a scale and zero each (min/max, like GGUF's Q4_1), read
   by torch's `_weight_int4pack_mm_for_cpu` in 4.7 ms for the default model's layers at one row
   (fp16: 9.8). A model converted from a Q4 GGUF file (the default model is) has weights exactly
   on such a grid, so the copy holds them but for rounding the scales and zeros to bf16; other
   models lose precision. It replaces the fp16 copy for the layers and costs a quarter of their
-  memory; the output head keeps fp16 (int4 gives bf16 logits only, and fp32 activations run 25x
-  slower).
+  memory; the output head keeps its bf16 or fp16 copy (int4 gives bf16 logits only, and fp32
+  activations run 25x slower).
 
 An int8 copy was tried and dropped: half the bytes, but no faster than fp16 at one row, slower
 than packed bf16 from two, and it moved greedy text.
@@ -31,6 +37,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from paged_backend import cpu_ops
 
 FP16_MAX_ROWS = 2  # the fp16 copy wins up to here (it loses from 4 rows on)
 INT4_MAX_ROWS = 4  # int4 wins up to here (7.7 against 14 ms at 4 rows; it loses at 32)
@@ -70,8 +78,9 @@ def quantize_int4(weight: torch.Tensor) -> Int4Weight:
 
 
 class CpuLinear(nn.Module):
-    """`F.linear(x, weight, bias)` for a bf16 CPU weight: packed, and/or with an fp16 or int4
-    copy for small steps."""
+    """`F.linear(x, weight, bias)` for a bf16 CPU weight: packed, and/or with a copy for small
+    steps (int4, else bf16 packed for `cpu_ops.gemv` where `gemv` allows and the shape fits,
+    else fp16)."""
 
     def __init__(
         self,
@@ -80,11 +89,16 @@ class CpuLinear(nn.Module):
         pack: bool,
         fp16_copy: bool,
         int4: Int4Weight | None = None,
+        gemv: bool = False,
     ) -> None:
         super().__init__()
         self.bias = bias
         self.int4 = int4
-        self.fp16 = weight.detach().to(torch.float16) if fp16_copy and int4 is None else None
+        n, k = weight.shape
+        small_copy = fp16_copy and int4 is None
+        gemv = small_copy and gemv and n % 16 == 0 and k % 2 == 0
+        self.gemv = cpu_ops.pack_gemv_weight(weight) if gemv else None
+        self.fp16 = weight.detach().to(torch.float16) if small_copy and not gemv else None
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if pack else None
         self.weight = None if pack else weight
 
@@ -93,7 +107,7 @@ class CpuLinear(nn.Module):
         copy's result is not rounded to bf16 first: bf16 steps are 0.125 apart at logit 20,
         enough to tie or swap the top tokens."""
         out_dtype = out_dtype or x.dtype
-        small = self._copy_product(x)
+        small = self._copy_product(x, out_dtype)
         if small is not None:
             out = small.to(out_dtype)
             return out if self.bias is None else out + self.bias
@@ -102,12 +116,14 @@ class CpuLinear(nn.Module):
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return out.to(out_dtype)
 
-    def _copy_product(self, x: torch.Tensor) -> torch.Tensor | None:
+    def _copy_product(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
         """`x @ weight.T` (no bias) from the copy that serves steps of `x`'s rows, if any."""
         rows = x.shape[0]
         if self.int4 is not None and rows <= INT4_MAX_ROWS:
             packed, scales = self.int4
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales)
+        if self.gemv is not None and rows <= cpu_ops.GEMV_MAX_ROWS and x.stride(1) == 1:
+            return cpu_ops.gemv(x, self.gemv, out_dtype)
         if self.fp16 is not None and rows <= FP16_MAX_ROWS:
             return F.linear(x.to(torch.float16), self.fp16)
         return None
@@ -123,7 +139,11 @@ def quantize_linears_int4(module: nn.Module) -> dict[str, Int4Weight]:
 
 
 def replace_linears_(
-    module: nn.Module, pack: bool, fp16_copy: bool, int4: dict[str, Int4Weight] | None = None
+    module: nn.Module,
+    pack: bool,
+    fp16_copy: bool,
+    int4: dict[str, Int4Weight] | None = None,
+    gemv: bool = False,
 ) -> None:
     """Replace, in place, every `nn.Linear` below `module` with a `CpuLinear` (with the int4
     copy `int4` holds under its name from `quantize_linears_int4(module)`)."""
@@ -131,5 +151,5 @@ def replace_linears_(
     for name, child in list(module.named_modules()):
         if isinstance(child, nn.Linear):
             parent, _, attr = name.rpartition(".")
-            linear = CpuLinear(child.weight, child.bias, pack, fp16_copy, int4.get(name))
+            linear = CpuLinear(child.weight, child.bias, pack, fp16_copy, int4.get(name), gemv)
             setattr(module.get_submodule(parent), attr, linear)

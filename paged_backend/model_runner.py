@@ -44,14 +44,13 @@ class ModelRunner:
         self.block_size = config.block_size
         backend = config.resolve_backend(self.device)
         ops = self._ops(config, backend)
+        bf16_kernels = ops == "cpu" and cpu_ops.has_bf16_kernels()
         self.backend = get_backend(
             backend,
             model_config.num_heads,
             model_config.num_kv_heads,
             c_decode=ops == "cpu" and model_config.head_dim % 16 == 0,
-            c_prefix=ops == "cpu"
-            and model_config.head_dim % 64 == 0
-            and cpu_ops.has_prefix_attention(),
+            c_prefix=bf16_kernels and model_config.head_dim % 64 == 0,
         )
         self.model_config = model_config
         with torch.device(self.device):
@@ -62,7 +61,7 @@ class ModelRunner:
         int4 = quantize_linears_int4(model.layers) if config.quantization == "int4" else None
         model.to(self.dtype)
         if pack or fp16_copy or int4:
-            model.use_cpu_linears_(pack, fp16_copy, int4)
+            model.use_cpu_linears_(pack, fp16_copy, int4, gemv=bf16_kernels)
         self.model = model.eval().requires_grad_(False)
         self.num_blocks = self._num_blocks(config, max_model_len)
         mc = model_config

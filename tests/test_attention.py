@@ -104,7 +104,7 @@ def test_torch_backend_matches_dense(seed, shared_blocks, bs):
         assert meta.prepared.shared is not None  # the cascade path is what is under test
 
 
-@pytest.mark.skipif(not cpu_ops.has_prefix_attention(), reason="no AVX512-BF16 C kernels")
+@pytest.mark.skipif(not cpu_ops.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("shared_blocks", [0, 5])
 @pytest.mark.parametrize("decodes_only", [False, True])

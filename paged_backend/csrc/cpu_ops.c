@@ -1,9 +1,10 @@
 /* CPU ops for bf16 models (see `paged_backend.cpu_ops`), built at first use with the system C
  * compiler: fused elementwise ops (one call where torch runs 3-9 ops, rounding to bf16 where those
- * ops do), decode attention over the paged cache for small steps, and, on CPUs with AVX512-BF16,
- * attention over a shared prefix. The attention kernels split their work over `threads` OpenMP
- * threads: built with -fopenmp, they share torch's OpenMP runtime (libgomp.so.1, already loaded
- * by torch), so they run on the threads that torch's own ops have just left spinning.
+ * ops do), decode attention over the paged cache, and, on CPUs with AVX512-BF16, products of a
+ * few rows with a weight and attention over packed keys. The kernels split their work over
+ * `threads` OpenMP threads: built with -fopenmp, they share torch's OpenMP runtime (libgomp.so.1,
+ * already loaded by torch), so they run on the threads that torch's own ops have just left
+ * spinning.
  */
 #include <math.h>
 #include <stdint.h>
@@ -13,6 +14,7 @@
 #include <omp.h>
 #else
 static inline int omp_get_thread_num(void) { return 0; }
+static inline int omp_get_num_threads(void) { return 1; }
 #endif
 
 typedef uint16_t bf16;
@@ -208,12 +210,13 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
     }
 }
 
-/* Attention over a shared prefix (cascade attention) on AVX512-BF16 dot products, where the CPU
- * has them: `has_prefix_attention` says whether this build does. */
+/* Kernels on AVX512-BF16 dot products, where the CPU has them (`has_bf16_kernels` says whether
+ * this build does): products of a few rows with a weight, and attention over packed keys (a
+ * shared prefix, or a prefill chunk's own). */
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 
-int has_prefix_attention(void) { return 1; }
+int has_bf16_kernels(void) { return 1; }
 
 /* exp_nonpositive on 16 lanes (-inf gives 0). */
 static inline __m512 exp_nonpositive16(__m512 x) {
@@ -233,6 +236,52 @@ static inline __m512 exp_nonpositive16(__m512 x) {
     __m512 res = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
     /* exp(-87) is tiny but not 0: padding keys (-inf) must weigh exactly nothing */
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), res);
+}
+
+/* out[m][n] = x[m] . w[n] for `ROWS` rows of x, over weight blocks [nb0, nb1) of 16 outputs. */
+static inline void gemv_rows(const bf16 *x, int64_t x_stride, const bf16 *wp, int64_t k,
+                             int64_t n, int64_t nb0, int64_t nb1, void *out, int out_bf16,
+                             const int ROWS) {
+    int64_t pairs = k / 2;
+    for (int64_t nb = nb0; nb < nb1; nb++) {
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                         _mm512_setzero_ps()};
+        const bf16 *w = wp + nb * pairs * 32;
+        for (int64_t p = 0; p < pairs; p++) {
+            __m512bh wv = (__m512bh)_mm512_loadu_si512(w + p * 32);
+            for (int i = 0; i < ROWS; i++) {
+                const uint32_t *xi = (const uint32_t *)(x + i * x_stride);
+                acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(xi[p]), wv);
+            }
+        }
+        for (int i = 0; i < ROWS; i++) {
+            if (out_bf16)
+                _mm256_storeu_si256((__m256i *)((bf16 *)out + i * n + nb * 16),
+                                    (__m256i)_mm512_cvtneps_pbh(acc[i]));
+            else
+                _mm512_storeu_ps((float *)out + i * n + nb * 16, acc[i]);
+        }
+    }
+}
+
+/* x [rows][k] (bf16, rows `x_stride` apart, 1 <= rows <= 4) times a weight [n][k] packed as
+ * [n/16][k/2][16][2] (n a multiple of 16, k even): out [rows][n] in bf16 (`out_bf16`, rounded
+ * once) or fp32. Exact bf16 products, fp32 sums, as oneDNN's bf16 linear; a step of so few rows
+ * streams the weight once, which this does at the memory's rate on `threads` threads. */
+void gemv_bf16(const bf16 *x, int64_t rows, int64_t x_stride, const bf16 *wp, int64_t n,
+               int64_t k, void *out, int out_bf16, int threads) {
+    int64_t blocks = n / 16;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t nb0 = blocks * t / parts, nb1 = blocks * (t + 1) / parts;
+        switch (rows) {
+        case 1: gemv_rows(x, x_stride, wp, k, n, nb0, nb1, out, out_bf16, 1); break;
+        case 2: gemv_rows(x, x_stride, wp, k, n, nb0, nb1, out, out_bf16, 2); break;
+        case 3: gemv_rows(x, x_stride, wp, k, n, nb0, nb1, out, out_bf16, 3); break;
+        default: gemv_rows(x, x_stride, wp, k, n, nb0, nb1, out, out_bf16, 4); break;
+        }
+    }
 }
 
 /* Gather `len` tokens of each of `heads` kv heads' cache rows [slots][dim] (heads
@@ -374,5 +423,5 @@ void prefix_attention_bf16(const bf16 *q, int64_t heads, int64_t rows, int64_t d
         }
 }
 #else
-int has_prefix_attention(void) { return 0; }
+int has_bf16_kernels(void) { return 0; }
 #endif
