@@ -108,7 +108,7 @@ def load_library() -> ctypes.CDLL | None:
     lib.has_bf16_kernels.restype = c_int
     if lib.has_bf16_kernels():
         lib.pack_prefix_bf16.argtypes = [*(ptr, ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, c_int)]
-        lib.gemv_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, c_int, c_int]
+        lib.gemm_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, c_int, c_int]
         lib.prefix_attention_bf16.argtypes = [
             *(ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_float, ptr, ptr, ptr, c_int, i64, i64)
         ]
@@ -303,22 +303,22 @@ def prefix_attention(
     return out[:, :rows].contiguous(), lse[:, :rows].contiguous()
 
 
-GEMV_MAX_ROWS = 4  # `gemv` takes steps of up to this many rows
+GEMM_MAX_ROWS = 64  # `gemm` beats oneDNN up to here (22 against 26 ms for the linears at 32)
 
 
-def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight [n, k] (n a multiple of 16, k even) packed for `gemv`: [n/16, k/2, 16, 2]."""
+def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [n, k] (n a multiple of 16, k even) packed for `gemm`: [n/16, k/2, 16, 2]."""
     n, k = weight.shape
     return weight.detach().view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
 
 
-def gemv(x: torch.Tensor, packed: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """`x @ weight.T` for bf16 rows x [rows <= GEMV_MAX_ROWS, k] (unit stride within a row) and
-    a `pack_gemv_weight`, in `out_dtype` (bf16: rounded once; or fp32)."""
+def gemm(x: torch.Tensor, packed: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """`x @ weight.T` for bf16 rows x [rows <= GEMM_MAX_ROWS, k] (unit stride within a row) and
+    a `pack_gemm_weight`, in `out_dtype` (bf16: rounded once; or fp32)."""
     rows, k = x.shape
     n = packed.shape[0] * 16
     out = torch.empty(rows, n, dtype=out_dtype)
-    load_library().gemv_bf16(
+    load_library().gemm_bf16(
         *(x.data_ptr(), rows, x.stride(0), packed.data_ptr(), n, k, out.data_ptr()),
         *(out_dtype == torch.bfloat16, torch.get_num_threads()),
     )

@@ -61,7 +61,7 @@ class ModelRunner:
         int4 = quantize_linears_int4(model.layers) if config.quantization == "int4" else None
         model.to(self.dtype)
         if pack or fp16_copy or int4:
-            model.use_cpu_linears_(pack, fp16_copy, int4, gemv=bf16_kernels)
+            model.use_cpu_linears_(pack, fp16_copy, int4, gemm=bf16_kernels)
         self.model = model.eval().requires_grad_(False)
         self.num_blocks = self._num_blocks(config, max_model_len)
         mc = model_config

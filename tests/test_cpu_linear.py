@@ -1,5 +1,5 @@
 """CPU linears of bf16 models (`paged_backend.cpu_linear`): packed weights are bit-identical to
-`F.linear` at every step size; the bf16 copy for `cpu_ops.gemv` serves 1-4 row steps with exact
+`F.linear` at every step size; the bf16 copy for `cpu_ops.gemm` serves 1-4 row steps with exact
 products; the fp16 copy serves 1-2 row steps only and holds the bf16 values exactly; the int4
 copy holds a Q4 grid and serves 1-4 row steps; all are used only where they work; and an engine
 with packed weights gives exactly the outputs of the same engine without them, one with int4
@@ -68,12 +68,12 @@ def test_the_fp16_copy_serves_small_steps_only(pack):
 
 @pytest.mark.skipif(not cpu_ops.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")
 @pytest.mark.parametrize("pack", [False, pytest.param(True, marks=needs_packing)])
-def test_the_gemv_copy_serves_steps_of_up_to_4_rows(pack):
+def test_the_gemm_copy_serves_steps_of_up_to_64_rows(pack):
     linear = _linear(bias=True)
-    layer = CpuLinear(linear.weight, linear.bias, pack=pack, fp16_copy=True, gemv=True)
-    assert layer.gemv is not None and layer.fp16 is None  # in the fp16 copy's place
+    layer = CpuLinear(linear.weight, linear.bias, pack=pack, fp16_copy=True, gemm=True)
+    assert layer.gemm is not None and layer.fp16 is None  # in the fp16 copy's place
     with torch.inference_mode():
-        for rows in range(1, cpu_ops.GEMV_MAX_ROWS + 1):
+        for rows in range(1, cpu_ops.GEMM_MAX_ROWS + 1):
             x = torch.randn(rows, 96, dtype=torch.bfloat16)
             exact = F.linear(x.float(), linear.weight.float(), linear.bias.float())
             # exact bf16 products, fp32 sums: fp32 rounding only, before the bias
@@ -81,11 +81,13 @@ def test_the_gemv_copy_serves_steps_of_up_to_4_rows(pack):
             got, want = layer(x), F.linear(x, linear.weight, linear.bias)
             assert got.dtype == torch.bfloat16
             torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-2)  # a bf16 step at most
-        large = torch.randn(cpu_ops.GEMV_MAX_ROWS + 1, 96, dtype=torch.bfloat16)
+        # each row sums in the same order whatever the step's size: batching changes no bits
+        assert torch.equal(layer(x[-1:]), got[-1:]) and torch.equal(layer(x[:3]), got[:3])
+        large = torch.randn(cpu_ops.GEMM_MAX_ROWS + 1, 96, dtype=torch.bfloat16)
         assert torch.equal(layer(large), F.linear(large, linear.weight, linear.bias))
     odd = nn.Linear(96, 100).to(torch.bfloat16)  # 100 outputs: not whole blocks of 16
-    layer = CpuLinear(odd.weight, None, pack=pack, fp16_copy=True, gemv=True)
-    assert layer.gemv is None and layer.fp16 is not None
+    layer = CpuLinear(odd.weight, None, pack=pack, fp16_copy=True, gemm=True)
+    assert layer.gemm is None and layer.fp16 is not None
 
 
 @needs_packing
@@ -177,10 +179,10 @@ def test_bf16_engines_pack_by_default_and_give_the_plain_engines_outputs():
     packed = LLM(fp16_decode_weights=False, **args)
     default = LLM(**args)
     head = default.engine.runner.model.cpu_head
-    assert head.packed is not None and (head.fp16 is not None or head.gemv is not None)
-    assert head.gemv is not None or not cpu_ops.has_bf16_kernels()
+    assert head.packed is not None and (head.fp16 is not None or head.gemm is not None)
+    assert head.gemm is not None or not cpu_ops.has_bf16_kernels()
     assert packed.engine.runner.model.cpu_head.fp16 is None
-    assert packed.engine.runner.model.cpu_head.gemv is None
+    assert packed.engine.runner.model.cpu_head.gemm is None
     assert plain.engine.runner.model.cpu_head is None
     prompts = [
         plain.engine.apply_chat_template([{"role": "user", "content": q}])

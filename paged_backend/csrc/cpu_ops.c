@@ -238,49 +238,67 @@ static inline __m512 exp_nonpositive16(__m512 x) {
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), res);
 }
 
-/* out[m][n] = x[m] . w[n] for `ROWS` rows of x, over weight blocks [nb0, nb1) of 16 outputs. */
-static inline void gemv_rows(const bf16 *x, int64_t x_stride, const bf16 *wp, int64_t k,
-                             int64_t n, int64_t nb0, int64_t nb1, void *out, int out_bf16,
-                             const int ROWS) {
-    int64_t pairs = k / 2;
-    for (int64_t nb = nb0; nb < nb1; nb++) {
-        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                         _mm512_setzero_ps()};
-        const bf16 *w = wp + nb * pairs * 32;
-        for (int64_t p = 0; p < pairs; p++) {
-            __m512bh wv = (__m512bh)_mm512_loadu_si512(w + p * 32);
-            for (int i = 0; i < ROWS; i++) {
-                const uint32_t *xi = (const uint32_t *)(x + i * x_stride);
-                acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(xi[p]), wv);
-            }
-        }
+/* out[m][n] = x[m] . w[n] for `ROWS` (<= 8) rows of x and the `NB` (1 or 2) blocks of 16 outputs
+ * from block `nb`: up to 16 accumulators, each weight load feeding ROWS dot products. */
+static inline void gemm_tile(const bf16 *x, int64_t x_stride, const bf16 *wp, int64_t pairs,
+                             int64_t n, int64_t nb, void *out, int out_bf16, const int ROWS,
+                             const int NB) {
+    __m512 acc[8][2];
+    for (int i = 0; i < ROWS; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    const bf16 *w0 = wp + nb * pairs * 32, *w1 = w0 + pairs * 32;
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh wv0 = (__m512bh)_mm512_loadu_si512(w0 + p * 32);
+        __m512bh wv1 = NB > 1 ? (__m512bh)_mm512_loadu_si512(w1 + p * 32) : wv0;
         for (int i = 0; i < ROWS; i++) {
-            if (out_bf16)
-                _mm256_storeu_si256((__m256i *)((bf16 *)out + i * n + nb * 16),
-                                    (__m256i)_mm512_cvtneps_pbh(acc[i]));
-            else
-                _mm512_storeu_ps((float *)out + i * n + nb * 16, acc[i]);
+            __m512bh xb = (__m512bh)_mm512_set1_epi32(((const uint32_t *)(x + i * x_stride))[p]);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xb, wv0);
+            if (NB > 1) acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xb, wv1);
         }
     }
+    for (int i = 0; i < ROWS; i++)
+        for (int j = 0; j < NB; j++) {
+            int64_t at = i * n + (nb + j) * 16;
+            if (out_bf16)
+                _mm256_storeu_si256((__m256i *)((bf16 *)out + at), (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
+            else
+                _mm512_storeu_ps((float *)out + at, acc[i][j]);
+        }
 }
 
-/* x [rows][k] (bf16, rows `x_stride` apart, 1 <= rows <= 4) times a weight [n][k] packed as
- * [n/16][k/2][16][2] (n a multiple of 16, k even): out [rows][n] in bf16 (`out_bf16`, rounded
- * once) or fp32. Exact bf16 products, fp32 sums, as oneDNN's bf16 linear; a step of so few rows
- * streams the weight once, which this does at the memory's rate on `threads` threads. */
-void gemv_bf16(const bf16 *x, int64_t rows, int64_t x_stride, const bf16 *wp, int64_t n,
+#define GEMM_TILE_ROWS(NB)                                                                     \
+    switch (rows - r < 8 ? rows - r : 8) {                                                     \
+    case 1: gemm_tile(xr, x_stride, wp, pairs, n, nb, o, out_bf16, 1, NB); break;             \
+    case 2: gemm_tile(xr, x_stride, wp, pairs, n, nb, o, out_bf16, 2, NB); break;             \
+    case 3: gemm_tile(xr, x_stride, wp, pairs, n, nb, o, out_bf16, 3, NB); break;             \
+    case 4: gemm_tile(xr, x_stride, wp, pairs, n, nb, o, out_bf16, 4, NB); break;             \
+    case 5: gemm_tile(xr, x_stride, wp, pairs, n, nb, o, out_bf16, 5, NB); break;             \
+    case 6: gemm_tile(xr, x_stride, wp, pairs, n, nb, o, out_bf16, 6, NB); break;             \
+    case 7: gemm_tile(xr, x_stride, wp, pairs, n, nb, o, out_bf16, 7, NB); break;             \
+    default: gemm_tile(xr, x_stride, wp, pairs, n, nb, o, out_bf16, 8, NB); break;            \
+    }
+
+/* x [rows][k] (bf16, rows `x_stride` apart) times a weight [n][k] packed as [n/16][k/2][16][2]
+ * (n a multiple of 16, k even): out [rows][n] in bf16 (`out_bf16`, rounded once) or fp32. Exact
+ * bf16 products, fp32 sums, as oneDNN's bf16 linear. `threads` threads split the outputs; each
+ * takes 32 at a time through all rows, 8 rows at a time, so the weight streams from memory
+ * once (at a few rows the step is a read of the weight at the memory's rate). */
+void gemm_bf16(const bf16 *x, int64_t rows, int64_t x_stride, const bf16 *wp, int64_t n,
                int64_t k, void *out, int out_bf16, int threads) {
-    int64_t blocks = n / 16;
+    int64_t pairs = k / 2, blocks = n / 16, elem = out_bf16 ? sizeof(bf16) : sizeof(float);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();
         int64_t nb0 = blocks * t / parts, nb1 = blocks * (t + 1) / parts;
-        switch (rows) {
-        case 1: gemv_rows(x, x_stride, wp, k, n, nb0, nb1, out, out_bf16, 1); break;
-        case 2: gemv_rows(x, x_stride, wp, k, n, nb0, nb1, out, out_bf16, 2); break;
-        case 3: gemv_rows(x, x_stride, wp, k, n, nb0, nb1, out, out_bf16, 3); break;
-        default: gemv_rows(x, x_stride, wp, k, n, nb0, nb1, out, out_bf16, 4); break;
-        }
+        for (int64_t nb = nb0; nb < nb1; nb += 2)
+            for (int64_t r = 0; r < rows; r += 8) {
+                const bf16 *xr = x + r * x_stride;
+                void *o = (char *)out + r * n * elem;
+                if (nb + 1 < nb1) {
+                    GEMM_TILE_ROWS(2)
+                } else {
+                    GEMM_TILE_ROWS(1)
+                }
+            }
     }
 }
 

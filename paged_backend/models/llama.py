@@ -188,16 +188,16 @@ class LlamaForCausalLM(nn.Module):
         pack: bool,
         fp16_copy: bool,
         int4: dict[str, Int4Weight] | None = None,
-        gemv: bool = False,
+        gemm: bool = False,
     ) -> None:
         """Run every projection and the output head through `CpuLinear` (packed bf16 weights,
-        a copy for small steps: fp16, or with `gemv` bf16 for `cpu_ops.gemv`; int4 copies of
+        a copy for small steps: fp16, or with `gemm` bf16 for `cpu_ops.gemm`; int4 copies of
         the layers from `quantize_linears_int4(self.layers)`); call after the weights are
         loaded and cast. A tied head gets its own copy: the embedding table stays as it is for
         lookups."""
-        replace_linears_(self.layers, pack, fp16_copy, int4, gemv)
+        replace_linears_(self.layers, pack, fp16_copy, int4, gemm)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.cpu_head = CpuLinear(weight, None, pack, fp16_copy, gemv=gemv)
+        self.cpu_head = CpuLinear(weight, None, pack, fp16_copy, gemm=gemm)
         self.lm_head = None  # an untied head's weight lives on in `cpu_head`
 
     def forward(
