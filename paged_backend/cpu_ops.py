@@ -18,8 +18,9 @@ over 944 keys it takes 215 µs on two threads (416 on one) where torch's fp32 fl
 `decode_attention` is one decode step of paged attention (cache write included) for the torch
 backend's steps of decodes only (`TorchAttention`), merging a shared prefix's `prefix_attention`
 result by log-sum-exp: one call a layer where the torch path gathers, casts, runs the flash
-kernel and merges in ~15-30 ops. Per layer, with two threads: 474 against 766 µs for 32
-sequences of 100 tokens, 200 against 474 for 8 of 300, 293 against 574 for one of 3,000.
+kernel and merges in ~15-30 ops. Per layer, with two threads (QK^T on AVX512-BF16 dot products
+where the CPU has them): 192 against 834 µs for 32 sequences of 100 tokens, 4.1 against 9.0 ms
+for 32 of 1,000, 137 against 400 µs for 8 of 300, 202 against 469 for one of 3,000.
 
 Every kernel splits its loops over torch's OpenMP threads (`OPENMP_FLAGS`); the elementwise
 ones only from 32K elements a step (prefill), where waking the second thread pays.

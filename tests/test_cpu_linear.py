@@ -220,20 +220,20 @@ def _assert_same_text_but_for_ties(got, want, tie: float = 0.15) -> None:
 @pytest.mark.skipif(not can_quantize_int4(torch.ones(1, 32)), reason="no int4 CPU kernel")
 def test_int4_engine_keeps_the_bf16_engines_greedy_text():
     """The default model comes from a Q4_1 GGUF file, so int4 holds its weights but for bf16
-    scales: one request at a time (every decode step reads the int4 copy), greedy text follows
-    the bf16 engine's for its first tokens and most of the rest on these prompts."""
+    scales: one request at a time (every decode step reads the int4 copy), greedy text is the
+    bf16 engine's up to the first near tie (top two within 0.25 nats; the texts go separate
+    ways after it)."""
     args = {"num_kv_blocks": 96, "enable_prefix_caching": False}
     int4 = LLM(quantization="int4", **args)
     bf16 = LLM(**args)
     layer = int4.engine.runner.model.layers[0].mlp.down_proj
     assert layer.int4 is not None and layer.fp16 is None
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     for question in ("Write a story about a dragon.", "Explain photosynthesis to a child."):
         prompt = int4.engine.apply_chat_template([{"role": "user", "content": question}])
-        got = int4.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-        want = bf16.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-        assert got[:8] == want[:8]
-        assert sum(a == b for a, b in zip(got, want, strict=True)) >= len(want) // 2
+        got = int4.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        want = bf16.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        _assert_same_text_but_for_ties(got, want, tie=0.25)
 
 
 @pytest.mark.skipif(not can_quantize_int4(torch.ones(1, 32)), reason="no int4 CPU kernel")

@@ -10,6 +10,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #else
@@ -119,10 +122,20 @@ void silu_and_mul_bf16(const bf16 *x, bf16 *out, int64_t rows, int64_t dim, int 
     }
 }
 
-static inline float dot_bf16(const float *q, const bf16 *k, int64_t dim) {
+/* q . k over `dim` (a multiple of 16) bf16 values: exact products, fp32 sums. */
+static inline float dot_bf16(const bf16 *q, const bf16 *k, int64_t dim) {
+#ifdef __AVX512BF16__
+    if (dim % 32 == 0) { /* 16 lanes of pair sums, then one tree reduction */
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < dim; i += 32)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + i),
+                                   (__m512bh)_mm512_loadu_si512(k + i));
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
     float acc[16] = {0};
     for (int64_t i = 0; i < dim; i += 16)
-        for (int j = 0; j < 16; j++) acc[j] += q[i + j] * to_f32(k[i + j]);
+        for (int j = 0; j < 16; j++) acc[j] += to_f32(q[i + j]) * to_f32(k[i + j]);
     float sum = 0.0f;
     for (int j = 0; j < 16; j++) sum += acc[j];
     return sum;
@@ -154,7 +167,7 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
 #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if (threads > 1)
     for (int64_t s = 0; s < num_seqs; s++) {
         for (int64_t h = 0; h < num_kv_heads; h++) {
-            float qf[group * dim], acc[group * dim], total[group], top[group];
+            float acc[group * dim], total[group], top[group];
             float *sc = scores + omp_get_thread_num() * scores_stride;
             const int32_t *table = block_tables + s * max_blocks;
             int64_t len = seq_lens[s], pos = len - 1;
@@ -163,13 +176,12 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
             bf16 *kc = k_cache + h * cache_head_stride, *vc = v_cache + h * cache_head_stride;
             memcpy(kc + slot * dim, k + s * k_stride + h * dim, dim * sizeof(bf16));
             memcpy(vc + slot * dim, v + s * v_stride + h * dim, dim * sizeof(bf16));
-            for (int64_t i = 0; i < group * dim; i++)
-                qf[i] = to_f32(q[s * q_stride + h * group * dim + i]);
+            const bf16 *qh = q + s * q_stride + h * group * dim;
             for (int64_t t = 0; t < n; t++) {
                 int64_t key = first + t;
                 const bf16 *kr = kc + ((int64_t)table[key / block_size] * block_size + key % block_size) * dim;
                 for (int64_t g = 0; g < group; g++)
-                    sc[g * n + t] = dot_bf16(qf + g * dim, kr, dim) * scale;
+                    sc[g * n + t] = dot_bf16(qh + g * dim, kr, dim) * scale;
             }
             for (int64_t g = 0; g < group; g++) {
                 float *sg = sc + g * n, m = sg[0], part[16] = {0};
@@ -214,7 +226,6 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
  * this build does): products of a few rows with a weight, and attention over packed keys (a
  * shared prefix, or a prefill chunk's own). */
 #ifdef __AVX512BF16__
-#include <immintrin.h>
 
 int has_bf16_kernels(void) { return 1; }
 
