@@ -15,7 +15,7 @@ from paged_backend.model_loader import load_safetensors
 from paged_backend.models import LlamaForCausalLM
 from paged_backend.request import Request
 
-FP16_COPY_MAX_BYTES = 1 << 30  # the default fp16 decode copy is kept for models this small
+FP16_COPY_MAX_BYTES = 1 << 30  # the default small-step copy is kept for models this small
 
 _DEFAULT_KV_FRACTION = 0.1
 _DEFAULT_KV_CAP = 2 << 30
@@ -93,10 +93,11 @@ class ModelRunner:
         return "cpu" if cpu_ops.available() else "torch"
 
     def _cpu_linears(self, config: EngineConfig, model: torch.nn.Module) -> tuple[bool, bool]:
-        """(pack the weights, keep an fp16 copy for 1-2 row steps), see
-        `paged_backend.cpu_linear`. By default packed wherever that works, since it gives the
-        same outputs faster; the fp16 copy by default for bf16 models on CPU with at most
-        `FP16_COPY_MAX_BYTES` of weights, since it costs that much memory again."""
+        """(pack the weights, keep a copy for small steps: bf16 for the C GEMM where the C
+        kernels have AVX512-BF16, else fp16), see `paged_backend.cpu_linear`. By default packed
+        wherever that works, since it gives the same outputs faster; the copy by default for
+        bf16 models on CPU with at most `FP16_COPY_MAX_BYTES` of weights, since it costs that
+        much memory again."""
         packable = can_pack(self.dtype, self.device)
         if config.pack_weights and not packable:
             raise ValueError(
