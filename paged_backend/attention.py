@@ -345,7 +345,9 @@ class TorchAttention:
         num_tokens, num_heads, _ = q.shape
         group = num_heads // kvh
         scale = d**-0.5
-        qf = q.float().view(num_tokens, kvh, group, d)
+        # fp32 queries for the torch paths; with `c_prefix` only the decodes take one (the C
+        # kernels read bf16), so a prefill's rows are not cast for nothing
+        qf = (q[: meta.num_decodes] if self.c_prefix else q).float().view(-1, kvh, group, d)
         out = torch.empty(num_tokens, kvh, group, d)
 
         def gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

@@ -341,21 +341,20 @@ void pack_prefix_bf16(const bf16 *k_cache, const bf16 *v_cache, int64_t cache_he
     }
 }
 
-/* Attention of 4 query rows (bf16, `q_stride` apart) over packed keys/values (`packed` keys a
- * head, padded to 32), row i over the first limits[i] keys: out [4][dim] fp32 and log-sum-exp [4].
+/* Attention of 4 query rows (bf16 [4][dim]) over packed keys/values (`packed` keys a head,
+ * padded to 32), row i over the first limits[i] keys: out [4][dim] fp32 and log-sum-exp [4].
  * QK^T and PV run on AVX512-BF16 dot products (exact bf16 products, fp32 sums); softmax in fp32;
  * the probabilities enter PV rounded to bf16, as flash attention on bf16 does. `work`: 4 * packed
  * floats plus 4 * packed bf16. */
-static void prefix_rows4(const bf16 *q, int64_t q_stride, const bf16 *kp, const bf16 *vp,
-                         int64_t packed, const int64_t *limits, int64_t dim, float scale,
-                         float *out, float *lse, float *work) {
+static void prefix_rows4(const bf16 *q, const bf16 *kp, const bf16 *vp, int64_t packed,
+                         const int64_t *limits, int64_t dim, float scale, float *out, float *lse,
+                         float *work) {
     int64_t len = limits[0], pairs = dim / 2;
     for (int i = 1; i < 4; i++) len = limits[i] > len ? limits[i] : len;
     int64_t padded = (len + 31) / 32 * 32;
     float *s = work;
     bf16 *pb = (bf16 *)(work + 4 * packed);
-    const uint32_t *q0 = (const uint32_t *)q;
-    int64_t qs = q_stride / 2;
+    const uint32_t *q0 = (const uint32_t *)q; /* row i's pair p at q0[i * pairs + p] */
     for (int64_t b = 0; b < padded / 16; b += 2) { /* 4 rows x 32 keys at a time */
         __m512 acc[4][2];
         for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
@@ -364,7 +363,7 @@ static void prefix_rows4(const bf16 *q, int64_t q_stride, const bf16 *kp, const 
             __m512bh kb0 = (__m512bh)_mm512_loadu_si512(k0 + p * 32);
             __m512bh kb1 = (__m512bh)_mm512_loadu_si512(k1 + p * 32);
             for (int i = 0; i < 4; i++) {
-                __m512bh x = (__m512bh)_mm512_set1_epi32(q0[i * qs + p]);
+                __m512bh x = (__m512bh)_mm512_set1_epi32(q0[i * pairs + p]);
                 acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, kb0);
                 acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, kb1);
             }
@@ -445,8 +444,8 @@ void prefix_attention_bf16(const bf16 *q, int64_t heads, int64_t rows, int64_t d
                 int64_t limit = causal_group ? causal_offset + (r + i) / causal_group + 1 : len;
                 limits[i] = limit < len ? limit : len;
             }
-            prefix_rows4(q + (h * rows + r) * dim, dim, kp + h * padded * dim,
-                         vp + h * padded * dim, padded, limits, dim, scale,
+            prefix_rows4(q + (h * rows + r) * dim, kp + h * padded * dim, vp + h * padded * dim,
+                         padded, limits, dim, scale,
                          out + (h * rows + r) * dim, lse + h * rows + r,
                          work + omp_get_thread_num() * 6 * padded);
         }
