@@ -28,7 +28,7 @@ import torch
 
 from paged_backend import EngineConfig, LLMEngine, SamplingParams, cpu_ops
 from paged_backend.cpu_linear import CpuLinear, can_pack
-from paged_backend.model_loader import default_model_file
+from paged_backend.default_model import default_model_file
 
 TOPICS = [
     "solar panels",

@@ -73,7 +73,10 @@ def report(usage: dict) -> str:
 def main() -> None:
     question = " ".join(sys.argv[1:]) or DEFAULT_QUESTION
     chat = ChatPaged(temperature=0, max_tokens=64)
+    print(f"[setup] embedding {len(DOCUMENTS)} documents with all-MiniLM-L6-v2 ...", flush=True)
     chain = build_chain(chat)
+    print("[setup] starting the engine on the default model ...", flush=True)
+    chat.engine  # noqa: B018 - started now rather than inside the first answer's stream
     print(f"Q: {question}\nA: ", end="", flush=True)
     with get_usage_metadata_callback() as first:
         for piece in chain.stream(question):

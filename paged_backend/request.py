@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
-from xgrammar import GrammarMatcher
 
 from paged_backend.outputs import Logprob
 from paged_backend.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from xgrammar import GrammarMatcher
 
 _arrivals = itertools.count()
 

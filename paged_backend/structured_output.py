@@ -4,6 +4,10 @@ A request's spec is compiled once per engine (cached by its canonical form) when
 validated, so a bad schema, regex or grammar raises before anything is queued. Each sequence
 gets its own `GrammarMatcher`: the sampler masks the logits of constrained rows to the tokens
 the matcher allows, and the engine advances the matcher with every token it appends.
+
+xgrammar is the `[structured]` extra, imported on the first constrained request: every
+xgrammar release requires triton on Linux x86-64 (~1 GB, for its GPU mask kernel), which an
+engine that never constrains its output should not have to install.
 """
 
 from __future__ import annotations
@@ -16,9 +20,13 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
-import xgrammar as xgr
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 _ANY_OBJECT_SCHEMA = '{"type": "object"}'
@@ -119,15 +127,10 @@ class GrammarCache:
     validate requests in their own threads while the engine thread creates matchers."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
-        # `vocab_size` is the model's: ids the tokenizer does not know are never allowed.
-        info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
-        )
         self.stop_token_ids = stop_token_ids
         self._vocab_size = vocab_size
         self._tokenizer = tokenizer
         self._first_tokens: dict[str, int] = {}
-        self._compiler = xgr.GrammarCompiler(info)
         self._compiled: OrderedDict[tuple[str, str, bool], xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()  # guards only the dict: compiles may run concurrently
 
@@ -144,6 +147,15 @@ class GrammarCache:
             if len(self._compiled) > _CACHE_SIZE:
                 self._compiled.popitem(last=False)
         return compiled
+
+    @cached_property
+    def _compiler(self) -> xgr.GrammarCompiler:
+        xgr = _xgrammar()
+        # `vocab_size` is the model's: ids the tokenizer does not know are never allowed.
+        info = xgr.TokenizerInfo.from_huggingface(
+            self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self.stop_token_ids
+        )
+        return xgr.GrammarCompiler(info)
 
     def _compile(self, kind: str, spec: str, compact: bool) -> xgr.CompiledGrammar:
         try:
@@ -189,9 +201,20 @@ class GrammarCache:
     ) -> xgr.GrammarMatcher:
         """A fresh matcher whose grammar ends with EOS or one of the request's stop tokens."""
         extra = [t for t in stop_token_ids if t not in self.stop_token_ids]
-        return xgr.GrammarMatcher(
+        return _xgrammar().GrammarMatcher(
             self.compile(params), override_stop_tokens=self.stop_token_ids + extra
         )
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError:
+        raise ImportError(
+            "structured output (structured_outputs, tool calls, with_structured_output) needs "
+            "xgrammar: pip install 'paged-backend[structured]'"
+        ) from None
+    return xgrammar
 
 
 def closing_scores(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> torch.Tensor:
@@ -252,7 +275,7 @@ def apply_grammar_bitmask(
     `apply_token_bitmask_inplace`: its CPU kernel took 5.3 ms for 32 rows of 49152 where this
     takes 1.6 ms (masks recorded from a JSON-schema batch)."""
     vocab = logits.shape[1]
-    bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
+    bitmask = _xgrammar().allocate_token_bitmask(len(rows), vocab)
     for i, matcher in enumerate(matchers):
         matcher.fill_next_token_bitmask(bitmask, i)
     # Bit t of a row is bit t % 8 of byte t // 8 on a little-endian host: bitorder="little".

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from paged_backend import LLM, SamplingParams
 from paged_backend.config import ModelConfig
-from paged_backend.model_loader import default_model_file, resolve_model_path
+from paged_backend.default_model import default_model_file
+from paged_backend.model_loader import resolve_model_path
 
 PROMPTS = [
     "The capital of France is",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
 from typing import Annotated, Literal
 
@@ -445,3 +446,18 @@ async def test_async_engine_rejects_bad_specs_in_the_callers_thread(wide_model):
         assert last.outputs[0].text in CHOICES
     finally:
         engine.shutdown()
+
+
+def test_without_xgrammar_only_constrained_requests_fail(tiny_model, monkeypatch, one_thread):
+    """xgrammar is the `[structured]` extra: an engine without it serves plain requests and
+    refuses a constrained one at submission, saying what to install."""
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` now raises
+    llm = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=16)
+    plain = SamplingParams(temperature=0, max_tokens=4)
+    assert len(llm.generate("Hello", plain, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    constrained = SamplingParams(
+        max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])
+    )
+    with pytest.raises(ImportError, match=r"paged-backend\[structured\]"):
+        llm.generate("Hello", constrained, use_tqdm=False)
+    assert llm.engine.stats()["kv_blocks_free"] == llm.engine.stats()["kv_blocks_total"]

@@ -243,6 +243,7 @@ def tool_prompts(llm_fp32):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 7}])
 def test_required_and_named_calls_always_parse_and_validate(llm_fp32, tool_prompts, sampling):
     params = [
@@ -264,6 +265,7 @@ def test_required_and_named_calls_always_parse_and_validate(llm_fp32, tool_promp
         jsonschema.validate(call.arguments, SCHEMAS[call.name])
 
 
+@pytest.mark.slow
 def test_parallel_calls_are_calls_only_each_valid(llm_fp32, tool_prompts):
     """The model may write several calls, one per line; it may also repeat them until
     `max_tokens`, so only the last one can be cut off."""

@@ -50,7 +50,7 @@ from paged_backend.adapters import (
     context_window,
 )
 from paged_backend.async_engine import AsyncEngine
-from paged_backend.model_loader import DEFAULT_MODEL_NAME, resolve_model_path
+from paged_backend.model_loader import model_name
 from paged_backend.outputs import CompletionOutput, RequestOutput
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.tool_calling import (
@@ -141,9 +141,8 @@ class PagedLLM(FunctionCallingLLM):
         """Context window and model name as the engine will compute them, read from the model's
         config so that metadata (LlamaIndex asks on every call) never starts an engine."""
         if self._model_facts is None:
-            path = resolve_model_path(self.model)
             window = context_window(self.model, self.engine_args)
-            self._model_facts = (window, DEFAULT_MODEL_NAME if self.model is None else path.name)
+            self._model_facts = (window, model_name(self.model))
         return self._model_facts
 
     def tokenize(self, text: str) -> list[int]:

@@ -1,0 +1,57 @@
+"""`paged-backend`: user mistakes are one `error:` line and exit code 2; sampling is random run
+to run unless `--seed` is given."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged_backend.cli import main
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_missing_model_is_one_line(capsys, tmp_path):
+    assert main(["generate", "Hi", "--model", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in _one_error_line(capsys)
+
+
+def test_bad_sampling_value_names_the_field(capsys):
+    assert main(["generate", "Hi", "--temperature", "-1"]) == 2
+    assert "temperature" in _one_error_line(capsys)
+
+
+def test_unparsable_flag_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "Hi", "--max-tokens", "many"])
+    assert exit_info.value.code == 2
+    assert "--max-tokens" in _one_error_line(capsys)
+
+
+def test_debug_shows_the_exception(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        main(["generate", "Hi", "--model", str(tmp_path / "nope"), "--debug"])
+
+
+def _generate(capsys, tiny_model, *extra: str) -> str:
+    args = ["generate", "Once upon", "--model", str(tiny_model), "--max-tokens", "16"]
+    assert main([*args, "--temperature", "1.0", "--dtype", "float32", *extra]) == 0
+    return capsys.readouterr().out
+
+
+def test_sampling_is_random_without_seed_and_repeats_with_it(capsys, tiny_model, one_thread):
+    assert _generate(capsys, tiny_model) != _generate(capsys, tiny_model)
+    assert _generate(capsys, tiny_model, "--seed", "7") == _generate(
+        capsys, tiny_model, "--seed", "7"
+    )
+
+
+def test_chat_message_prints_a_reply(capsys, tiny_model, one_thread):
+    args = ["chat", "--model", str(tiny_model), "--message", "Hello", "--max-tokens", "8"]
+    assert main([*args, "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.strip()
