@@ -54,21 +54,39 @@ class _Stream:
             with contextlib.suppress(RuntimeError):  # a closed loop: its consumer is gone
                 loop.call_soon_threadsafe(_wake, fut)
 
-    def get(self) -> RequestOutput | BaseException:
+    def get(self, deadline: float | None = None) -> RequestOutput | BaseException:
+        """The next item; TimeoutError once `deadline` (time.monotonic) has passed, also for
+        a slow consumer: the deadline is the caller's, for the whole request."""
         with self._cond:
-            while not self._items:
-                self._cond.wait()
+            while not self._items or _remaining(deadline) == 0.0:
+                if not self._cond.wait(_remaining(deadline)):
+                    raise TimeoutError
             return self._items.popleft()
 
-    async def get_async(self) -> RequestOutput | BaseException:
+    async def get_async(self, deadline: float | None = None) -> RequestOutput | BaseException:
         while True:
             with self._cond:
-                if self._items:
+                if self._items and _remaining(deadline) != 0.0:
                     return self._items.popleft()
+                if _remaining(deadline) == 0.0:
+                    raise TimeoutError
                 loop = asyncio.get_running_loop()
                 fut = loop.create_future()
                 self._waiter = (loop, fut)
-            await fut
+            await asyncio.wait_for(fut, _remaining(deadline))  # TimeoutError at the deadline
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _deadline(timeout: float | None) -> float | None:
+    """`timeout` (seconds for the whole request) checked at submit, as a monotonic deadline."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < 1e9:
+        raise ValueError(f"timeout must be None or a number of seconds > 0, got {timeout!r}")
+    return time.monotonic() + timeout
 
 
 def _wake(fut: asyncio.Future) -> None:
@@ -162,16 +180,23 @@ class AsyncEngine:
         *,
         priority: int = 0,
         add_special_tokens: bool = True,
+        timeout: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream `RequestOutput`s (cumulative text and `delta_text`) until finished. Leaving
-        the loop early or cancelling the task aborts the request and frees its blocks."""
+        the loop early or cancelling the task aborts the request and frees its blocks; so does
+        `timeout` (seconds for the whole request), which then raises `TimeoutError`."""
+        deadline = _deadline(timeout)
         request_id, stream = self._submit(
             prompt, sampling_params, request_id, priority, add_special_tokens
         )
         finished = False
         try:
             while not finished:
-                out = _raise_if_error(await stream.get_async())
+                try:
+                    item = await stream.get_async(deadline)
+                except TimeoutError:
+                    raise _timed_out(request_id, timeout) from None
+                out = _raise_if_error(item)
                 finished = out.finished
                 yield out
         finally:
@@ -186,18 +211,26 @@ class AsyncEngine:
         *,
         priority: int = 0,
         add_special_tokens: bool = True,
+        timeout: float | None = None,
     ) -> Iterator[RequestOutput]:
         """The same stream for plain threads; closing the iterator early aborts the request."""
+        deadline = _deadline(timeout)
         request_id, stream = self._submit(
             prompt, sampling_params, request_id, priority, add_special_tokens
         )
-        return self._iterate(request_id, stream)
+        return self._iterate(request_id, stream, deadline, timeout)
 
-    def _iterate(self, request_id: str, stream: _Stream) -> Iterator[RequestOutput]:
+    def _iterate(
+        self, request_id: str, stream: _Stream, deadline: float | None, timeout: float | None
+    ) -> Iterator[RequestOutput]:
         finished = False
         try:
             while not finished:
-                out = _raise_if_error(stream.get())
+                try:
+                    item = stream.get(deadline)
+                except TimeoutError:
+                    raise _timed_out(request_id, timeout) from None
+                out = _raise_if_error(item)
                 finished = out.finished
                 yield out
         finally:
@@ -312,6 +345,10 @@ class AsyncEngine:
         stats["num_in_flight"] = len(self._streams)
         metrics.export(stats, self.model_name)
         return stats
+
+
+def _timed_out(request_id: str, timeout: float | None) -> TimeoutError:
+    return TimeoutError(f"request {request_id!r} did not finish within {timeout} s; aborted")
 
 
 def _raise_if_error(item: RequestOutput | BaseException) -> RequestOutput:

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from paged_backend.file_cache import cache_dir, notice
+from paged_backend.file_cache import cache_dir, locked, notice
 
 logger = logging.getLogger(__name__)
 
@@ -119,24 +119,26 @@ def load_library() -> ctypes.CDLL | None:
 def _build(compiler: str, flags: list[str]) -> ctypes.CDLL | None:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_flags()]).encode()).hexdigest()
-    path = cache_dir() / f"cpu_ops-{key[:16]}.so"
     try:
+        path = cache_dir() / f"cpu_ops-{key[:16]}.so"
         if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            notice(f"building the C kernels once into {path} (a few seconds)")
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                built = Path(tmp) / path.name
-                subprocess.run(
-                    [compiler, *flags, "-o", str(built), str(SOURCE), "-lm"],
-                    check=True,
-                    capture_output=True,
-                )
-                os.replace(built, path)  # atomic: concurrent builders each finish whole
+            with locked(path.name):
+                if not path.exists():  # not built by another process while we waited
+                    _compile(compiler, flags, path)
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
         logger.warning("building %s with %s failed: %s %s", SOURCE, flags, exc, detail)
         return None
+
+
+def _compile(compiler: str, flags: list[str], path: Path) -> None:
+    notice(f"building the C kernels once into {path} (a few seconds)")
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        built = Path(tmp) / path.name
+        command = [compiler, *flags, "-o", str(built), str(SOURCE), "-lm"]
+        subprocess.run(command, check=True, capture_output=True)
+        os.replace(built, path)  # atomic: a reader never loads half a library
 
 
 def available() -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +21,7 @@ from paged_backend.outputs import CompletionOutput, RequestOutput
 from paged_backend.request import Request, RequestStatus
 from paged_backend.sampler import Sampler, to_logprob_dict
 from paged_backend.sampling_params import SamplingParams
-from paged_backend.scheduler import Scheduler, SchedulerOutput
+from paged_backend.scheduler import Scheduler
 from paged_backend.structured_output import GrammarCache
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,7 @@ class LLMEngine:
         self.max_batch_size = 0
         self.num_generated_tokens = 0
         self.num_steps = 0
+        self.fault_hook: Callable[[str, list[str]], None] | None = None  # see _inject_fault
 
     def _eos_ids(self) -> list[int]:
         ids = list(self.model_config.eos_token_ids)
@@ -105,10 +106,7 @@ class LLMEngine:
         elif isinstance(prompt, Sequence) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
-            ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            if any(t < 0 or t >= vocab for t in ids):
-                raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            ids = list(prompt)  # the range is checked by `validate`, which every entry runs
         else:
             raise TypeError(
                 f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}"
@@ -121,7 +119,22 @@ class LLMEngine:
         """Reject, before any work, a request that could never be served."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        params.check_vocab(self.model_config.vocab_size)
+        vocab = self.model_config.vocab_size
+        if not isinstance(prompt_ids, Sequence) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids
+        ):
+            raise TypeError("prompt token ids must be a list of ints")
+        if not prompt_ids:
+            raise ValueError("prompt must be a non-empty string or token id list, got []")
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n must be <= max_num_seqs ({self.config.max_num_seqs}), got {params.n}: "
+                "all of a request's sequences must fit in one batch"
+            )
+        params.check_vocab(vocab)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)  # invalid specs raise here
         n = len(prompt_ids)
@@ -209,6 +222,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
     def step(self) -> list[RequestOutput]:
+        """One forward over the scheduled batch. Atomic per request: a fault before sampling
+        fails the step's requests; a fault while one request takes its token (grammar, stop
+        checks, detokenizer) fails that request alone; every other request advances whole."""
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if not sched.num_scheduled:
@@ -218,20 +234,36 @@ class LLMEngine:
         self.max_batch_size = max(self.max_batch_size, len(scheduled))
         try:
             tables = [self.kv.block_ids(r) for r, _ in scheduled]
+            self._inject_fault("forward", [r for r, _ in scheduled])
             logits, sampling = self.runner.execute(scheduled, tables)
-            sampled = self.sampler(logits, [scheduled[i][0] for i in sampling])
+            sampled_requests = [scheduled[i][0] for i in sampling]
+            self._inject_fault("sample", sampled_requests)
+            sampled = self.sampler(logits, sampled_requests)
         except Exception as exc:  # one bad step fails its requests, never the engine
             logger.exception("engine step failed")
-            return outputs + self._fail_step(sched, exc)
+            failed = dict.fromkeys((r.parent_id for r in sched.num_scheduled), exc)
+            return outputs + self._fail(failed)
         self.scheduler.update(sched)
         touched: dict[str, _Parent] = {}
-        for j, i in enumerate(sampling):
-            request = scheduled[i][0]
-            self._append_token(request, sampled.token_ids[j], sampled.logprobs[j])
+        failed: dict[str, Exception] = {}
+        for j, request in enumerate(sampled_requests):
             touched[request.parent_id] = self.parents[request.parent_id]
+            try:
+                self._append_token(request, sampled.token_ids[j], sampled.logprobs[j])
+            except Exception as exc:
+                logger.exception("request %s failed taking its token", request.request_id)
+                failed.setdefault(request.parent_id, exc)
         self.num_generated_tokens += len(sampling)
-        outputs.extend(self._make_output(pid, parent) for pid, parent in touched.items())
-        return outputs
+        for pid, parent in touched.items():
+            if pid not in failed:
+                outputs.append(self._make_output(pid, parent))
+        return outputs + self._fail(failed)
+
+    def _inject_fault(self, stage: str, requests: list[Request]) -> None:
+        """Test hook: `fault_hook(stage, request_ids)` may raise to fail the work of `stage`
+        ("forward", "sample" or "detokenize") on those requests, as a real fault would."""
+        if self.fault_hook is not None:
+            self.fault_hook(stage, [r.request_id for r in requests])
 
     def _new_grammar(self, params: SamplingParams):
         if params.structured_outputs is None:
@@ -261,6 +293,7 @@ class LLMEngine:
         if reason is None and request.grammar is not None and request.grammar.is_terminated():
             reason = "stop"  # the grammar's EOS with ignore_eos: nothing may follow it
         if reason is None or params.include_stop_str_in_output:
+            self._inject_fault("detokenize", [request])
             matched = request.detokenizer.add_token(token, check_stop=num_out >= params.min_tokens)
             if matched is not None and reason is None:
                 reason, stop_reason = "stop", matched
@@ -275,17 +308,17 @@ class LLMEngine:
     def _decode_one(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
-    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
-        message = f"engine step failed: {type(exc).__name__}: {exc}"
-        failed = {r.parent_id: self.parents[r.parent_id] for r in sched.num_scheduled}
+    def _fail(self, errors: dict[str, Exception]) -> list[RequestOutput]:
+        """Fail whole user requests (all `n` sequences) with their error; freeing their blocks
+        drops the hashes of blocks a failed step was writing (not valid K/V), while every other
+        cached prefix stays."""
         outputs = []
-        for pid, parent in failed.items():
-            for child in parent.children:  # the whole request fails, unscheduled siblings too
+        for pid, exc in errors.items():
+            parent = self.parents[pid]
+            for child in parent.children:
                 self.scheduler.finish(child, "error")
-            parent.error = message
+            parent.error = f"engine step failed: {type(exc).__name__}: {exc}"
             outputs.append(self._make_output(pid, parent))
-        # Blocks hashed for this step's tokens hold no valid K/V: forget every cached prefix.
-        self.kv.pool.reset_cache()
         return outputs
 
     def _make_output(self, request_id: str, parent: _Parent) -> RequestOutput:
@@ -301,7 +334,7 @@ class LLMEngine:
                     text=req.detokenizer.text[: req.detokenizer.num_emitted],
                     token_ids=list(req.output_token_ids),
                     cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
-                    logprobs=req.logprobs,
+                    logprobs=None if req.logprobs is None else list(req.logprobs),  # a snapshot
                     finish_reason=req.finish_reason,
                     stop_reason=req.stop_reason,
                     delta_text=delta,

@@ -1,17 +1,46 @@
-"""The on-disk cache (converted models, the compiled C ops): where it lives, and a line on
-stderr for the slow first-time work that fills it, so a first start does not look hung."""
+"""The on-disk cache (converted models, the compiled C ops): where it lives, who may write to
+it, a lock for processes that fill it at once, and a line on stderr for the slow first-time work
+that fills it, so a first start does not look hung.
+
+What is in the cache gets loaded into this process (a shared library, model weights), so the
+directory must be ours alone: it is created owner-only and refused if another user owns it or
+others may write to it (anyone who can write there could run code in our process)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
 def cache_dir() -> Path:
-    """`$PAGED_BACKEND_CACHE`, else `~/.cache/paged_backend`."""
-    root = os.environ.get("PAGED_BACKEND_CACHE") or Path.home() / ".cache" / "paged_backend"
-    return Path(root)
+    """`$PAGED_BACKEND_CACHE`, else `~/.cache/paged_backend`; created with mode 0700."""
+    root = Path(os.environ.get("PAGED_BACKEND_CACHE") or Path.home() / ".cache" / "paged_backend")
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = root.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise PermissionError(
+            f"cache directory {root} is owned by another user or writable by group/others; "
+            "its files are loaded as code and weights, so it must be private: chmod 700 it "
+            "or set PAGED_BACKEND_CACHE to a directory of your own"
+        )
+    return root
+
+
+@contextmanager
+def locked(name: str) -> Iterator[None]:
+    """Hold an exclusive lock, across processes, while filling the cache entry `name`. Fillers
+    check for the entry again once they hold it (another process may have just made it) and
+    move it into place with an atomic rename, so a reader never sees half of one."""
+    with open(cache_dir() / f".{name}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def notice(message: str) -> None:

@@ -68,10 +68,23 @@ class KVCacheManager:
             request.num_hashed_blocks = max(request.num_hashed_blocks, num_full)
         return True
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request) -> list[KVCacheBlock]:
+        """Release a request's blocks, tail first. The blocks it hashed when their tokens were
+        scheduled but that its step never computed (preempted in the same step, or the step
+        failed) stop being findable first. Returns those of them that another request still
+        holds: it took them as cached K/V in this same step and must not read them."""
         table = self.block_tables.pop(request.request_id, [])
+        written = request.num_computed_tokens // self.block_size
+        unwritten = table[written : request.num_hashed_blocks]
+        for block in unwritten:
+            self.pool.uncache(block)
         self.pool.free(reversed(table))
         request.num_hashed_blocks = 0
+        return [b for b in unwritten if b.ref_cnt > 0]
+
+    def holds_any(self, request: Request, blocks: list[KVCacheBlock]) -> bool:
+        table = self.block_tables.get(request.request_id, ())
+        return any(b is block for b in table for block in blocks)
 
     def usage(self, requests: list[Request]) -> tuple[int, int]:
         """(token slots in blocks some request holds, of which hold a computed token). Only a

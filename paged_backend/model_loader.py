@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 from paged_backend.config import ModelConfig
 from paged_backend.default_model import NAME as DEFAULT_MODEL_NAME
 from paged_backend.default_model import default_model_file, file_sha256
-from paged_backend.file_cache import cache_dir, notice
+from paged_backend.file_cache import cache_dir, locked, notice
 
 # What a model directory needs from a hub repository: no pickle weights, no GGUF variants.
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*"]
@@ -86,36 +87,41 @@ def snapshot_from_hub(repo_id: str) -> Path:
 
 
 def convert_gguf(path: Path) -> Path:
-    """Dequantize a GGUF file through transformers' loader into a cached fp32 HF directory."""
+    """Dequantize a GGUF file through transformers' loader into a cached fp32 HF directory
+    (once: concurrent first starts wait for one conversion)."""
     target = cache_dir() / "gguf" / f"{path.stem}-{file_sha256(path)[:24]}"
-    if (target / "model.safetensors").is_file():
-        return target
+    if not (target / "model.safetensors").is_file():
+        with locked(target.name):
+            if not (target / "model.safetensors").is_file():
+                _convert(path, target)
+    return target
+
+
+def _convert(path: Path, target: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     notice(f"converting {path.name} once into {target} (under a minute)")
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        kwargs = {"gguf_file": path.name}
-        model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
-        config = AutoConfig.from_pretrained(path.parent, **kwargs)
-    except Exception as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ValueError(f"could not read GGUF file {path}: {exc}") from exc
-    # The GGUF quantizer config makes save_pretrained refuse: rebuild a plain model instead.
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict())
-    plain.save_pretrained(tmp)
-    tokenizer.model_max_length = config.max_position_embeddings
-    tokenizer.save_pretrained(tmp)
-    (tmp / "paged_backend_source.json").write_text(json.dumps({"gguf": str(path)}))
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return target
+    target.parent.mkdir(mode=0o700, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp_dir:
+        tmp = Path(tmp_dir) / target.name
+        try:
+            kwargs = {"gguf_file": path.name}
+            model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+            config = AutoConfig.from_pretrained(path.parent, **kwargs)
+        except Exception as exc:
+            raise ValueError(f"could not read GGUF file {path}: {exc}") from exc
+        # The GGUF quantizer config makes save_pretrained refuse: rebuild a plain model instead.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(model.state_dict())
+        plain.save_pretrained(tmp)
+        tokenizer.model_max_length = config.max_position_embeddings
+        tokenizer.save_pretrained(tmp)
+        (tmp / "paged_backend_source.json").write_text(json.dumps({"gguf": str(path)}))
+        shutil.rmtree(target, ignore_errors=True)  # a partial directory from an older version
+        tmp.rename(target)  # atomic: readers see the whole directory or none
 
 
 def load_safetensors(module: torch.nn.Module, path: Path, rename) -> None:

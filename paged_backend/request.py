@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from paged_backend.block_pool import BlockHash, hash_block_tokens
 from paged_backend.outputs import Logprob
 from paged_backend.sampling_params import SamplingParams
 
@@ -52,7 +53,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[BlockHash] = []
         self.num_hashed_blocks = 0  # how many of this request's blocks are registered in the cache
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
@@ -83,12 +84,14 @@ class Request:
         """Smaller is more urgent. The scheduler's queues and preemption use only this."""
         return (self.priority, self.arrival) if policy == "priority" else (self.arrival,)
 
-    def update_block_hashes(self, block_size: int) -> list[int]:
-        """Chained hashes of every full block: hash(i) = H(hash(i-1), tokens of block i)."""
+    def update_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Chained hashes of every full block: hash(i) = H(hash(i-1), tokens of block i), with
+        the cache salt in the first block's, so that it separates every later one too."""
         tokens = self.all_token_ids
+        salt = self.params.cache_salt
         for i in range(len(self.block_hashes), len(tokens) // block_size):
             parent = self.block_hashes[-1] if self.block_hashes else None
-            self.block_hashes.append(
-                hash((parent, tuple(tokens[i * block_size : (i + 1) * block_size])))
-            )
+            extra = (("cache_salt", salt),) if salt is not None and i == 0 else ()
+            block = tokens[i * block_size : (i + 1) * block_size]
+            self.block_hashes.append(hash_block_tokens(parent, block, extra))
         return self.block_hashes

@@ -37,6 +37,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    cache_salt: str | None = None
+    """Tenant isolation (vLLM's name): requests share prefix-cache blocks only with requests of
+    the same salt (or, without one, with other unsalted requests)."""
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -124,6 +127,12 @@ class SamplingParams:
             "structured_outputs",
             "None or a StructuredOutputsParams",
             self.structured_outputs,
+        )
+        _check(
+            self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
+            "cache_salt",
+            "None or a non-empty string",
+            self.cache_salt,
         )
 
     @property

@@ -96,14 +96,20 @@ class Scheduler:
         return out
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> int:
-        """Free a running request's blocks and requeue it; returns the budget it gave back."""
+        """Free a running request's blocks and requeue it; returns the budget it gave back.
+        A request admitted earlier in this step on cache hits of blocks this one was to write
+        in this step is requeued with it (it would read K/V that is never written)."""
         self.running.remove(request)
-        self.kv.free(request)
+        stale = self.kv.free(request)
         request.num_computed_tokens = 0
         self.add(request)
         self.num_preemptions += 1
         out.preempted.append(request)
-        return out.num_scheduled.pop(request, 0)
+        budget = out.num_scheduled.pop(request, 0)
+        if stale:
+            for other in [r for r in self.running if self.kv.holds_any(r, stale)]:
+                budget += self._preempt(other, out)
+        return budget
 
     def update(self, out: SchedulerOutput) -> None:
         """Advance progress after the model ran the scheduled tokens."""

@@ -112,7 +112,13 @@ def test_64_requests_from_two_loops_and_four_threads(engine, serial_texts):
     assert_all_blocks_free(engine)
 
 
+LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+# An abort takes effect within a step or two: a few tokens may already be on their way.
+ABORT_SLACK = 4
+
+
 async def test_random_aborts_leave_others_untouched(engine, serial_texts):
+    """Victims ask for 400 tokens: had an abort done nothing, they would deliver them all."""
     rng = random.Random(1234)
     prompts = PROMPTS[:24]
     victims = set(rng.sample(prompts, 8))
@@ -120,8 +126,9 @@ async def test_random_aborts_leave_others_untouched(engine, serial_texts):
 
     async def run(prompt):
         stop_after = rng.randint(0, 6) if prompt in victims else None
+        params = LONG if prompt in victims else GREEDY
         seen = 0
-        async for out in engine.generate(prompt, GREEDY, request_id=f"id-{prompt}"):
+        async for out in engine.generate(prompt, params, request_id=f"id-{prompt}"):
             seen += 1
             if stop_after is not None and seen > stop_after:
                 if stop_after % 2:
@@ -135,16 +142,24 @@ async def test_random_aborts_leave_others_untouched(engine, serial_texts):
     for p in prompts:
         if p not in victims:
             assert results[p].token_ids == serial_texts[p]
-        elif p in results:  # explicitly aborted ones end with an abort output
-            assert results[p].finish_reason in ("abort", "length")
+        elif p in results:  # explicitly aborted ones end with an abort output, and soon
+            assert results[p].finish_reason == "abort"
+            assert len(results[p].token_ids) <= 7 + ABORT_SLACK
     assert_all_blocks_free(engine)
+    generated = engine.stats()["num_generated_tokens"]
+    assert generated <= 16 * GREEDY.max_tokens + 8 * (7 + ABORT_SLACK)
+
+
+def _assert_stopped_early(engine, limit: int = 50) -> None:
+    assert_all_blocks_free(engine)
+    assert engine.stats()["num_generated_tokens"] < limit, "the request ran on after its abort"
 
 
 async def test_cancelling_the_task_frees_blocks(engine):
     started = asyncio.Event()
 
     async def run():
-        async for _ in engine.generate(PROMPTS[0], SamplingParams(max_tokens=500, ignore_eos=True)):
+        async for _ in engine.generate(PROMPTS[0], LONG):
             started.set()
 
     task = asyncio.create_task(run())
@@ -152,14 +167,35 @@ async def test_cancelling_the_task_frees_blocks(engine):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert_all_blocks_free(engine)
+    _assert_stopped_early(engine)
 
 
 def test_closing_a_sync_iterator_aborts(engine):
-    it = engine.generate_stream(PROMPTS[1], SamplingParams(max_tokens=500, ignore_eos=True))
+    it = engine.generate_stream(PROMPTS[1], LONG)
     next(it)
     it.close()
-    assert_all_blocks_free(engine)
+    _assert_stopped_early(engine)
+
+
+def test_timeout_aborts_and_raises_in_the_caller(engine):
+    with pytest.raises(TimeoutError, match=r"did not finish within 0\.1 s"):
+        for _ in engine.generate_stream(PROMPTS[1], LONG, timeout=0.1):
+            time.sleep(0.02)  # a slow consumer: the deadline covers the whole request
+    _assert_stopped_early(engine, LONG.max_tokens)
+
+
+async def test_timeout_in_async_generate(engine):
+    with pytest.raises(TimeoutError):
+        async for _ in engine.generate(PROMPTS[2], LONG, timeout=0.1):
+            await asyncio.sleep(0.02)
+    _assert_stopped_early(engine, LONG.max_tokens)
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), "10", True])
+def test_bad_timeout_names_the_field(engine, timeout):
+    with pytest.raises(ValueError, match="timeout"):
+        engine.generate_stream(PROMPTS[3], GREEDY, timeout=timeout)
+    assert engine.stats()["num_waiting"] == 0
 
 
 def test_consumer_that_stops_reading_does_not_stall_others(engine, serial_texts):

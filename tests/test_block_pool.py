@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -30,17 +32,23 @@ def check_invariants(kv: KVCacheManager) -> None:
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Drives the real Scheduler and KVCacheManager with a fake model (tokens drawn by data)."""
+    """Drives the real Scheduler and KVCacheManager with a fake model (tokens drawn by data).
+
+    The fake model keeps a shadow of what each KV slot holds: the whole token prefix whose K/V
+    it would contain. A step writes its scheduled tokens' slots, then every scheduled request
+    must find, in each slot of its context, exactly its own prefix: a cache hit on a block that
+    was never written (or written for other tokens) fails here."""
 
     def __init__(self) -> None:
         super().__init__()
         self.policy = "fcfs"
-        self.kv = KVCacheManager(num_blocks=24, block_size=BLOCK, enable_caching=True)
+        self.kv = KVCacheManager(num_blocks=12, block_size=BLOCK, enable_caching=True)
         self.scheduler = Scheduler(
-            self.kv, max_num_seqs=4, max_num_batched_tokens=64, policy=self.policy
+            self.kv, max_num_seqs=4, max_num_batched_tokens=32, policy=self.policy
         )
         self.live: list[Request] = []
         self.count = 0
+        self.shadow: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, slot) -> prefix
 
     @rule(
         prefix=st.sampled_from([0, 1, 2]),
@@ -62,14 +70,28 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.scheduler.add(req)
         self.live.append(req)
 
+    def _run_model(self, out) -> None:
+        """Write the step's K/V slots, then check every scheduled request's reads."""
+        for req, n in out.num_scheduled.items():
+            table = self.kv.block_tables[req.request_id]
+            assert len(table) * BLOCK >= req.num_computed_tokens + n
+            for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
+                slot = (table[pos // BLOCK].block_id, pos % BLOCK)
+                self.shadow[slot] = tuple(req.all_token_ids[: pos + 1])
+        for req, n in out.num_scheduled.items():
+            table = self.kv.block_tables[req.request_id]
+            for pos in range(req.num_computed_tokens + n):
+                slot = (table[pos // BLOCK].block_id, pos % BLOCK)
+                assert self.shadow.get(slot) == tuple(req.all_token_ids[: pos + 1]), (
+                    f"{req.request_id} reads K/V never written for its tokens at {pos}"
+                )
+
     @rule(token=st.integers(0, 9))
     def step(self, token):
         out = self.scheduler.schedule()
         assert out.num_tokens <= self.scheduler.max_num_batched_tokens
         assert len(self.scheduler.running) <= self.scheduler.max_num_seqs
-        for req, n in out.num_scheduled.items():
-            table = self.kv.block_tables[req.request_id]
-            assert len(table) * BLOCK >= req.num_computed_tokens + n
+        self._run_model(out)
         self.scheduler.update(out)
         for req in list(out.num_scheduled):
             if req.num_computed_tokens == req.num_tokens:
@@ -77,6 +99,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if len(req.output_token_ids) >= req.max_tokens:
                     self.scheduler.finish(req, "length")
                     self.live.remove(req)
+
+    @rule()
+    def failed_step(self):
+        """The model raised: the step's requests fail (the engine finishes them, without
+        `update`); nothing they were to write may be found by later requests."""
+        out = self.scheduler.schedule()
+        for req in out.num_scheduled:
+            self.scheduler.finish(req, "error")
+            self.live.remove(req)
 
     @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 100))
@@ -99,7 +130,37 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
-TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_seeded_interleavings_never_read_unwritten_kv(policy):
+    """The machine's rules on seeded random workloads biased toward what makes a request read
+    K/V nobody wrote: long prompts over two shared prefixes, chunked prefill, tight blocks,
+    urgent arrivals that preempt, aborts and failed steps."""
+    for seed in range(150):
+        rng = random.Random(seed)
+        machine = SchedulerMachine()
+        for _ in range(60):
+            roll = rng.random()
+            if roll < 0.4:
+                machine.add(
+                    prefix=rng.randrange(2),
+                    length=rng.randint(17, 100),
+                    max_tokens=rng.randint(1, 8),
+                    priority=rng.randrange(4),
+                    policy=policy,
+                )
+            elif roll < 0.9:
+                machine.step(token=rng.randrange(10))
+            elif roll < 0.95 and machine.live:
+                machine.abort(rng.randrange(100))
+            else:
+                machine.failed_step()
+            machine.invariants_hold()
+        machine.teardown()
+
+
+TestSchedulerMachine.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
 
 
 def test_all_requests_finish_and_free_everything():
@@ -131,6 +192,7 @@ def test_lru_eviction_order_and_hash_drop():
     kv = KVCacheManager(num_blocks=4, block_size=BLOCK, enable_caching=True)
     a = Request("a", list(range(33)), SamplingParams())
     assert kv.allocate_slots(a, 33)
+    a.num_computed_tokens = 33  # the step ran: its K/V is written, so its blocks stay cached
     kv.free(a)
     # Freed tail-first: the partial last block is evicted before the prefix blocks.
     order = [b.block_id for b in kv.pool.free_queue.values()]
@@ -143,3 +205,32 @@ def test_lru_eviction_order_and_hash_drop():
     assert kv.allocate_slots(c, 64)  # takes every free block: a's cached ones lose their hash
     assert kv.get_computed_blocks(b)[1] == 0
     assert set(map(id, kv.pool.cached.values())) == set(map(id, kv.block_tables["c"]))
+
+
+def test_blocks_hashed_but_never_written_are_not_found():
+    """A request freed before its scheduled tokens ran (preempted in the same step, or its step
+    failed) leaves none of those blocks findable; computed ones stay cached."""
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK, enable_caching=True)
+    a = Request("a", list(range(40)), SamplingParams())
+    assert kv.allocate_slots(a, 40)
+    a.num_computed_tokens = 16  # only the first block's tokens ran
+    assert kv.free(a) == []
+    b = Request("b", list(range(40)), SamplingParams())
+    assert kv.get_computed_blocks(b)[1] == 16
+
+
+def test_priority_preemption_in_the_same_step_leaves_no_unwritten_hit():
+    """The repro: A (priority 5) is chunk-prefilled; in the step that schedules A's second
+    chunk, B (priority 0, sharing A's first 48 tokens) cannot fit and preempts A. B may reuse
+    A's two written blocks, never the third one A was to finish writing in that step."""
+    kv = KVCacheManager(num_blocks=4, block_size=BLOCK, enable_caching=True)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=40, policy="priority")
+    a = Request("a", list(range(64)), SamplingParams(max_tokens=1), priority=5)
+    scheduler.add(a)
+    scheduler.update(scheduler.schedule())  # A's first 40 tokens run: blocks 0 and 1 written
+    b = Request("b", list(range(48)) + [99] * 12, SamplingParams(max_tokens=1), priority=0)
+    scheduler.add(b)
+    out = scheduler.schedule()  # A's second chunk is scheduled, then B preempts A
+    assert a in out.preempted and b in out.num_scheduled
+    assert b.num_computed_tokens == 32, "B counted blocks as cached that were never written"
+    check_invariants(kv)

@@ -108,3 +108,22 @@ def test_failing_step_fails_only_its_requests(llm, monkeypatch):
     assert engine.kv.pool.num_free == engine.kv.num_blocks
     out = llm.generate(["after the failure"], GOOD, use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "length" and out.error is None
+
+
+@pytest.mark.parametrize(
+    ("ids", "error"), [([1, -1, 2], ValueError), ([49152], ValueError), ([1, 2.0], TypeError)]
+)
+def test_token_ids_are_checked_at_every_entry(llm, ids, error):
+    """`add_request(prompt_token_ids=...)` skips tokenizing, not validation: an out-of-range id
+    would otherwise fail inside the embedding (a device-side assert on CUDA)."""
+    engine = llm.engine
+    with pytest.raises(error, match="prompt token ids"):
+        engine.add_request(None, GOOD, prompt_token_ids=ids)
+    assert not engine.has_unfinished_requests()
+
+
+def test_n_is_bounded_by_the_batch(llm):
+    engine = llm.engine
+    with pytest.raises(ValueError, match=r"n must be <= max_num_seqs \(128\)"):
+        engine.add_request("hi", SamplingParams(n=1_000_000, max_tokens=2))
+    assert not engine.has_unfinished_requests()

@@ -53,6 +53,9 @@ class PagedParams(BaseModel):
     logprobs: int | None = None
     skip_special_tokens: bool | None = None
     logit_bias: dict[int, float] | None = None
+    cache_salt: str | None = None
+    """Tenant isolation: only requests with the same salt share prefix-cache blocks (per call
+    too: `.bind(cache_salt=...)` or `invoke(..., cache_salt=...)`)."""
 
     _handle: EngineHandle = PrivateAttr()
 

@@ -101,6 +101,11 @@ class PagedLLM(FunctionCallingLLM):
     stop: list[str] | None = Field(
         default=None, description="Stop sequences, merged with those given per call."
     )
+    cache_salt: str | None = Field(
+        default=None,
+        description="Tenant isolation: only requests with the same salt share prefix-cache "
+        "blocks (per call too, as a keyword argument).",
+    )
     additional_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Any other SamplingParams fields (vLLM names)."
     )

@@ -1,0 +1,74 @@
+"""The cache holds code and weights this process loads: it must be private, and processes that
+start at once must each get a whole entry, made once."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from paged_backend.default_model import default_model_file
+from paged_backend.file_cache import cache_dir
+
+
+def test_created_owner_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGED_BACKEND_CACHE", str(tmp_path / "fresh"))
+    assert stat.S_IMODE(cache_dir().stat().st_mode) == 0o700
+
+
+def test_a_directory_others_can_write_is_refused(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("PAGED_BACKEND_CACHE", str(shared))
+    with pytest.raises(PermissionError, match="writable by group/others"):
+        cache_dir()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give the directory away")
+def test_a_directory_of_another_user_is_refused(tmp_path, monkeypatch):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, -1)
+    monkeypatch.setenv("PAGED_BACKEND_CACHE", str(theirs))
+    with pytest.raises(PermissionError, match="owned by another user"):
+        cache_dir()
+
+
+def _twice_at_once(code: str, cache) -> list[subprocess.CompletedProcess]:
+    env = dict(os.environ, PAGED_BACKEND_CACHE=str(cache))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    return [subprocess.CompletedProcess(p.args, p.wait(600), *p.communicate()) for p in procs]
+
+
+def test_two_processes_building_the_c_ops_at_once(tmp_path):
+    code = "from paged_backend import cpu_ops; assert cpu_ops.load_library(); print('ok')"
+    runs = _twice_at_once(code, tmp_path / "cache")
+    assert all(r.returncode == 0 and r.stdout.strip() == "ok" for r in runs), runs
+    assert sum(r.stderr.count("paged-backend: building the C kernels") for r in runs) == 1
+    assert len(list((tmp_path / "cache").glob("cpu_ops-*.so"))) == 1
+
+
+@pytest.mark.slow
+def test_two_processes_converting_one_gguf_at_once(tmp_path):
+    code = (
+        "from paged_backend.model_loader import convert_gguf; from pathlib import Path; "
+        f"print(convert_gguf(Path({str(default_model_file())!r})))"
+    )
+    runs = _twice_at_once(code, tmp_path / "cache")
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    assert runs[0].stdout == runs[1].stdout
+    assert sum(r.stderr.count("paged-backend: converting") for r in runs) == 1
+    assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 1

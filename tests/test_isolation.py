@@ -1,0 +1,93 @@
+"""Multi-tenant isolation: block hashes are a SHA-256 chain, and `cache_salt` keeps tenants'
+prefix caches apart in the engine and in both adapters."""
+
+from __future__ import annotations
+
+import pytest
+from langchain_core.messages import HumanMessage, SystemMessage
+from llama_index.core.llms import ChatMessage
+
+from langchain_paged import ChatPaged
+from llama_index.llms.paged import PagedLLM
+from paged_backend import LLM, SamplingParams
+from paged_backend.block_pool import hash_block_tokens
+from paged_backend.request import Request
+
+SYSTEM = "You are the support assistant of a large company. Follow the policy. " * 4
+
+
+def test_block_hashes_are_a_sha256_chain_with_tagged_extra_keys():
+    first = hash_block_tokens(None, [1, 2, 3, 4])
+    assert len(first) == 32 and first == hash_block_tokens(None, [1, 2, 3, 4])
+    assert hash_block_tokens(first, [5, 6]) != hash_block_tokens(None, [5, 6])
+    salted = hash_block_tokens(None, [1, 2, 3, 4], [("cache_salt", "tenant-a")])
+    assert salted not in (first, hash_block_tokens(None, [1, 2, 3, 4], [("cache_salt", "b")]))
+    # Counted tokens: moving a token between blocks changes the chain.
+    assert hash_block_tokens(hash_block_tokens(None, [1, 2]), [3]) != hash_block_tokens(
+        hash_block_tokens(None, [1]), [2, 3]
+    )
+
+
+def test_the_salt_separates_every_block_of_the_chain():
+    tokens = list(range(40))
+    plain = Request("a", tokens, SamplingParams()).update_block_hashes(4)
+    salted = Request("b", tokens, SamplingParams(cache_salt="t")).update_block_hashes(4)
+    assert len(plain) == len(salted) == 10
+    assert not set(plain) & set(salted)
+
+
+@pytest.mark.parametrize("salt", ["", 7, b"bytes"])
+def test_bad_salt_names_the_field(salt):
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt=salt)
+
+
+@pytest.fixture(scope="module")
+def engine_args(tiny_model) -> dict:
+    return {"model": str(tiny_model), "dtype": "float32", "num_kv_blocks": 256}
+
+
+def test_tenants_with_different_salts_share_nothing(engine_args, one_thread):
+    llm = LLM(**engine_args)
+
+    def cached(salt: str | None, question: str) -> int:
+        params = SamplingParams(temperature=0, max_tokens=2, cache_salt=salt)
+        return llm.generate(SYSTEM + question, params, use_tqdm=False)[0].num_cached_tokens
+
+    assert cached("tenant-a", "Where is my order?") == 0
+    assert cached("tenant-b", "Where is my order?") == 0  # same text, other tenant
+    assert cached(None, "Where is my order?") == 0  # unsalted requests see no salted block
+    assert cached("tenant-a", "Can I return it?") > 40  # each tenant hits its own cache
+    assert cached("tenant-b", "Can I return it?") > 40
+    assert cached(None, "Can I return it?") > 40
+
+
+def test_langchain_salt_from_the_constructor_and_per_call(engine_args, one_thread):
+    chat = ChatPaged(**engine_args, temperature=0, max_tokens=2, cache_salt="tenant-a")
+    messages = [SystemMessage(SYSTEM), HumanMessage("Where is my order?")]
+
+    def cache_read(runnable) -> int:
+        return runnable.invoke(messages).usage_metadata["input_token_details"]["cache_read"]
+
+    assert cache_read(chat) == 0
+    assert cache_read(chat.bind(cache_salt="tenant-b")) == 0
+    assert cache_read(chat) > 40
+    assert cache_read(chat.bind(cache_salt="tenant-b")) > 40
+
+
+def test_llama_index_salt_from_the_constructor_and_per_call(engine_args, one_thread):
+    llm = PagedLLM(
+        model=engine_args["model"],
+        engine_args={k: v for k, v in engine_args.items() if k != "model"},
+        temperature=0,
+        max_tokens=2,
+        cache_salt="tenant-c",
+    )
+    messages = [ChatMessage(role="system", content=SYSTEM), ChatMessage(role="user", content="Hi")]
+
+    def cached(**kwargs) -> int:
+        return llm.chat(messages, **kwargs).raw["usage"]["cached_tokens"]
+
+    assert cached() == 0
+    assert cached(cache_salt="tenant-d") == 0
+    assert cached() > 40 and cached(cache_salt="tenant-d") > 40
