@@ -1,18 +1,28 @@
 """What the LangChain and LlamaIndex adapters share: a lazily acquired shared engine, building
-`SamplingParams` from adapter fields, call kwargs and stop sequences, and model facts (context
-window, tokenizer) that are available without starting an engine."""
+`SamplingParams` from adapter fields, call kwargs and stop sequences, submitting requests with a
+deadline and retries on overload, and model facts (context window, tokenizer) that are
+available without starting an engine."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import dataclasses
 import functools
+import itertools
 import threading
+import time
 import weakref
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing
+from dataclasses import dataclass
 from pathlib import Path
 
 from paged_backend.async_engine import AsyncEngine
 from paged_backend.config import EngineConfig, ModelConfig
+from paged_backend.errors import EngineOverloadedError
 from paged_backend.model_loader import model_name, resolve_model_path
+from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.shared_engines import get_engine, release_engine
 
@@ -49,6 +59,84 @@ class EngineHandle:
     def model_name(self) -> str:
         """The name users know the model by, known before the engine exists (for tracing)."""
         return model_name(self.model)
+
+
+# Per-call options that are not sampling parameters: LangChain's standard `timeout` and
+# `max_retries`, and LlamaIndex's, with the same meaning in both adapters.
+REQUEST_OPTIONS = ("timeout", "max_retries")
+
+
+def check_max_retries(max_retries: object) -> None:
+    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+        raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
+
+
+def pop_request_options(defaults: object, kwargs: dict) -> dict:
+    """An adapter's `timeout` and `max_retries`, overridden by (and popped from) call kwargs;
+    `Submitter(engine, **options)` applies them."""
+    options = {k: kwargs.pop(k, getattr(defaults, k)) for k in REQUEST_OPTIONS}
+    check_max_retries(options["max_retries"])
+    return options
+
+
+@dataclass
+class Submitter:
+    """Sends an adapter's requests to the shared engine: `timeout` (seconds for the whole
+    request; it is then aborted and `TimeoutError` raised) and `max_retries` (resubmissions
+    after `EngineOverloadedError`, with backoff; an admitted request is never sent twice)."""
+
+    engine: AsyncEngine
+    timeout: float | None = None
+    max_retries: int = 0
+
+    def stream(self, prompt, params, request_id=None, **kwargs) -> Iterator[RequestOutput]:
+        attempt = 0
+        while True:
+            try:
+                return self.engine.generate_stream(
+                    prompt, params, request_id, timeout=self.timeout, **kwargs
+                )
+            except EngineOverloadedError:
+                if attempt >= self.max_retries:
+                    raise
+                time.sleep(_retry_delay(attempt))
+                attempt += 1
+
+    async def astream(self, prompt, params, request_id=None, **kwargs) -> AsyncIterator:
+        for attempt in itertools.count():
+            outputs = self.engine.generate(
+                prompt, params, request_id, timeout=self.timeout, **kwargs
+            )
+            async with aclosing(outputs):  # leaving early aborts the request
+                try:
+                    first = await anext(outputs)
+                except EngineOverloadedError:
+                    if attempt >= self.max_retries:
+                        raise
+                    await asyncio.sleep(_retry_delay(attempt))
+                    continue
+                yield first
+                async for out in outputs:
+                    yield out
+                return
+
+
+def _retry_delay(attempt: int) -> float:
+    return min(0.1 * 2**attempt, 2.0)
+
+
+def last_output(outputs: Iterator[RequestOutput]) -> RequestOutput:
+    """Run a request to the end. An error or interrupt arrives inside the engine's iterator,
+    whose cleanup aborts the request."""
+    return collections.deque(outputs, maxlen=1)[0]
+
+
+async def alast_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """`last_output` for the async engine stream (cancellation aborts the request)."""
+    last = None
+    async for out in outputs:
+        last = out
+    return last
 
 
 def _release(engine: AsyncEngine) -> None:

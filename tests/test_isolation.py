@@ -1,5 +1,6 @@
-"""Multi-tenant isolation: block hashes are a SHA-256 chain, and `cache_salt` keeps tenants'
-prefix caches apart in the engine and in both adapters."""
+"""Many users on one engine: block hashes are a SHA-256 chain, `cache_salt` keeps tenants'
+prefix caches apart, and requests carry a deadline and retries on overload, in the engine and
+in both adapters."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from llama_index.core.llms import ChatMessage
 
 from langchain_paged import ChatPaged
 from llama_index.llms.paged import PagedLLM
-from paged_backend import LLM, SamplingParams
+from paged_backend import LLM, EngineOverloadedError, SamplingParams
+from paged_backend.adapters import Submitter
 from paged_backend.block_pool import hash_block_tokens
 from paged_backend.request import Request
 
@@ -91,3 +93,73 @@ def test_llama_index_salt_from_the_constructor_and_per_call(engine_args, one_thr
     assert cached() == 0
     assert cached(cache_salt="tenant-d") == 0
     assert cached() > 40 and cached(cache_salt="tenant-d") > 40
+
+
+LONG = {"max_tokens": 400, "ignore_eos": True}
+
+
+def test_langchain_timeout_and_standard_params(engine_args, one_thread):
+    chat = ChatPaged(**engine_args, temperature=0, timeout=0.05, api_key="unused", **LONG)
+    with pytest.raises(TimeoutError, match="did not finish within"):
+        chat.invoke("Tell me everything.")
+    with pytest.raises(TimeoutError):
+        list(chat.stream("Tell me everything."))
+    # Per call, and a per-call value wins over the constructor's.
+    assert chat.invoke("Hi", timeout=60, max_tokens=2).content is not None
+    stats = chat.engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    with pytest.raises(ValueError, match="max_retries"):
+        ChatPaged(**engine_args, max_retries=-1)
+
+
+async def test_llama_index_timeout(engine_args, one_thread):
+    llm = PagedLLM(
+        model=engine_args["model"],
+        engine_args={k: v for k, v in engine_args.items() if k != "model"},
+        temperature=0,
+        timeout=0.05,
+        max_tokens=400,
+        additional_kwargs={"ignore_eos": True},
+    )
+    with pytest.raises(TimeoutError):
+        llm.complete("Tell me everything.")
+    with pytest.raises(TimeoutError):
+        await llm.acomplete("Tell me everything.")
+    assert llm.complete("Hi", timeout=60, max_tokens=2).text is not None
+
+
+class _Overloaded:
+    """An engine that refuses the first `refusals` submissions, as a full queue does."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals = refusals
+        self.calls = 0
+
+    def _submit(self) -> None:
+        self.calls += 1
+        if self.calls <= self.refusals:
+            raise EngineOverloadedError("queue full")
+
+    def generate_stream(self, *args, **kwargs):
+        self._submit()
+        return iter(["out"])
+
+    async def generate(self, *args, **kwargs):
+        self._submit()
+        yield "out"
+
+
+@pytest.mark.parametrize("refusals", [0, 1, 2])
+async def test_overload_is_retried_up_to_max_retries(refusals):
+    engine = _Overloaded(refusals)
+    assert list(Submitter(engine, max_retries=2).stream("p", None)) == ["out"]
+    engine = _Overloaded(refusals)
+    assert [o async for o in Submitter(engine, max_retries=2).astream("p", None)] == ["out"]
+    assert engine.calls == refusals + 1
+
+
+async def test_overload_past_max_retries_raises():
+    with pytest.raises(EngineOverloadedError):
+        Submitter(_Overloaded(2), max_retries=1).stream("p", None)
+    with pytest.raises(EngineOverloadedError):
+        [o async for o in Submitter(_Overloaded(1), max_retries=0).astream("p", None)]

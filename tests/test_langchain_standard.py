@@ -48,13 +48,8 @@ class PagedChatTestConfig:
 
 
 class TestChatPagedUnit(PagedChatTestConfig, ChatModelUnitTests):
-    @property
-    def standard_chat_model_params(self) -> dict[str, Any]:
-        """A local model has no API key, network timeout or retries: those stay out."""
-        params = super().standard_chat_model_params
-        for name in ("api_key", "timeout", "max_retries"):
-            params.pop(name)
-        return params
+    """With LangChain's standard parameters as they are: `timeout` is the request deadline,
+    `max_retries` retries on overload, `api_key` is accepted and ignored."""
 
 
 @pytest.mark.slow

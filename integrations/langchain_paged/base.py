@@ -3,23 +3,24 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from langchain_core.language_models.base import LangSmithParams
 from langchain_core.messages.ai import UsageMetadata
-from pydantic import BaseModel, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, SecretStr, model_validator
 
 from paged_backend import AsyncEngine, CompletionOutput, RequestOutput, SamplingParams
 from paged_backend.adapters import (
     SAMPLING_FIELDS,
     EngineHandle,
+    Submitter,
     build_sampling_params,
     check_engine_args,
+    check_max_retries,
     merge_stop,
     model_tokenizer,
+    pop_request_options,
 )
 
 PROVIDER = "paged"
@@ -56,6 +57,13 @@ class PagedParams(BaseModel):
     cache_salt: str | None = None
     """Tenant isolation: only requests with the same salt share prefix-cache blocks (per call
     too: `.bind(cache_salt=...)` or `invoke(..., cache_salt=...)`)."""
+    timeout: float | None = None
+    """Seconds a request may take in all; it is then aborted and `TimeoutError` raised."""
+    max_retries: int = 2
+    """Resubmissions, with backoff, of a request refused with `EngineOverloadedError`."""
+    api_key: SecretStr | None = Field(default=None, exclude=True)
+    """Accepted for drop-in use with code written for hosted models, and ignored: the engine
+    runs in this process and needs no key."""
 
     _handle: EngineHandle = PrivateAttr()
 
@@ -75,6 +83,7 @@ class PagedParams(BaseModel):
     def _check(self) -> PagedParams:
         """Bad sampling values and unknown engine arguments fail here, before any work."""
         check_engine_args(self.engine_args)
+        check_max_retries(self.max_retries)
         self._sampling_params(None, {})
         self._handle = EngineHandle(self.model, self.engine_args)
         return self
@@ -98,12 +107,13 @@ class PagedParams(BaseModel):
 
     def _prepare(
         self, stop: list[str] | None, kwargs: dict, *, stream: bool = False
-    ) -> tuple[AsyncEngine, SamplingParams]:
+    ) -> tuple[Submitter, SamplingParams]:
         """Validate the call's parameters, then (only then) start or reuse the engine."""
+        options = pop_request_options(self, kwargs)
         params = self._sampling_params(stop, kwargs)
         if stream and params.n != 1:
             raise ValueError(f"n must be 1 when streaming, got {params.n}")
-        return self._handle.get(), params
+        return Submitter(self._handle.get(), **options), params
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -158,17 +168,3 @@ def completion_metadata(completion: CompletionOutput, model_name: str) -> dict[s
             for position in completion.logprobs
         ]
     return meta
-
-
-def last_output(outputs: Iterator[RequestOutput]) -> RequestOutput:
-    """Run a request to the end. An error or interrupt arrives inside the engine's iterator,
-    whose cleanup aborts the request."""
-    return collections.deque(outputs, maxlen=1)[0]
-
-
-async def alast_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    """`last_output` for the async engine stream (cancellation aborts the request)."""
-    last = None
-    async for out in outputs:
-        last = out
-    return last

@@ -27,14 +27,12 @@ from pydantic import BaseModel
 
 from langchain_paged.base import (
     PagedParams,
-    alast_output,
     completion_metadata,
-    last_output,
     usage_metadata,
 )
 from langchain_paged.messages import render_chat
 from paged_backend import AsyncEngine, RequestOutput, SamplingParams, StructuredOutputsParams
-from paged_backend.adapters import context_window, model_tokenizer
+from paged_backend.adapters import alast_output, context_window, last_output, model_tokenizer
 from paged_backend.tool_calling import (
     ToolCallDelta,
     ToolCallParser,
@@ -194,17 +192,18 @@ class ChatPaged(PagedParams, BaseChatModel):
     def _request(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict, stream: bool
     ) -> tuple[AsyncEngine, str, SamplingParams, bool]:
-        """(engine, prompt, params, whether to parse tool calls). Tools come from `bind_tools`
+        """(submitter, prompt, params, whether to parse tool calls). Tools come from `bind_tools`
         (or as call kwargs in the same form) and turn into the prompt and a constraint."""
         kwargs = dict(kwargs)
         if kwargs.get("tools") is not None:
             kwargs["tools"] = [convert_to_openai_tool(t) for t in kwargs["tools"]]
         tools = pop_tool_request(kwargs)
-        engine, params = self._prepare(stop, kwargs, stream=stream)
+        submitter, params = self._prepare(stop, kwargs, stream=stream)
+        engine = submitter.engine
         prompt = render_chat(
             engine.apply_chat_template, engine.tokenizer.chat_template, messages, tools
         )
-        return engine, prompt, params, tools is not None
+        return submitter, prompt, params, tools is not None
 
     def _result(self, out: RequestOutput, with_tools: bool) -> ChatResult:
         generations = [
@@ -226,8 +225,8 @@ class ChatPaged(PagedParams, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        engine, prompt, params, with_tools = self._request(messages, stop, kwargs, stream=False)
-        outputs = engine.generate_stream(prompt, params, add_special_tokens=False)
+        submitter, prompt, params, with_tools = self._request(messages, stop, kwargs, stream=False)
+        outputs = submitter.stream(prompt, params, add_special_tokens=False)
         return self._result(last_output(outputs), with_tools)
 
     async def _agenerate(
@@ -237,8 +236,8 @@ class ChatPaged(PagedParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        engine, prompt, params, with_tools = self._request(messages, stop, kwargs, stream=False)
-        outputs = engine.generate(prompt, params, add_special_tokens=False)
+        submitter, prompt, params, with_tools = self._request(messages, stop, kwargs, stream=False)
+        outputs = submitter.astream(prompt, params, add_special_tokens=False)
         return self._result(await alast_output(outputs), with_tools)
 
     def _stream(
@@ -248,9 +247,9 @@ class ChatPaged(PagedParams, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        engine, prompt, params, with_tools = self._request(messages, stop, kwargs, stream=True)
+        submitter, prompt, params, with_tools = self._request(messages, stop, kwargs, stream=True)
         to_chunk = _ChunkBuilder(self.model_name, with_tools)
-        with closing(engine.generate_stream(prompt, params, add_special_tokens=False)) as outs:
+        with closing(submitter.stream(prompt, params, add_special_tokens=False)) as outs:
             for out in outs:
                 if (chunk := to_chunk(out)) is not None:
                     yield chunk
@@ -262,9 +261,9 @@ class ChatPaged(PagedParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        engine, prompt, params, with_tools = self._request(messages, stop, kwargs, stream=True)
+        submitter, prompt, params, with_tools = self._request(messages, stop, kwargs, stream=True)
         to_chunk = _ChunkBuilder(self.model_name, with_tools)
-        async with aclosing(engine.generate(prompt, params, add_special_tokens=False)) as outs:
+        async with aclosing(submitter.astream(prompt, params, add_special_tokens=False)) as outs:
             async for out in outs:
                 if (chunk := to_chunk(out)) is not None:
                     yield chunk

@@ -16,12 +16,11 @@ from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
 from langchain_paged.base import (
     PagedParams,
-    alast_output,
     completion_metadata,
-    last_output,
     usage_metadata,
 )
 from paged_backend import AsyncEngine, RequestOutput
+from paged_backend.adapters import alast_output, last_output
 
 
 class PagedLLM(PagedParams, BaseLLM):
@@ -69,15 +68,13 @@ class PagedLLM(PagedParams, BaseLLM):
         **kwargs: Any,
     ) -> LLMResult:
         """Submit every prompt, then collect: all of them run in the same batch."""
-        engine, params = self._prepare(stop, kwargs)
+        submitter, params = self._prepare(stop, kwargs)
         ids = _request_ids(len(prompts))
         try:
-            streams = [
-                engine.generate_stream(p, params, i) for p, i in zip(prompts, ids, strict=True)
-            ]
+            streams = [submitter.stream(p, params, i) for p, i in zip(prompts, ids, strict=True)]
             outs = [last_output(stream) for stream in streams]
         except BaseException:  # a bad prompt or an interrupt: stop the ones already queued
-            _abort(engine, ids)
+            _abort(submitter.engine, ids)
             raise
         return self._result(outs)
 
@@ -88,17 +85,17 @@ class PagedLLM(PagedParams, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        engine, params = self._prepare(stop, kwargs)
+        submitter, params = self._prepare(stop, kwargs)
         ids = _request_ids(len(prompts))
         try:
             outs = await asyncio.gather(
                 *(
-                    alast_output(engine.generate(p, params, i))
+                    alast_output(submitter.astream(p, params, i))
                     for p, i in zip(prompts, ids, strict=True)
                 )
             )
         except BaseException:  # including cancellation
-            _abort(engine, ids)
+            _abort(submitter.engine, ids)
             raise
         return self._result(list(outs))
 
@@ -109,8 +106,8 @@ class PagedLLM(PagedParams, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        engine, params = self._prepare(stop, kwargs, stream=True)
-        with closing(engine.generate_stream(prompt, params)) as outs:
+        submitter, params = self._prepare(stop, kwargs, stream=True)
+        with closing(submitter.stream(prompt, params)) as outs:
             for out in outs:
                 if (chunk := self._chunk(out)) is not None:
                     if run_manager:
@@ -124,8 +121,8 @@ class PagedLLM(PagedParams, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        engine, params = self._prepare(stop, kwargs, stream=True)
-        async with aclosing(engine.generate(prompt, params)) as outs:
+        submitter, params = self._prepare(stop, kwargs, stream=True)
+        async with aclosing(submitter.astream(prompt, params)) as outs:
             async for out in outs:
                 if (chunk := self._chunk(out)) is not None:
                     if run_manager:

@@ -9,7 +9,6 @@ cached KV blocks.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -46,8 +45,13 @@ from llama_index.core.types import PydanticProgramMode
 from paged_backend.adapters import (
     SAMPLING_FIELDS,
     EngineHandle,
+    Submitter,
+    alast_output,
     build_sampling_params,
+    check_max_retries,
     context_window,
+    last_output,
+    pop_request_options,
 )
 from paged_backend.async_engine import AsyncEngine
 from paged_backend.model_loader import model_name
@@ -106,6 +110,16 @@ class PagedLLM(FunctionCallingLLM):
         description="Tenant isolation: only requests with the same salt share prefix-cache "
         "blocks (per call too, as a keyword argument).",
     )
+    timeout: float | None = Field(
+        default=None,
+        description="Seconds a request may take in all; it is then aborted and TimeoutError "
+        "raised (per call too).",
+    )
+    max_retries: int = Field(
+        default=2,
+        description="Resubmissions, with backoff, of a request refused with "
+        "EngineOverloadedError (per call too).",
+    )
     additional_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Any other SamplingParams fields (vLLM names)."
     )
@@ -121,6 +135,7 @@ class PagedLLM(FunctionCallingLLM):
         super().model_post_init(context)
         self._handle = EngineHandle(self.model, self.engine_args)
         self._sampling_params({})  # bad values fail here, naming the field, not on first call
+        check_max_retries(self.max_retries)
 
     @classmethod
     def class_name(cls) -> str:
@@ -197,8 +212,10 @@ class PagedLLM(FunctionCallingLLM):
 
     def _request(
         self, prompt: tuple[str, bool], kwargs: dict[str, Any]
-    ) -> tuple[list[int], SamplingParams]:
+    ) -> tuple[Submitter, list[int], SamplingParams]:
         text, add_special_tokens = prompt
+        kwargs = dict(kwargs)
+        options = pop_request_options(self, kwargs)
         params = self._sampling_params(kwargs)
         engine = self.engine
         ids = engine.tokenize(text, add_special_tokens=add_special_tokens)
@@ -207,21 +224,23 @@ class PagedLLM(FunctionCallingLLM):
             # LlamaIndex packs prompts against num_output with estimated token counts: let a
             # prompt that fits end at the context window instead of failing for max_tokens.
             params = dataclasses.replace(params, max_tokens=room)
-        return ids, params
+        return Submitter(engine, **options), ids, params
 
     def _stream(self, prompt: tuple[str, bool], kwargs: dict[str, Any]) -> Iterator[RequestOutput]:
-        return self.engine.generate_stream(*self._request(prompt, kwargs))
+        submitter, ids, params = self._request(prompt, kwargs)
+        return submitter.stream(ids, params)
 
     def _astream(
         self, prompt: tuple[str, bool], kwargs: dict[str, Any]
     ) -> AsyncIterator[RequestOutput]:
-        return self.engine.generate(*self._request(prompt, kwargs))
+        submitter, ids, params = self._request(prompt, kwargs)
+        return submitter.astream(ids, params)
 
     # ---- LlamaIndex API --------------------------------------------------------------------
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         outputs = self._stream(self._completion_prompt(prompt, formatted), kwargs)
-        return _completion_response(_last(outputs), stream=False)
+        return _completion_response(last_output(outputs), stream=False)
 
     @llm_completion_callback()
     def stream_complete(
@@ -233,7 +252,7 @@ class PagedLLM(FunctionCallingLLM):
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         prompt, kwargs, with_tools = self._chat_request(messages, kwargs)
-        out = _last(self._stream(prompt, kwargs))
+        out = last_output(self._stream(prompt, kwargs))
         return _chat_response(out, parse_tool_calls(out.outputs[0].text) if with_tools else None)
 
     @llm_chat_callback()
@@ -246,7 +265,7 @@ class PagedLLM(FunctionCallingLLM):
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
         outputs = self._astream(self._completion_prompt(prompt, formatted), kwargs)
-        return _completion_response(await _alast(outputs), stream=False)
+        return _completion_response(await alast_output(outputs), stream=False)
 
     @llm_completion_callback()
     async def astream_complete(
@@ -258,7 +277,7 @@ class PagedLLM(FunctionCallingLLM):
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         prompt, kwargs, with_tools = self._chat_request(messages, kwargs)
-        out = await _alast(self._astream(prompt, kwargs))
+        out = await alast_output(self._astream(prompt, kwargs))
         return _chat_response(out, parse_tool_calls(out.outputs[0].text) if with_tools else None)
 
     @llm_chat_callback()
@@ -375,16 +394,6 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     if message.role == MessageRole.TOOL:
         entry["tool_call_id"] = message.additional_kwargs.get("tool_call_id")
     return entry
-
-
-def _last(outputs: Iterator[RequestOutput]) -> RequestOutput:
-    return collections.deque(outputs, maxlen=1)[0]
-
-
-async def _alast(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    async for out in outputs:
-        last = out
-    return last
 
 
 def _convert(outputs: Iterator[RequestOutput], respond: Callable[[RequestOutput], Any]) -> Iterator:
