@@ -94,6 +94,47 @@ def _wake(fut: asyncio.Future) -> None:
         fut.set_result(None)
 
 
+class RequestStream(Iterator[RequestOutput]):
+    """A request's outputs for a plain thread. The request is already submitted: `close()`,
+    leaving a `with` block, an error or timeout, or dropping the iterator before its end
+    (also before reading anything) aborts it and frees its blocks."""
+
+    def __init__(self, engine, request_id: str, stream: _Stream, deadline, timeout) -> None:
+        self.request_id = request_id
+        self._engine, self._stream = engine, stream
+        self._deadline, self._timeout = deadline, timeout
+        self._done = False
+
+    def __next__(self) -> RequestOutput:
+        if self._done:
+            raise StopIteration
+        try:
+            try:
+                item = self._stream.get(self._deadline)
+            except TimeoutError:
+                raise _timed_out(self.request_id, self._timeout) from None
+            out = _raise_if_error(item)
+        except BaseException:
+            self.close()
+            raise
+        self._done = out.finished
+        return out
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine.abort_sync(self.request_id)
+
+    def __enter__(self) -> RequestStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
 class AsyncEngine:
     """Embeddable streaming engine. Create with `AsyncEngine.from_model(model=None, ...)` or
     share one per model with `paged_backend.get_engine`."""
@@ -218,24 +259,7 @@ class AsyncEngine:
         request_id, stream = self._submit(
             prompt, sampling_params, request_id, priority, add_special_tokens
         )
-        return self._iterate(request_id, stream, deadline, timeout)
-
-    def _iterate(
-        self, request_id: str, stream: _Stream, deadline: float | None, timeout: float | None
-    ) -> Iterator[RequestOutput]:
-        finished = False
-        try:
-            while not finished:
-                try:
-                    item = stream.get(deadline)
-                except TimeoutError:
-                    raise _timed_out(request_id, timeout) from None
-                out = _raise_if_error(item)
-                finished = out.finished
-                yield out
-        finally:
-            if not finished:
-                self.abort_sync(request_id)
+        return RequestStream(self, request_id, stream, deadline, timeout)
 
     async def abort(self, request_id: str) -> None:
         self.abort_sync(request_id)

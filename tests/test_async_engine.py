@@ -177,6 +177,17 @@ def test_closing_a_sync_iterator_aborts(engine):
     _assert_stopped_early(engine)
 
 
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_an_unread_sync_iterator_aborts_too(engine, how):
+    """The request is submitted when the iterator is made: closing or dropping it before
+    reading anything must abort it, not leave it running unread."""
+    stream = engine.generate_stream(PROMPTS[1], LONG)
+    if how == "close":
+        stream.close()
+    del stream
+    _assert_stopped_early(engine)
+
+
 def test_timeout_aborts_and_raises_in_the_caller(engine):
     with pytest.raises(TimeoutError, match=r"did not finish within 0\.1 s"):
         for _ in engine.generate_stream(PROMPTS[1], LONG, timeout=0.1):
