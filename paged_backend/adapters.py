@@ -149,6 +149,8 @@ def merge_stop(*stops: str | list[str] | None) -> list[str] | None:
     never overwrites stops given elsewhere (constructor stops survive `stop=None` calls)."""
     merged: list[str] = []
     for stop in stops:
+        if not (stop is None or isinstance(stop, str | list | tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
         for s in [stop] if isinstance(stop, str) else stop or []:
             if s not in merged:
                 merged.append(s)

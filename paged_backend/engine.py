@@ -102,6 +102,12 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must be a non-empty string or token id list, got ''")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer can take it
+                raise ValueError(
+                    f"prompt is not valid Unicode text: {exc.reason} at position {exc.start}"
+                ) from None
             ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
         elif isinstance(prompt, Sequence) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt

@@ -32,6 +32,11 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+        if not isinstance(prompts, Sequence):
+            raise TypeError(
+                "prompts must be a str, a list of token ids, or a list of those, "
+                f"got {type(prompts).__name__}"
+            )
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):

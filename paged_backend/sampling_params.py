@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from paged_backend.structured_output import StructuredOutputsParams
 
+MAX_INT = 2**63  # no int field needs more (seeds are 64-bit in torch)
+
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    """An int or float (not a bool), finite."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check(ok: bool, name: str, allowed: str, value) -> None:
@@ -43,34 +51,21 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        """Every field is checked for its type before its range, so a value of any type gets
+        a ValueError naming the field and what it allows, never an error from inside."""
         _check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
-        _check(
-            0 <= self.temperature < float("inf"),
-            "temperature",
-            "finite and >= 0 (0 means greedy)",
-            self.temperature,
-        )
-        _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        self._real("temperature", "finite and >= 0 (0 means greedy)", lambda v: v >= 0)
+        self._real("top_p", "in (0, 1]", lambda v: 0 < v <= 1)
         _check(
             _is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1),
             "top_k",
             "-1, 0 (no limit) or a positive integer",
             self.top_k,
         )
-        _check(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
-        _check(
-            -2 <= self.presence_penalty <= 2,
-            "presence_penalty",
-            "in [-2, 2]",
-            self.presence_penalty,
-        )
-        _check(
-            -2 <= self.frequency_penalty <= 2,
-            "frequency_penalty",
-            "in [-2, 2]",
-            self.frequency_penalty,
-        )
-        _check(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
+        self._real("min_p", "in [0, 1]", lambda v: 0 <= v <= 1)
+        self._real("presence_penalty", "in [-2, 2]", lambda v: -2 <= v <= 2)
+        self._real("frequency_penalty", "in [-2, 2]", lambda v: -2 <= v <= 2)
+        self._real("repetition_penalty", "finite and > 0", lambda v: v > 0)
         _check(
             self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
             "max_tokens",
@@ -78,49 +73,51 @@ class SamplingParams:
             self.max_tokens,
         )
         _check(
-            _is_int(self.min_tokens) and self.min_tokens >= 0,
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or MAX_INT),
             "min_tokens",
-            "an integer >= 0",
+            "an integer >= 0 and <= max_tokens",
             self.min_tokens,
         )
-        if self.max_tokens is not None:
-            _check(
-                self.min_tokens <= self.max_tokens,
-                "min_tokens",
-                f"<= max_tokens ({self.max_tokens})",
-                self.min_tokens,
-            )
         _check(
             self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
             "logprobs",
             "None or an integer in [0, 20]",
             self.logprobs,
         )
-        _check(self.seed is None or _is_int(self.seed), "seed", "None or an integer", self.seed)
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         _check(
-            all(isinstance(s, str) and s for s in stops),
+            self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
+            "seed",
+            "None or an integer in [0, 2**63)",
+            self.seed,
+        )
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        _check(
+            stops is None
+            or (isinstance(stops, list | tuple) and all(isinstance(x, str) and x for x in stops)),
             "stop",
             "a non-empty string or a list of non-empty strings",
             self.stop,
         )
-        self.stop_strings = stops
-        ids = list(self.stop_token_ids or [])
+        self.stop_strings = list(stops or [])
+        ids = self.stop_token_ids
         _check(
-            all(isinstance(t, int) and t >= 0 for t in ids),
+            ids is None
+            or (isinstance(ids, list | tuple) and all(_is_int(t) and t >= 0 for t in ids)),
             "stop_token_ids",
             "a list of non-negative token ids",
-            self.stop_token_ids,
+            ids,
         )
-        self.stop_token_ids = ids
-        for token, bias in (self.logit_bias or {}).items():
+        self.stop_token_ids = list(ids or [])
+        bias = self.logit_bias
+        _check(bias is None or isinstance(bias, dict), "logit_bias", "a dict", bias)
+        for token, value in (bias or {}).items():
+            _check(_is_int(token) and token >= 0, "logit_bias", "keyed by token ids >= 0", token)
             _check(
-                isinstance(token, int) and token >= 0,
+                _is_real(value) and -100 <= value <= 100,
                 "logit_bias",
-                "keyed by token ids >= 0",
-                token,
+                "values in [-100, 100]",
+                value,
             )
-            _check(-100 <= bias <= 100, "logit_bias", "values in [-100, 100]", bias)
         _check(
             self.structured_outputs is None
             or isinstance(self.structured_outputs, StructuredOutputsParams),
@@ -134,6 +131,13 @@ class SamplingParams:
             "None or a non-empty string",
             self.cache_salt,
         )
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), name, "True or False", value)
+
+    def _real(self, name: str, allowed: str, ok) -> None:
+        value = getattr(self, name)
+        _check(_is_real(value) and ok(value), name, allowed, value)
 
     @property
     def greedy(self) -> bool:

@@ -66,6 +66,11 @@ def check_tools(tools: Any) -> list[dict]:
                 'each tool must be {"type": "function", "function": {"name": ..., '
                 f'"parameters": ...}}}}, got {tool!r}'
             )
+        if not isinstance(function.get("parameters", {}), dict):
+            raise ValueError(
+                f"tool {name!r}: parameters must be a JSON schema object, "
+                f"got {function['parameters']!r}"
+            )
     return list(tools)
 
 

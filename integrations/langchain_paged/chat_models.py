@@ -18,6 +18,7 @@ from langchain_core.output_parsers.openai_tools import (
     PydanticToolsParser,
 )
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.prompt_values import PromptValue
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough
 from langchain_core.runnables.config import get_config_list
 from langchain_core.tools import BaseTool
@@ -63,6 +64,17 @@ class ChatPaged(PagedParams, BaseChatModel):
     @property
     def _llm_type(self) -> str:
         return "paged-chat"
+
+    def _convert_input(self, model_input: LanguageModelInput) -> PromptValue:
+        """LangChain's reading of the input, whose KeyError or AttributeError on a malformed
+        message (a ("tool", text) pair without its call id, say) becomes a ValueError naming
+        the messages, as every other bad input gets."""
+        try:
+            return super()._convert_input(model_input)
+        except (KeyError, AttributeError, TypeError) as exc:
+            raise ValueError(
+                f"messages could not be read as chat messages: {type(exc).__name__}: {exc}"
+            ) from None
 
     def _resolve_model_profile(self) -> ModelProfile:
         window = context_window(self.model, self.engine_args)
@@ -121,7 +133,7 @@ class ChatPaged(PagedParams, BaseChatModel):
         schema (constrained decoding), and without `parallel_tool_calls` it writes at most one.
         Calls arrive in `AIMessage.tool_calls`, and as `tool_call_chunks` when streaming.
         """
-        specs = check_tools([convert_to_openai_tool(t) for t in tools])
+        specs = check_tools([_openai_tool(i, t) for i, t in enumerate(tools)])
         choice = tool_choice_name(tool_choice, specs)
         return self.bind(
             tools=specs, tool_choice=choice, parallel_tool_calls=parallel_tool_calls, **kwargs
@@ -267,6 +279,15 @@ class ChatPaged(PagedParams, BaseChatModel):
             async for out in outs:
                 if (chunk := to_chunk(out)) is not None:
                     yield chunk
+
+
+def _openai_tool(index: int, tool: Any) -> dict[str, Any]:
+    """LangChain's conversion, with whatever it raises on a malformed tool (AttributeError
+    and KeyError too) turned into one ValueError naming the tool."""
+    try:
+        return convert_to_openai_tool(tool)
+    except (ValueError, TypeError, AttributeError, KeyError) as exc:
+        raise ValueError(f"tools[{index}] is not a tool: {exc}") from None
 
 
 def _json_output_spec(schema: Any, method: str) -> StructuredOutputsParams:
