@@ -29,6 +29,7 @@ import torch
 from paged_backend import EngineConfig, LLMEngine, SamplingParams, cpu_ops
 from paged_backend.cpu_linear import CpuLinear, can_pack
 from paged_backend.default_model import default_model_file
+from paged_backend.request import Request
 
 TOPICS = [
     "solar panels",
@@ -386,6 +387,7 @@ def main() -> None:
             "matmul_peak_gflops": peak,
             "requests": args.requests,
             "max_tokens": args.max_tokens,
+            "block_hash_ns_per_token": block_hash_ns_per_token(ours.engine.config.block_size),
         }
     }
     for name in workloads:
@@ -455,6 +457,18 @@ def main() -> None:
         print_table(results, workloads)
 
 
+def block_hash_ns_per_token(block_size: int, tokens: int = 4096, repeats: int = 20) -> float:
+    """What hashing a prompt's blocks for the prefix cache costs per token (the best of
+    `repeats`, as the engine computes it on a request's first lookup)."""
+    best = float("inf")
+    for i in range(repeats):
+        request = Request(f"hash-{i}", list(range(i, i + tokens)), SamplingParams())
+        start = time.perf_counter()
+        request.update_block_hashes(block_size)
+        best = min(best, time.perf_counter() - start)
+    return best / tokens * 1e9
+
+
 def print_table(results: dict, workloads: list[str]) -> None:
     c = results["config"]
     print(
@@ -463,7 +477,8 @@ def print_table(results: dict, workloads: list[str]) -> None:
         f"transformers {c['hf_dtype']}), "
         f"{c['threads']} threads, "
         f"bf16 matmul peak {c['matmul_peak_gflops']:.0f} GFLOP/s, "
-        f"peak RSS ours {results['peak_rss_mb_ours']:.0f} MB"
+        f"peak RSS ours {results['peak_rss_mb_ours']:.0f} MB, "
+        f"prefix-cache block hashing (SHA-256) {c['block_hash_ns_per_token']:.0f} ns/prompt token"
     )
     for name in workloads:
         print(f"\n[{name}]")

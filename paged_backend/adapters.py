@@ -22,9 +22,10 @@ from paged_backend.async_engine import AsyncEngine
 from paged_backend.config import EngineConfig, ModelConfig
 from paged_backend.errors import EngineOverloadedError
 from paged_backend.model_loader import model_name, resolve_model_path
-from paged_backend.outputs import RequestOutput
+from paged_backend.outputs import CompletionOutput, Logprob, RequestOutput
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.shared_engines import get_engine, release_engine
+from paged_backend.tool_calling import ToolCallDelta, ToolCallParser
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
 # What `get_engine(model, **engine_args)` accepts besides the model.
@@ -59,6 +60,11 @@ class EngineHandle:
     def model_name(self) -> str:
         """The name users know the model by, known before the engine exists (for tracing)."""
         return model_name(self.model)
+
+    @functools.cached_property
+    def context_window(self) -> int:
+        """`model_context_window`, read once (frameworks ask for it on every call)."""
+        return model_context_window(self.model, self.engine_args)
 
 
 # Per-call options that are not sampling parameters: LangChain's standard `timeout` and
@@ -139,6 +145,67 @@ async def alast_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     return last
 
 
+@dataclass(frozen=True)
+class TokenCounts:
+    """A request's usage as both adapters report it."""
+
+    prompt: int
+    generated: int
+    cached: int  # prompt tokens served from the prefix cache
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.generated
+
+    @classmethod
+    def of(cls, out: RequestOutput, completions: list[CompletionOutput] | None = None):
+        """Of the whole request, or of some of its `n` completions."""
+        generated = sum(len(c.token_ids) for c in completions or out.outputs)
+        return cls(len(out.prompt_token_ids), generated, out.num_cached_tokens)
+
+
+def ranked_logprobs(
+    completion: CompletionOutput, delta_only: bool = False
+) -> list[list[tuple[int, Logprob]]] | None:
+    """Per generated position (a stream chunk's new tokens only, with `delta_only`), the
+    (token id, Logprob) candidates, best rank first; None when logprobs were not asked for."""
+    if completion.logprobs is None:
+        return None
+    end = len(completion.token_ids)
+    start = end - len(completion.delta_token_ids) if delta_only else 0
+    return [
+        sorted(position.items(), key=lambda item: item[1].rank)
+        for position in completion.logprobs[start:end]
+    ]
+
+
+def chat_message(
+    role: str, content: str, calls: list[dict] | None = None, tool_call_id: str | None = None
+) -> dict:
+    """A message as the chat template and the tool rendering take it: earlier calls as
+    `tool_calls` ({"id", "name", "arguments"}), a tool result with its `tool_call_id`."""
+    entry: dict = {"role": role, "content": content}
+    if calls:
+        entry["tool_calls"] = calls
+    if role == "tool":
+        entry["tool_call_id"] = tool_call_id
+    return entry
+
+
+class StreamedText:
+    """A stream's new text per engine output for the adapters' chunk builders. With tools
+    bound, text that may begin a call is held back and comes out as call deltas instead."""
+
+    def __init__(self, with_tools: bool) -> None:
+        self.parser = ToolCallParser() if with_tools else None
+
+    def __call__(self, out: RequestOutput) -> tuple[str, list[ToolCallDelta]]:
+        text = out.outputs[0].delta_text
+        if self.parser is None:
+            return text, []
+        return self.parser.feed(text, last=out.finished)
+
+
 def _release(engine: AsyncEngine) -> None:
     if not engine.is_closed:
         release_engine(engine)
@@ -185,8 +252,9 @@ def _model_path(model: str | None) -> Path:
     return resolve_model_path(model)
 
 
-def context_window(model: str | None, engine_args: dict) -> int:
-    """The engine's `max_model_len` for these arguments, from the model's config.json alone."""
+def model_context_window(model: str | None, engine_args: dict) -> int:
+    """The engine's `max_model_len` for these arguments, from the model's config.json alone:
+    no engine starts."""
     config = ModelConfig.from_dir(_model_path(model))
     return config.resolve_max_model_len(engine_args.get("max_model_len"))
 

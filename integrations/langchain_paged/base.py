@@ -15,12 +15,14 @@ from paged_backend.adapters import (
     SAMPLING_FIELDS,
     EngineHandle,
     Submitter,
+    TokenCounts,
     build_sampling_params,
     check_engine_args,
     check_max_retries,
     merge_stop,
     model_tokenizer,
     pop_request_options,
+    ranked_logprobs,
 )
 
 PROVIDER = "paged"
@@ -141,30 +143,30 @@ def usage_metadata(
 ) -> UsageMetadata:
     """Token counts of a request (or of some of its `n` completions); `cache_read` is the
     prompt tokens served from the prefix cache."""
-    prompt = len(out.prompt_token_ids)
-    generated = sum(len(c.token_ids) for c in completions or out.outputs)
+    counts = TokenCounts.of(out, completions)
     return UsageMetadata(
-        input_tokens=prompt,
-        output_tokens=generated,
-        total_tokens=prompt + generated,
-        input_token_details={"cache_read": out.num_cached_tokens},
+        input_tokens=counts.prompt,
+        output_tokens=counts.generated,
+        total_tokens=counts.total,
+        input_token_details={"cache_read": counts.cached},
     )
 
 
 def completion_metadata(completion: CompletionOutput, model_name: str) -> dict[str, Any]:
     """`finish_reason` ("stop", "length", "abort"), the matched stop and, when asked for,
-    per-token logprobs (a list per position of the sampled and top tokens)."""
+    per-token logprobs (a list per position of the sampled and top tokens, best first)."""
     meta: dict[str, Any] = {
         "finish_reason": completion.finish_reason,
         "stop_reason": completion.stop_reason,
         "model_name": model_name,
     }
-    if completion.logprobs is not None:
+    positions = ranked_logprobs(completion)
+    if positions is not None:
         meta["logprobs"] = [
             [
                 {"token_id": t, "token": lp.decoded_token, "logprob": lp.logprob, "rank": lp.rank}
-                for t, lp in position.items()
+                for t, lp in candidates
             ]
-            for position in completion.logprobs
+            for candidates in positions
         ]
     return meta

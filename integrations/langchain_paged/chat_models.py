@@ -33,10 +33,15 @@ from langchain_paged.base import (
 )
 from langchain_paged.messages import render_chat
 from paged_backend import AsyncEngine, RequestOutput, SamplingParams, StructuredOutputsParams
-from paged_backend.adapters import alast_output, context_window, last_output, model_tokenizer
+from paged_backend.adapters import (
+    StreamedText,
+    alast_output,
+    last_output,
+    model_context_window,
+    model_tokenizer,
+)
 from paged_backend.tool_calling import (
     ToolCallDelta,
-    ToolCallParser,
     check_tools,
     parse_tool_calls,
     pop_tool_request,
@@ -77,7 +82,7 @@ class ChatPaged(PagedParams, BaseChatModel):
             ) from None
 
     def _resolve_model_profile(self) -> ModelProfile:
-        window = context_window(self.model, self.engine_args)
+        window = model_context_window(self.model, self.engine_args)  # before _handle exists
         return ModelProfile(
             max_input_tokens=window - 1,  # at least one token is left to generate
             max_output_tokens=window - 1,
@@ -333,13 +338,11 @@ class _ChunkBuilder:
 
     def __init__(self, model_name: str, with_tools: bool) -> None:
         self.model_name = model_name
-        self.parser = ToolCallParser() if with_tools else None
+        self.new_text = StreamedText(with_tools)
 
     def __call__(self, out: RequestOutput) -> ChatGenerationChunk | None:
         c = out.outputs[0]
-        text, deltas = c.delta_text, []
-        if self.parser is not None:
-            text, deltas = self.parser.feed(text, last=out.finished)
+        text, deltas = self.new_text(out)
         fields: dict[str, Any] = {"content": text}
         if deltas:
             fields["tool_call_chunks"] = [_tool_call_chunk(d) for d in deltas]

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 from langchain_core.messages import BaseMessage
 
+from paged_backend.adapters import chat_message
 from paged_backend.tool_calling import render_tool_chat
 
 _ROLES = {"system": "system", "human": "user", "ai": "assistant", "tool": "tool"}
@@ -37,15 +38,13 @@ def to_chat_dicts(messages: Sequence[BaseMessage]) -> list[dict]:
         role = message.role if message.type == "chat" else _ROLES.get(message.type)
         if role is None:
             raise ValueError(f"unsupported message type {message.type!r}")
-        entry = {"role": role, "content": _text(message)}
-        if getattr(message, "tool_calls", None):
-            entry["tool_calls"] = [
-                {"id": c.get("id"), "name": c["name"], "arguments": c["args"]}
-                for c in message.tool_calls
-            ]
-        if message.type == "tool":
-            entry["tool_call_id"] = message.tool_call_id
-        dicts.append(entry)
+        calls = [
+            {"id": c.get("id"), "name": c["name"], "arguments": c["args"]}
+            for c in getattr(message, "tool_calls", None) or []
+        ]
+        dicts.append(
+            chat_message(role, _text(message), calls, getattr(message, "tool_call_id", None))
+        )
     return dicts
 
 

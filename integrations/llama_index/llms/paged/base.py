@@ -45,21 +45,22 @@ from llama_index.core.types import PydanticProgramMode
 from paged_backend.adapters import (
     SAMPLING_FIELDS,
     EngineHandle,
+    StreamedText,
     Submitter,
+    TokenCounts,
     alast_output,
     build_sampling_params,
+    chat_message,
     check_max_retries,
-    context_window,
     last_output,
     pop_request_options,
+    ranked_logprobs,
 )
 from paged_backend.async_engine import AsyncEngine
-from paged_backend.model_loader import model_name
 from paged_backend.outputs import CompletionOutput, RequestOutput
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.tool_calling import (
     ParsedOutput,
-    ToolCallParser,
     collect_calls,
     parse_tool_calls,
     pop_tool_request,
@@ -129,7 +130,6 @@ class PagedLLM(FunctionCallingLLM):
     )
 
     _handle: EngineHandle = PrivateAttr()
-    _model_facts: tuple[int, str] | None = PrivateAttr(default=None)
 
     def model_post_init(self, context: Any, /) -> None:
         super().model_post_init(context)
@@ -148,22 +148,14 @@ class PagedLLM(FunctionCallingLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        context_window, model_name = self._facts()
+        """Read from the model's config (LlamaIndex asks on every call): no engine starts."""
         return LLMMetadata(
-            context_window=context_window,
+            context_window=self._handle.context_window,
             num_output=self.max_tokens,
             is_chat_model=True,
             is_function_calling_model=True,
-            model_name=model_name,
+            model_name=self._handle.model_name,
         )
-
-    def _facts(self) -> tuple[int, str]:
-        """Context window and model name as the engine will compute them, read from the model's
-        config so that metadata (LlamaIndex asks on every call) never starts an engine."""
-        if self._model_facts is None:
-            window = context_window(self.model, self.engine_args)
-            self._model_facts = (window, model_name(self.model))
-        return self._model_facts
 
     def tokenize(self, text: str) -> list[int]:
         """The model's tokens for `text`. LlamaIndex packs prompts into `context_window` by
@@ -375,8 +367,8 @@ class PagedLLM(FunctionCallingLLM):
 
 # ---- engine outputs -> LlamaIndex responses ------------------------------------------------
 def _message_dict(message: ChatMessage) -> dict[str, Any]:
-    """Role/content dict; tool calls (blocks, or OpenAI-style `additional_kwargs`) and a tool
-    result's `tool_call_id` go along for the chat template."""
+    """The shared message dict; tool calls come from blocks, or from OpenAI-style
+    `additional_kwargs`, and a tool result's `tool_call_id` from `additional_kwargs`."""
     calls = []
     for block in message.blocks:
         if isinstance(block, ToolCallBlock):
@@ -388,12 +380,8 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     if not calls:  # our replies carry both forms: take the blocks
         for call in message.additional_kwargs.get("tool_calls") or []:
             calls.append({"id": call.get("id"), **call["function"]})
-    entry: dict[str, Any] = {"role": message.role.value, "content": message.content or ""}
-    if calls:
-        entry["tool_calls"] = calls
-    if message.role == MessageRole.TOOL:
-        entry["tool_call_id"] = message.additional_kwargs.get("tool_call_id")
-    return entry
+    tool_call_id = message.additional_kwargs.get("tool_call_id")
+    return chat_message(message.role.value, message.content or "", calls, tool_call_id)
 
 
 def _convert(outputs: Iterator[RequestOutput], respond: Callable[[RequestOutput], Any]) -> Iterator:
@@ -413,27 +401,25 @@ async def _aconvert(
 def _raw(out: RequestOutput) -> dict[str, Any]:
     """OpenAI-shaped usage (read by TokenCountingHandler), plus prefix-cache hits."""
     completion = out.outputs[0]
-    prompt_tokens = len(out.prompt_token_ids)
-    completion_tokens = len(completion.token_ids)
+    counts = TokenCounts.of(out)
     return {
         "request_id": out.request_id,
         "finish_reason": completion.finish_reason,
         "stop_reason": completion.stop_reason,
         "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "cached_tokens": out.num_cached_tokens,
+            "prompt_tokens": counts.prompt,
+            "completion_tokens": counts.generated,
+            "total_tokens": counts.total,
+            "cached_tokens": counts.cached,
         },
     }
 
 
 def _logprobs(completion: CompletionOutput, stream: bool) -> list[list[LogProb]] | None:
-    """Per token, the top candidates by rank; a stream chunk carries its new tokens only."""
-    if completion.logprobs is None:
+    """Per token, the candidates best first; a stream chunk carries its new tokens only."""
+    positions = ranked_logprobs(completion, delta_only=stream)
+    if positions is None:
         return None
-    end = len(completion.token_ids)  # the engine may already have appended more
-    start = end - len(completion.delta_token_ids) if stream else 0
     return [
         [
             LogProb(
@@ -441,9 +427,9 @@ def _logprobs(completion: CompletionOutput, stream: bool) -> list[list[LogProb]]
                 logprob=lp.logprob,
                 bytes=list((lp.decoded_token or "").encode()),
             )
-            for lp in sorted(position.values(), key=lambda lp: lp.rank)
+            for _, lp in candidates
         ]
-        for position in completion.logprobs[start:end]
+        for candidates in positions
     ]
 
 
@@ -492,15 +478,15 @@ class _ChatStream:
     tools, the text of calls is left out of it and the calls complete so far are blocks."""
 
     def __init__(self, with_tools: bool) -> None:
-        self.parser = ToolCallParser() if with_tools else None
+        self.new_text = StreamedText(with_tools)
+        self.with_tools = with_tools
         self.content = ""
         self.deltas: list = []
 
     def __call__(self, out: RequestOutput) -> ChatResponse:
-        text = out.outputs[0].delta_text
-        if self.parser is None:
+        text, deltas = self.new_text(out)
+        if not self.with_tools:
             return _chat_response(out, None, delta=text)
-        text, deltas = self.parser.feed(text, last=out.finished)
         self.content += text
         self.deltas += deltas
         return _chat_response(out, collect_calls(self.content, self.deltas), delta=text)
