@@ -27,6 +27,8 @@ EXPECTED = {
     "python examples/llamaindex_rag.py": r"prefix-cache hit rate [1-9]\d*%",
     "python examples/tool_calling.py": r"call get_weather\(\{'city': 'Oslo'\}\) -> Oslo: light "
     r"snow(.|\n)*call add\(\{'a': 17, 'b': 25\}\) -> 42",
+    "python examples/benchmark.py": r"\[rag\]\s+ours .* tok/s(.|\n)*ours \d+\.\dx",
+    "python examples/stress.py": r"stress: (\d+) of \1 scenarios ok",
 }
 TIME_LIMIT_S = 600
 
