@@ -34,6 +34,12 @@ _CACHE_SIZE = 256  # compiled specs kept per engine; xgrammar keeps its own cach
 # complete, parseable value instead of being cut off by max_tokens.
 WRAP_UP_TOKENS = 24
 _WRAP_UP_WEIGHT = 100.0  # logits per unit of closing score: it outranks the model's preference
+# No unbounded runs inside a JSON value: at most this much whitespace between two tokens (room
+# for pretty-printing a few levels deep), and at most this many digits in each part of a number
+# (a double holds ~15 significant digits: longer runs are a model looping, and would otherwise
+# go on until max_tokens).
+MAX_WHITESPACE_RUN = 12
+MAX_NUMBER_DIGITS = 15
 
 
 @dataclass
@@ -158,9 +164,12 @@ class GrammarCache:
     def _compile(self, kind: str, spec: str, compact: bool) -> xgr.CompiledGrammar:
         try:
             if kind in ("json", "json_object"):
-                return self._compiler.compile_json_schema(
-                    spec if kind == "json" else _ANY_OBJECT_SCHEMA, any_whitespace=not compact
+                grammar = _xgrammar().Grammar.from_json_schema(
+                    spec if kind == "json" else _ANY_OBJECT_SCHEMA,
+                    any_whitespace=not compact,
+                    max_whitespace_cnt=None if compact else MAX_WHITESPACE_RUN,
                 )
+                return self._compiler.compile_grammar(bound_number_digits(str(grammar)))
             if kind == "regex":
                 return self._compiler.compile_regex(spec)
             if kind == "structural_tag":
@@ -202,6 +211,18 @@ class GrammarCache:
         return _xgrammar().GrammarMatcher(
             self.compile(params), override_stop_tokens=self.stop_token_ids + extra
         )
+
+
+def bound_number_digits(ebnf: str) -> str:
+    """xgrammar's JSON grammar with the digit runs of its number rules bounded: `[0-9]*` after
+    a leading digit and `digits{1, -1}` (fraction, exponent) get `MAX_NUMBER_DIGITS` at most."""
+    rules = []
+    for rule in ebnf.splitlines():
+        if rule.startswith(("basic_number", "basic_integer")):
+            rule = rule.replace("[0-9]*", f"[0-9]{{0, {MAX_NUMBER_DIGITS - 1}}}")
+            rule = rule.replace("{1, -1}", f"{{1, {MAX_NUMBER_DIGITS}}}")
+        rules.append(rule)
+    return "\n".join(rules)
 
 
 def _xgrammar():

@@ -22,4 +22,5 @@ def test_the_test_extra_brings_what_the_tests_import():
     test_extra = [Requirement(r) for r in requires("paged-backend") if 'extra == "test"' in r]
     names = {r.name for r in test_extra}
     assert {"jsonschema", "hypothesis", "pytest-asyncio", "langchain-tests"} <= names
-    assert "paged-backend" in names  # [structured,triton]: the grammar and kernel tests
+    # [langchain,llama-index,structured,triton]: the adapters, grammar and kernel tests
+    assert "paged-backend" in names

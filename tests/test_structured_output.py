@@ -15,7 +15,12 @@ from conftest import make_tiny_model
 from pydantic import BaseModel, ConfigDict, Field
 
 from paged_backend import LLM, AsyncEngine, SamplingParams, StructuredOutputsParams
-from paged_backend.structured_output import GrammarCache, apply_grammar_bitmask
+from paged_backend.structured_output import (
+    MAX_NUMBER_DIGITS,
+    MAX_WHITESPACE_RUN,
+    GrammarCache,
+    apply_grammar_bitmask,
+)
 
 try:
     import jsonschema
@@ -461,3 +466,42 @@ def test_without_xgrammar_only_constrained_requests_fail(tiny_model, monkeypatch
     with pytest.raises(ImportError, match=r"paged-backend\[structured\]"):
         llm.generate("Hello", constrained, use_tqdm=False)
     assert llm.engine.stats()["kv_blocks_free"] == llm.engine.stats()["kv_blocks_total"]
+
+
+NUMBERS = {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 4}
+
+
+@pytest.mark.parametrize(
+    ("compact", "prefix", "run", "limit"),
+    [
+        (False, "[1.", "1", MAX_NUMBER_DIGITS),  # a fraction's digits
+        (False, "[1", "2", MAX_NUMBER_DIGITS - 1),  # an integer part's digits after the first
+        (False, "[", " ", MAX_WHITESPACE_RUN),  # whitespace between two tokens
+        (True, "[1, ", " ", 0),  # compact: the separator's one space, no more
+    ],
+)
+def test_no_unbounded_run_inside_a_json_value(default_model_path, compact, prefix, run, limit):
+    """The grammar itself ends a number or a whitespace run: a model looping on one cannot
+    go on until max_tokens and leave JSON that does not parse."""
+    from transformers import AutoTokenizer
+
+    cache = GrammarCache(AutoTokenizer.from_pretrained(default_model_path), 49152, [2])
+    spec = StructuredOutputsParams(json=NUMBERS, disable_any_whitespace=compact)
+    matcher = cache.matcher(spec, [])
+    assert matcher.accept_string(prefix + run * limit)
+    assert not matcher.accept_string(run)
+
+
+def test_a_model_pushed_to_loop_on_digits_still_ends_in_json(tiny_model, one_thread):
+    llm = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=64)
+    one = llm.get_tokenizer().convert_tokens_to_ids("1")
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=64,
+        logit_bias={one: 100},  # the model wants nothing but "1"
+        structured_outputs=StructuredOutputsParams(json=NUMBERS),
+    )
+    text = llm.generate("Numbers:", params, use_tqdm=False)[0].outputs[0].text
+    values = json.loads(text)
+    assert 1 <= len(values) <= 4
+    assert all(len(part) <= MAX_NUMBER_DIGITS for part in re.findall(r"\d+", text))
