@@ -334,6 +334,7 @@ def test_is_a_function_calling_llm(llm):
     assert isinstance(llm, FunctionCallingLLM) and llm.metadata.is_function_calling_model
 
 
+@pytest.mark.slow
 def test_structured_predict_fills_the_model_through_a_forced_tool_call():
     structured = tool_llm()
     prompt = PromptTemplate("Extract the pet from this sentence: {text}")
@@ -397,6 +398,7 @@ def test_no_tool_call_is_an_error_only_when_asked():
         model.chat_with_tools(TOOLS, user_msg="Hi", tool_choice="multiply")
 
 
+@pytest.mark.slow
 async def test_function_agent_with_two_tools_completes_a_task():
     """The agent calls the weather tool (a 135M model needs `initial_tool_choice` to call one
     at all), gets its result back as a tool message and answers with it."""

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 STRESS = Path(__file__).resolve().parent.parent / "examples" / "stress.py"
 
 
+@pytest.mark.slow
 def test_stress_scenarios_hold_at_ci_size(tiny_model):
     args = ["--model", str(tiny_model), "--requests", "300", "--streams", "80"]
     done = subprocess.run(
