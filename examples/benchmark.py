@@ -23,6 +23,7 @@ import json
 import resource
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -388,6 +389,7 @@ def main() -> None:
             "requests": args.requests,
             "max_tokens": args.max_tokens,
             "block_hash_ns_per_token": block_hash_ns_per_token(ours.engine.config.block_size),
+            "cpu": cpu_description(),
         }
     }
     for name in workloads:
@@ -469,8 +471,25 @@ def block_hash_ns_per_token(block_size: int, tokens: int = 4096, repeats: int = 
     return best / tokens * 1e9
 
 
+def cpu_description() -> str:
+    """The CPU's model name and the features the kernels depend on, so that figures from
+    different machines are never compared as if they were equal."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    name = next(
+        (ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")),
+        "unknown CPU",
+    )
+    flags = set(next((ln for ln in info.splitlines() if ln.startswith("flags")), "").split())
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return f"{name} ({', '.join(f for f in wanted if f in flags) or 'no AVX2'})"
+
+
 def print_table(results: dict, workloads: list[str]) -> None:
     c = results["config"]
+    print(f"CPU: {c['cpu']}")
     print(
         f"dtype {c['dtype']} (packed weights {c['packed_weights']}, block size {c['block_size']}, "
         f"quantization {c['quantization']}, C ops {c['cpu_kernels']}; "
