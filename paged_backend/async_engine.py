@@ -37,12 +37,16 @@ _THROUGHPUT_WINDOW_S = 10.0
 
 
 class _Stream:
-    """Outputs of one request, waited on by a thread or by a coroutine of any event loop."""
+    """Outputs of one request, waited on by a thread or by a coroutine of any event loop. With
+    a `timeout` (seconds for the whole request, the caller's reading included), waiting past
+    it raises TimeoutError, so that the caller aborts the request."""
 
-    def __init__(self) -> None:
+    def __init__(self, request_id: str, timeout: float | None = None) -> None:
         self._items: collections.deque = collections.deque()
         self._cond = threading.Condition()
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+        self._request_id, self._timeout = request_id, timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
 
     def put(self, item: RequestOutput | BaseException) -> None:
         with self._cond:
@@ -54,39 +58,47 @@ class _Stream:
             with contextlib.suppress(RuntimeError):  # a closed loop: its consumer is gone
                 loop.call_soon_threadsafe(_wake, fut)
 
-    def get(self, deadline: float | None = None) -> RequestOutput | BaseException:
-        """The next item; TimeoutError once `deadline` (time.monotonic) has passed, also for
-        a slow consumer: the deadline is the caller's, for the whole request."""
+    def get(self) -> RequestOutput | BaseException:
         with self._cond:
-            while not self._items or _remaining(deadline) == 0.0:
-                if not self._cond.wait(_remaining(deadline)):
-                    raise TimeoutError
-            return self._items.popleft()
+            while True:
+                remaining = self._remaining()
+                if remaining == 0.0:
+                    raise self._timed_out()
+                if self._items:
+                    return self._items.popleft()
+                self._cond.wait(remaining)
 
-    async def get_async(self, deadline: float | None = None) -> RequestOutput | BaseException:
+    async def get_async(self) -> RequestOutput | BaseException:
         while True:
             with self._cond:
-                if self._items and _remaining(deadline) != 0.0:
+                remaining = self._remaining()
+                if remaining == 0.0:
+                    raise self._timed_out()
+                if self._items:
                     return self._items.popleft()
-                if _remaining(deadline) == 0.0:
-                    raise TimeoutError
                 loop = asyncio.get_running_loop()
                 fut = loop.create_future()
                 self._waiter = (loop, fut)
-            await asyncio.wait_for(fut, _remaining(deadline))  # TimeoutError at the deadline
+            with contextlib.suppress(TimeoutError):  # the loop above raises it, with the id
+                await asyncio.wait_for(fut, remaining)
+
+    def _remaining(self) -> float | None:
+        if self._deadline is None:
+            return None
+        return max(0.0, self._deadline - time.monotonic())
+
+    def _timed_out(self) -> TimeoutError:
+        return TimeoutError(
+            f"request {self._request_id!r} did not finish within {self._timeout} s; aborted"
+        )
 
 
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-def _deadline(timeout: float | None) -> float | None:
-    """`timeout` (seconds for the whole request) checked at submit, as a monotonic deadline."""
+def check_timeout(timeout: object) -> None:
+    """`timeout`: None or seconds for the whole request, checked before it is queued."""
     if timeout is None:
-        return None
+        return
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < 1e9:
         raise ValueError(f"timeout must be None or a number of seconds > 0, got {timeout!r}")
-    return time.monotonic() + timeout
 
 
 def _wake(fut: asyncio.Future) -> None:
@@ -99,21 +111,16 @@ class RequestStream(Iterator[RequestOutput]):
     leaving a `with` block, an error or timeout, or dropping the iterator before its end
     (also before reading anything) aborts it and frees its blocks."""
 
-    def __init__(self, engine, request_id: str, stream: _Stream, deadline, timeout) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream) -> None:
         self.request_id = request_id
         self._engine, self._stream = engine, stream
-        self._deadline, self._timeout = deadline, timeout
         self._done = False
 
     def __next__(self) -> RequestOutput:
         if self._done:
             raise StopIteration
         try:
-            try:
-                item = self._stream.get(self._deadline)
-            except TimeoutError:
-                raise _timed_out(self.request_id, self._timeout) from None
-            out = _raise_if_error(item)
+            out = _raise_if_error(self._stream.get())
         except BaseException:
             self.close()
             raise
@@ -185,14 +192,14 @@ class AsyncEngine:
 
     # ---- submitting ------------------------------------------------------------------------
     def _submit(
-        self, prompt, params, request_id, priority, add_special_tokens
+        self, prompt, params, request_id, priority, add_special_tokens, timeout
     ) -> tuple[str, _Stream]:
+        check_timeout(timeout)
         params = params if params is not None else SamplingParams()
         ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
         self.engine.validate(ids, params)
         if not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
-        stream = _Stream()
         with self._lock:
             if self._closed:
                 raise EngineShutdownError("the engine has been shut down; create a new one")
@@ -207,7 +214,7 @@ class AsyncEngine:
             request_id = str(request_id)
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
-            self._streams[request_id] = stream
+            stream = self._streams[request_id] = _Stream(request_id, timeout)
             text = prompt if isinstance(prompt, str) else None
             self._inbox.append(("add", request_id, text, ids, params, priority))
         self._wakeup.set()
@@ -226,18 +233,13 @@ class AsyncEngine:
         """Stream `RequestOutput`s (cumulative text and `delta_text`) until finished. Leaving
         the loop early or cancelling the task aborts the request and frees its blocks; so does
         `timeout` (seconds for the whole request), which then raises `TimeoutError`."""
-        deadline = _deadline(timeout)
         request_id, stream = self._submit(
-            prompt, sampling_params, request_id, priority, add_special_tokens
+            prompt, sampling_params, request_id, priority, add_special_tokens, timeout
         )
         finished = False
         try:
             while not finished:
-                try:
-                    item = await stream.get_async(deadline)
-                except TimeoutError:
-                    raise _timed_out(request_id, timeout) from None
-                out = _raise_if_error(item)
+                out = _raise_if_error(await stream.get_async())
                 finished = out.finished
                 yield out
         finally:
@@ -255,11 +257,10 @@ class AsyncEngine:
         timeout: float | None = None,
     ) -> Iterator[RequestOutput]:
         """The same stream for plain threads; closing the iterator early aborts the request."""
-        deadline = _deadline(timeout)
         request_id, stream = self._submit(
-            prompt, sampling_params, request_id, priority, add_special_tokens
+            prompt, sampling_params, request_id, priority, add_special_tokens, timeout
         )
-        return RequestStream(self, request_id, stream, deadline, timeout)
+        return RequestStream(self, request_id, stream)
 
     async def abort(self, request_id: str) -> None:
         self.abort_sync(request_id)
@@ -369,10 +370,6 @@ class AsyncEngine:
         stats["num_in_flight"] = len(self._streams)
         metrics.export(stats, self.model_name)
         return stats
-
-
-def _timed_out(request_id: str, timeout: float | None) -> TimeoutError:
-    return TimeoutError(f"request {request_id!r} did not finish within {timeout} s; aborted")
 
 
 def _raise_if_error(item: RequestOutput | BaseException) -> RequestOutput:

@@ -98,7 +98,8 @@ class LLMEngine:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
 
     def tokenize(self, prompt: PromptType, *, add_special_tokens: bool = True) -> list[int]:
-        """Validate a prompt (text or token ids) and return its token ids."""
+        """A prompt's token ids: text tokenized, token ids as given (`validate`, which every
+        entry runs, checks them)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must be a non-empty string or token id list, got ''")
@@ -109,16 +110,12 @@ class LLMEngine:
                     f"prompt is not valid Unicode text: {exc.reason} at position {exc.start}"
                 ) from None
             ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
-        elif isinstance(prompt, Sequence) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            ids = list(prompt)  # the range is checked by `validate`, which every entry runs
+        elif isinstance(prompt, Sequence):
+            ids = list(prompt)
         else:
             raise TypeError(
                 f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}"
             )
-        if not ids:
-            raise ValueError("prompt must be a non-empty string or token id list, got []")
         return ids
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -28,8 +28,8 @@ def resolve_model_path(model: str | Path | None) -> Path:
     if model is None:
         return convert_gguf(default_model_file())
     path = Path(model).expanduser()
-    if not path.exists() and _is_hub_id(str(model)):
-        path = snapshot_from_hub(str(model))
+    if (repo_id := _hub_id(model)) is not None:
+        path = snapshot_from_hub(repo_id)
     if not path.exists():
         raise FileNotFoundError(
             f"model path {path} does not exist; expected a Hugging Face model directory, "
@@ -49,13 +49,16 @@ def model_name(model: str | Path | None) -> str:
     """The name users know a model by: the default model's, a hub id, or the file's name."""
     if model is None:
         return DEFAULT_MODEL_NAME
-    path = Path(model).expanduser()
-    return str(model) if not path.exists() and _is_hub_id(str(model)) else path.name
+    return _hub_id(model) or Path(model).expanduser().name
 
 
-def _is_hub_id(model: str) -> bool:
-    parts = model.split("/")
-    return len(parts) == 2 and all(parts) and not model.startswith((".", "~"))
+def _hub_id(model: str | Path) -> str | None:
+    """`model` as a hub repository id ("org/name") when it is one and no such local path
+    exists; None for a local path."""
+    name = str(model)
+    parts = name.split("/")
+    is_id = len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
+    return name if is_id and not Path(name).expanduser().exists() else None
 
 
 def snapshot_from_hub(repo_id: str) -> Path:
