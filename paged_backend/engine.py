@@ -138,8 +138,6 @@ class LLMEngine:
                 "all of a request's sequences must fit in one batch"
             )
         params.check_vocab(vocab)
-        if params.structured_outputs is not None:
-            self.grammars.compile(params.structured_outputs)  # invalid specs raise here
         n = len(prompt_ids)
         if n >= self.max_model_len:
             raise ValueError(
@@ -157,6 +155,27 @@ class LLMEngine:
                 f"prompt + max_tokens ({total} tokens) needs {self.kv.blocks_needed(total)} KV "
                 f"blocks but the cache has {self.kv.num_blocks}; lower max_tokens or raise "
                 "num_kv_blocks / kv_cache_memory_bytes"
+            )
+        if params.structured_outputs is not None:
+            self._check_structured_budget(params, n)
+
+    def _check_structured_budget(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        """Compile the request's grammar (an invalid spec raises here) and reject a budget too
+        small for its shortest complete output: such an output could only end cut off."""
+        shortest = self.grammars.shortest_output(params.structured_outputs)
+        if shortest is None:
+            return
+        need, text = shortest
+        budget = params.max_tokens or self.max_model_len - num_prompt_tokens
+        if budget < need:
+            given = (
+                f"got {budget}"
+                if params.max_tokens
+                else f"the prompt leaves {budget} of max_model_len ({self.max_model_len})"
+            )
+            raise ValueError(
+                f"max_tokens must be at least {need} for this structured output (its shortest "
+                f"complete output, {text!r}, is {need} tokens); {given}"
             )
 
     def add_request(
@@ -201,6 +220,7 @@ class LLMEngine:
                     max_tokens=params.max_tokens or self.max_model_len - len(ids),
                     detokenizer=detokenizer,
                     grammar=self._new_grammar(params),
+                    budget_guard=self._new_budget_guard(params),
                 )
             )
         self.parents[request_id] = _Parent(
@@ -272,6 +292,11 @@ class LLMEngine:
         if params.structured_outputs is None:
             return None
         return self.grammars.matcher(params.structured_outputs, params.stop_token_ids)
+
+    def _new_budget_guard(self, params: SamplingParams):
+        if params.structured_outputs is None:
+            return None
+        return self.grammars.budget_guard(params.structured_outputs)
 
     def _append_token(self, request: Request, token: int, logprobs) -> None:
         # The grammar advances here only, once per appended token (never on recompute).

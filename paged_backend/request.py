@@ -15,6 +15,8 @@ from paged_backend.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from xgrammar import GrammarMatcher
 
+    from paged_backend.completion import BudgetGuard
+
 _arrivals = itertools.count()
 
 
@@ -40,6 +42,7 @@ class Request:
         max_tokens: int | None = None,
         detokenizer=None,
         grammar: GrammarMatcher | None = None,
+        budget_guard: BudgetGuard | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id or request_id
@@ -65,8 +68,10 @@ class Request:
         self.generator = None
         if seed is not None:
             self.generator = torch.Generator().manual_seed(seed)
-        # Structured output: masks this sequence's logits; advanced by each appended token.
+        # Structured output: masks this sequence's logits; advanced by each appended token. The
+        # guard keeps a completion within the tokens left (`completion`).
         self.grammar = grammar
+        self.budget_guard = budget_guard
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +80,11 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens_left(self) -> int:
+        """New tokens this request may still produce."""
+        return self.max_tokens - len(self.output_token_ids)
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

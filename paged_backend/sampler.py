@@ -3,8 +3,9 @@
 Greedy rows skip all full-vocabulary work but the argmax. Random rows draw with the exponential
 race (argmax of p / Exp(1) noise), which consumes exactly one vocabulary-sized draw per step per
 request: a seeded request's tokens depend only on its own generator, whatever else is batched.
-Rows under structured output are first masked to the tokens their grammar allows and, near the
-end of their budget, steered toward closing their structure (see `structured_output`).
+Rows under structured output are first masked to the tokens their grammar allows; their budget
+guard may then replace a sampled token that would leave no room to complete the structure (see
+`completion`).
 """
 
 from __future__ import annotations
@@ -15,12 +16,7 @@ import torch
 
 from paged_backend.outputs import Logprob
 from paged_backend.request import Request
-from paged_backend.structured_output import (
-    GrammarCache,
-    apply_grammar_bitmask,
-    steer_to_close,
-    wrap_up_rows,
-)
+from paged_backend.structured_output import GrammarCache, apply_grammar_bitmask
 
 
 @dataclass
@@ -49,11 +45,8 @@ class Sampler:
         constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
         if constrained:  # structured output: before any other processing, in place
             matchers = [requests[i].grammar for i in constrained]
-            forced = [self.grammars.forced_token(m) for m in matchers]
+            forced = [self._forced_token(requests[i]) for i in constrained]
             apply_grammar_bitmask(logits, constrained, matchers, forced)
-            closing = wrap_up_rows(requests, constrained)
-            if closing:
-                steer_to_close(logits, closing, self.grammars.closing_scores)
         logits = self._adjust(logits, requests)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
@@ -62,10 +55,23 @@ class Sampler:
                 logits[random_rows], [requests[i] for i in random_rows]
             )
         token_list = tokens.tolist()
+        for i in constrained:
+            r = requests[i]
+            if r.budget_guard is not None:
+                token_list[i] = r.budget_guard.admit(r.grammar, token_list[i], r.num_tokens_left)
         lps: list = [None] * len(requests)
         for j, i in enumerate(want_lp):
             lps[i] = _top_logprobs(raw_logprobs[j], token_list[i], requests[i].params.logprobs)
         return SamplerOutput(token_list, lps)
+
+    def _forced_token(self, request: Request) -> int | None:
+        """The completion's next token once it needs every token left, else the start of the
+        text the grammar forces."""
+        guard = request.budget_guard
+        forced = None
+        if guard is not None:
+            forced = guard.forced(request.num_tokens_left)
+        return forced if forced is not None else self.grammars.forced_token(request.grammar)
 
     def _adjust(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Logit bias, min_tokens and penalties, applied only to the rows that ask for them."""

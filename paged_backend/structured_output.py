@@ -23,17 +23,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from paged_backend.completion import BudgetGuard, CompletionFinder
+
 if TYPE_CHECKING:
     import xgrammar as xgr
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 _ANY_OBJECT_SCHEMA = '{"type": "object"}'
 _CACHE_SIZE = 256  # compiled specs kept per engine; xgrammar keeps its own cache under ours
-# The wrap-up: in the last tokens of a constrained request's budget, allowed tokens that close
-# structures are preferred, so that a model that loops inside a string still ends with a
-# complete, parseable value instead of being cut off by max_tokens.
-WRAP_UP_TOKENS = 24
-_WRAP_UP_WEIGHT = 100.0  # logits per unit of closing score: it outranks the model's preference
 # No unbounded runs inside a JSON value: at most this much whitespace between two tokens (room
 # for pretty-printing a few levels deep), and at most this many digits in each part of a number
 # (a double holds ~15 significant digits: longer runs are a model looping, and would otherwise
@@ -135,31 +132,39 @@ class GrammarCache:
         self._vocab_size = vocab_size
         self._tokenizer = tokenizer
         self._first_tokens: dict[str, int] = {}
-        self._compiled: OrderedDict[tuple[str, str, bool], xgr.CompiledGrammar] = OrderedDict()
+        self._compiled: OrderedDict[tuple, tuple[xgr.CompiledGrammar, bytes | None]] = OrderedDict()
         self._lock = threading.Lock()  # guards only the dict: compiles may run concurrently
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """The compiled grammar of `params`; raises ValueError if the spec is invalid."""
+        return self._entry(params)[0]
+
+    def _entry(self, params: StructuredOutputsParams) -> tuple[xgr.CompiledGrammar, bytes | None]:
+        """The compiled grammar of `params` and the shortest completion of its start."""
         with self._lock:
-            compiled = self._compiled.get(params.key)
-            if compiled is not None:
+            entry = self._compiled.get(params.key)
+            if entry is not None:
                 self._compiled.move_to_end(params.key)
-                return compiled
+                return entry
         compiled = self._compile(*params.key)
+        start = _xgrammar().GrammarMatcher(compiled)
+        entry = (compiled, self._finder.find(start, thorough=True))
         with self._lock:
-            self._compiled[params.key] = compiled
+            self._compiled[params.key] = entry
             if len(self._compiled) > _CACHE_SIZE:
                 self._compiled.popitem(last=False)
-        return compiled
+        return entry
+
+    @cached_property
+    def _info(self) -> xgr.TokenizerInfo:
+        # `vocab_size` is the model's: ids the tokenizer does not know are never allowed.
+        return _xgrammar().TokenizerInfo.from_huggingface(
+            self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self.stop_token_ids
+        )
 
     @cached_property
     def _compiler(self) -> xgr.GrammarCompiler:
-        xgr = _xgrammar()
-        # `vocab_size` is the model's: ids the tokenizer does not know are never allowed.
-        info = xgr.TokenizerInfo.from_huggingface(
-            self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self.stop_token_ids
-        )
-        return xgr.GrammarCompiler(info)
+        return _xgrammar().GrammarCompiler(self._info)
 
     def _compile(self, kind: str, spec: str, compact: bool) -> xgr.CompiledGrammar:
         try:
@@ -169,11 +174,12 @@ class GrammarCache:
                     any_whitespace=not compact,
                     max_whitespace_cnt=None if compact else MAX_WHITESPACE_RUN,
                 )
-                return self._compiler.compile_grammar(bound_number_digits(str(grammar)))
+                return self._compiler.compile_grammar(json_ebnf(grammar))
             if kind == "regex":
                 return self._compiler.compile_regex(spec)
-            if kind == "structural_tag":
-                return self._compiler.compile_structural_tag(spec)
+            if kind == "structural_tag":  # tool calls: JSON inside tags, its numbers bounded too
+                grammar = _xgrammar().Grammar.from_structural_tag(spec)
+                return self._compiler.compile_grammar(json_ebnf(grammar))
             if kind == "choice":
                 # JSON string literals are valid EBNF string literals.
                 alternatives = (jsonlib.dumps(c, ensure_ascii=False) for c in jsonlib.loads(spec))
@@ -183,10 +189,26 @@ class GrammarCache:
             raise ValueError(f"invalid structured_outputs.{kind}: {_clean(exc)}") from None
 
     @cached_property
-    def closing_scores(self) -> torch.Tensor:
-        """`closing_scores` of this tokenizer, computed when a request first needs the wrap-up
-        (35 ms over the vocabulary: not worth paying at every engine start)."""
-        return closing_scores(self._tokenizer, self._vocab_size, self.stop_token_ids)
+    def _finder(self) -> CompletionFinder:
+        return CompletionFinder(
+            self._info.decoded_vocab,
+            self._vocab_size,
+            self.stop_token_ids,
+            lambda text: self._tokenizer.encode(text, add_special_tokens=False),
+        )
+
+    def shortest_output(self, params: StructuredOutputsParams) -> tuple[int, str] | None:
+        """The fewest new tokens a complete output of `params` takes, and that output; None
+        when the search for it gave up (a grammar with no end in reach)."""
+        text = self._entry(params)[1]
+        if text is None:
+            return None
+        return len(self._finder.tokens(text)), text.decode("utf-8", "replace")
+
+    def budget_guard(self, params: StructuredOutputsParams) -> BudgetGuard | None:
+        """A fresh request's `BudgetGuard`; None when its grammar has no completion in reach."""
+        text = self._entry(params)[1]
+        return None if text is None else BudgetGuard(self._finder, text)
 
     def forced_token(self, matcher: xgr.GrammarMatcher) -> int | None:
         """The first token of the text the grammar forces next (a key, `": "`, a closing
@@ -213,16 +235,33 @@ class GrammarCache:
         )
 
 
-def bound_number_digits(ebnf: str) -> str:
-    """xgrammar's JSON grammar with the digit runs of its number rules bounded: `[0-9]*` after
-    a leading digit and `digits{1, -1}` (fraction, exponent) get `MAX_NUMBER_DIGITS` at most."""
+def json_ebnf(grammar: xgr.Grammar) -> str:
+    """`grammar` (xgrammar's JSON rules inside) as EBNF text, corrected where xgrammar's rules
+    let a model write JSON that does not parse or loop without end:
+    - the digit runs of its number rules are bounded: `[0-9]*` after a leading digit and
+      `digits{1, -1}` (fraction, exponent) get `MAX_NUMBER_DIGITS` at most;
+    - the characters of a string with a length bound exclude control characters, which JSON
+      strings may hold only escaped (xgrammar's rule excludes only `"`, `\\`, CR and LF);
+    - U+0080-U+00FF are written `\\u00HH`: xgrammar prints them `\\xHH` but reads `\\x` with
+      every hex digit that follows (`"\\xe9a"`, printed for "éa", reads as U+0E9A).
+      Compiling the Grammar object itself goes through the same printer and is wrong alike."""
+    text = re.sub(
+        r"\\(\\|x([0-9a-fA-F]{2}))",
+        lambda m: m[0] if m[1] == "\\" else "\\u00" + m[2],
+        str(grammar),
+    )
+    text = text.replace(_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER)
     rules = []
-    for rule in ebnf.splitlines():
+    for rule in text.splitlines():
         if rule.startswith(("basic_number", "basic_integer")):
             rule = rule.replace("[0-9]*", f"[0-9]{{0, {MAX_NUMBER_DIGITS - 1}}}")
             rule = rule.replace("{1, -1}", f"{{1, {MAX_NUMBER_DIGITS}}}")
         rules.append(rule)
     return "\n".join(rules)
+
+
+_BOUNDED_STRING_CHARACTER = r"[^\"\\\r\n]"
+_JSON_STRING_CHARACTER = r"[^\0-\u001f\"\\]"
 
 
 def _xgrammar():
@@ -234,44 +273,6 @@ def _xgrammar():
             "xgrammar: pip install 'paged-backend[structured]'"
         ) from None
     return xgrammar
-
-
-def closing_scores(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> torch.Tensor:
-    """Per token, how directly it ends a JSON-like structure, for the wrap-up. Single
-    characters rank: a quote first (inside a string it ends it; outside, an empty key or value
-    is the shortest), then closing brackets, then the rest; commas, opening brackets and
-    whitespace last.
-    Longer tokens rank with the plain characters (a `}` in one may be string content), so
-    text the grammar forces, such as the next required key, still goes in whole tokens. The
-    tokens that end the output rank above everything."""
-    scores = torch.zeros(vocab_size)
-    pieces = tokenizer.convert_ids_to_tokens(list(range(min(len(tokenizer), vocab_size))))
-    ranks = {'"': 3.0, "}": 2.0, "]": 2.0, ",": -1.0, "{": -1.0, "[": -1.0}
-    ranks.update(dict.fromkeys(("Ġ", "Ċ", "ĉ", " ", "\n", "\t"), -1.0))  # byte-level too
-    for i, piece in enumerate(pieces):
-        if piece is not None and len(piece) == 1:
-            scores[i] = ranks.get(piece, 0.0)
-    scores[stop_token_ids] = 10.0
-    return scores
-
-
-def wrap_up_rows(requests: list, rows: list[int]) -> list[int]:
-    """The constrained rows within their last `WRAP_UP_TOKENS` (at most half the budget)."""
-    return [
-        i
-        for i in rows
-        if requests[i].max_tokens - len(requests[i].output_token_ids)
-        <= min(WRAP_UP_TOKENS, requests[i].max_tokens // 2)
-    ]
-
-
-@torch.inference_mode()
-def steer_to_close(logits: torch.Tensor, rows: list[int], scores: torch.Tensor) -> None:
-    """Raise, in place, the logits of tokens that close structures (`closing_scores`) on `rows`;
-    banned tokens stay at -inf, and the model still chooses among equally closing tokens."""
-    bias = scores.to(logits.dtype) * _WRAP_UP_WEIGHT
-    for row in rows:
-        logits[row] += bias
 
 
 def _clean(exc: RuntimeError) -> str:

@@ -15,9 +15,6 @@ from langchain_paged import ChatPaged
 from paged_backend import get_engine, release_engine
 
 ENGINE_ARGS = {"num_kv_blocks": 512}
-# Short greedy answers: a quick suite that sees the same text on every run. Long enough for a
-# whole tool call or JSON object: one cut off at max_tokens cannot parse.
-SAMPLING = {"temperature": 0, "max_tokens": 64}
 
 
 class PagedChatTestConfig:
@@ -54,6 +51,12 @@ class TestChatPagedUnit(PagedChatTestConfig, ChatModelUnitTests):
 
 @pytest.mark.slow
 class TestChatPagedIntegration(PagedChatTestConfig, ChatModelIntegrationTests):
+    """Short greedy answers: a quick suite that sees the same text on every run. The budget
+    guard ends every tool call and JSON object complete within `max_tokens`, and leaves the
+    tokens it does not need to the arguments' content."""
+
+    max_tokens = 64
+
     @pytest.fixture(autouse=True, scope="class")
     def _shared_engine(self):
         """Keep the suite's engine alive between tests: each test builds its own ChatPaged,
@@ -64,7 +67,7 @@ class TestChatPagedIntegration(PagedChatTestConfig, ChatModelIntegrationTests):
 
     @property
     def standard_chat_model_params(self) -> dict[str, Any]:
-        return dict(SAMPLING)
+        return {"temperature": 0, "max_tokens": self.max_tokens}
 
     @property
     def supported_usage_metadata_details(self) -> dict[str, list[str]]:
@@ -91,3 +94,10 @@ class TestChatPagedIntegration(PagedChatTestConfig, ChatModelIntegrationTests):
     )
     def test_agent_loop(self, model) -> None:
         super().test_agent_loop(model)
+
+
+@pytest.mark.slow
+class TestChatPagedIntegrationTight(TestChatPagedIntegration):
+    """The same suite with a tighter budget, where a call's scaffolding takes most of it."""
+
+    max_tokens = 48

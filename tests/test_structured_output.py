@@ -253,18 +253,18 @@ LOOPING = {  # greedy SmolLM2 repeats itself inside "story" for as long as it ma
 
 @pytest.mark.slow
 @pytest.mark.parametrize("max_tokens", [48, 80])
-def test_the_wrap_up_closes_json_before_max_tokens(llm_fp32, max_tokens):
-    """Without the wrap-up these are cut off inside "story"; with it, every one parses (the
-    shortest way to close this schema from inside "story" takes about 20 tokens)."""
+def test_the_budget_guard_closes_json_before_max_tokens(llm_fp32, max_tokens):
+    """Without the budget guard these are cut off inside "story"; with it, every one parses
+    and validates, and the greedy one, which loops, uses its whole budget."""
     spec = StructuredOutputsParams(json=LOOPING, disable_any_whitespace=True)
     prompts = [chat(llm_fp32, q) for q in ("Tell me a very long story.", "Write a poem.")]
     params = [
         SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=spec),
         SamplingParams(temperature=1.0, seed=5, max_tokens=max_tokens, structured_outputs=spec),
     ]
-    for out in llm_fp32.generate(prompts, params, use_tqdm=False):
-        completion = out.outputs[0]
-        assert completion.finish_reason == "stop" and len(completion.token_ids) <= max_tokens
+    greedy, sampled = (o.outputs[0] for o in llm_fp32.generate(prompts, params, use_tqdm=False))
+    assert len(greedy.token_ids) == max_tokens and len(sampled.token_ids) <= max_tokens
+    for completion in (greedy, sampled):
         jsonschema.validate(json.loads(completion.text), LOOPING)
 
 
@@ -490,6 +490,49 @@ def test_no_unbounded_run_inside_a_json_value(default_model_path, compact, prefi
     matcher = cache.matcher(spec, [])
     assert matcher.accept_string(prefix + run * limit)
     assert not matcher.accept_string(run)
+
+
+@pytest.mark.parametrize("value", ["éa", "ÿ0", "aéF", "ບb", "你好", "😀1"])
+def test_non_ascii_literals_survive_the_grammar_rewrite(default_model_path, value):
+    """xgrammar prints "é" followed by a hex digit as `\\xe9a`, which it reads back as one
+    other character: a schema's non-ASCII enum must still allow exactly its own text, in a
+    JSON schema and inside a tool call."""
+    from transformers import AutoTokenizer
+
+    from paged_backend.tool_calling import tool_call_constraint
+
+    cache = GrammarCache(AutoTokenizer.from_pretrained(default_model_path), 49152, [2])
+    literal = json.dumps(value, ensure_ascii=False)
+    parameters = {"type": "object", "properties": {"x": {"enum": [value]}}, "required": ["x"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    cases = [
+        (StructuredOutputsParams(json={"enum": [value]}), ""),
+        (
+            tool_call_constraint(tools, "required", False),
+            '<tool_call>\n{"name": "f", "arguments": {"x": ',
+        ),
+    ]
+    for spec, head in cases:
+        assert cache.matcher(spec, []).accept_string(head + literal)
+        shortest = cache.shortest_output(spec)
+        assert shortest is not None and literal in shortest[1]
+
+
+def test_no_unbounded_number_inside_a_tool_call(default_model_path):
+    """Tool calls' arguments are JSON inside tags: their numbers are bounded the same way."""
+    from transformers import AutoTokenizer
+
+    from paged_backend.tool_calling import tool_call_constraint
+
+    cache = GrammarCache(AutoTokenizer.from_pretrained(default_model_path), 49152, [2])
+    parameters = {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    for choice in ("auto", "required"):
+        matcher = cache.matcher(tool_call_constraint(tools, choice, False), [])
+        head = '<tool_call>\n{"name": "f", "arguments": {"x": 1'
+        assert matcher.accept_string(head + "2" * (MAX_NUMBER_DIGITS - 1))
+        assert not matcher.accept_string("2")
+        assert matcher.accept_string("}}\n</tool_call>")
 
 
 def test_a_model_pushed_to_loop_on_digits_still_ends_in_json(tiny_model, one_thread):
