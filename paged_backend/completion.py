@@ -46,6 +46,11 @@ def _rank(byte: int) -> int:
 _RANK = np.array([_rank(b) for b in range(256)])
 
 
+def _may_stop(state: xgr.GrammarMatcher) -> bool:
+    """Whether the grammar's root is complete: a stop token may end the output here."""
+    return state.is_completed() or state.is_terminated()
+
+
 class _Pieces(NamedTuple):
     pieces: tuple[bytes, ...]
     free_text: bool  # more bytes allowed than `_MAX_BRANCHES`: inside a string, say
@@ -60,7 +65,6 @@ class CompletionFinder:
         self,
         decoded_vocab: list[bytes],
         vocab_size: int,
-        stop_token_ids: list[int],
         encode: Callable,
     ) -> None:
         byte_token = {}
@@ -71,7 +75,6 @@ class CompletionFinder:
         self._bytes = np.array(order, dtype=np.int64)
         self._byte_tokens = np.array([byte_token[b] for b in order], dtype=np.int64)
         self._token_of_byte = byte_token
-        self._stop = np.array(stop_token_ids, dtype=np.int64)
         self._vocab = decoded_vocab
         self._vocab_size = vocab_size
         self._encode = encode
@@ -113,13 +116,11 @@ class CompletionFinder:
 
     def _children(self, state: xgr.GrammarMatcher, bitmask) -> _Pieces | None:
         """The pieces worth appending to `state`, best first; None when it may stop here."""
-        if state.is_terminated():
+        if _may_stop(state):
             return None
         forced = state.find_jump_forward_string()
         state.fill_next_token_bitmask(bitmask, 0)
         words = bitmask[0].numpy().view(np.uint32)
-        if self._stop.size and ((words[self._stop >> 5] >> (self._stop & 31)) & 1).any():
-            return None
         if forced:
             return _Pieces((forced.encode(),), free_text=False)
         ids = self._byte_tokens
@@ -178,7 +179,7 @@ class CompletionFinder:
     def completes(self, matcher: xgr.GrammarMatcher, text: bytes) -> bool:
         """Whether `matcher` may stop after `text`."""
         probe = matcher.fork()
-        return probe.accept_string(text) and self._children(probe, self._bitmask()) is None
+        return probe.accept_string(text) and _may_stop(probe)
 
     def piece(self, token: int) -> bytes:
         return self._vocab[token]
@@ -224,6 +225,8 @@ class BudgetGuard:
         """`text`'s token ids. A suffix of the current completion keeps the current ids after
         the first whole token in it (tokenizing costs ~0.1 ms a call); the text before them
         is tokenized with that token, so that the tokens at the cut can merge (`"` + `}`)."""
+        if text == self.text:
+            return self.tokens
         if not self.text.endswith(text):
             return self._finder.tokens(text)
         start, begin = len(self.text) - len(text), 0
@@ -249,7 +252,7 @@ class BudgetGuard:
             yield self.text[len(piece) :]
         core = piece.strip(_WHITESPACE)
         at = self.text.find(core) if core else -1
-        for text in (self.text[at + len(core) :] if at >= 0 else None, self.text):
+        for text in dict.fromkeys((self.text[at + len(core) :] if at >= 0 else b"", self.text)):
             if text and self._finder.completes(after, text):
                 yield text
         text = self._finder.find(after, thorough=False)

@@ -193,7 +193,6 @@ class GrammarCache:
         return CompletionFinder(
             self._info.decoded_vocab,
             self._vocab_size,
-            self.stop_token_ids,
             lambda text: self._tokenizer.encode(text, add_special_tokens=False),
         )
 

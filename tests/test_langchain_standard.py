@@ -88,8 +88,10 @@ class TestChatPagedIntegration(PagedChatTestConfig, ChatModelIntegrationTests):
 
     @pytest.mark.xfail(
         reason="SmolLM2-135M answers the weather question in text instead of calling the "
-        "offered tool when the tool choice is left to it ('auto'); forced calls pass in "
-        "test_tool_calling and test_tool_choice",
+        "offered tool when the tool choice is left to it ('auto'): transformers' own greedy "
+        "generation of the same rendered prompt gives the same text, token for token, and "
+        "ranks the call's first token 13th; forced calls pass in test_tool_calling and "
+        "test_tool_choice",
         strict=True,
     )
     def test_agent_loop(self, model) -> None:
