@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from paged_backend.cpu_ops import GEMM_MAX_ROWS
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -129,6 +131,7 @@ class EngineConfig:
     fp16_decode_weights: bool | None = None
     quantization: str | None = None
     cpu_kernels: bool | None = None
+    cpu_gemm_max_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -171,6 +174,14 @@ class EngineConfig:
         if self.quantization not in (None, "int4"):
             raise ValueError(
                 f"quantization must be None or 'int4' (CPU), got {self.quantization!r}"
+            )
+        rows = self.cpu_gemm_max_rows
+        if rows is not None and (
+            not isinstance(rows, int) or isinstance(rows, bool) or not 0 <= rows <= GEMM_MAX_ROWS
+        ):
+            raise ValueError(
+                f"cpu_gemm_max_rows must be None (timed on this machine) or an int in "
+                f"[0, {GEMM_MAX_ROWS}], got {rows!r}"
             )
         for name in ("pack_weights", "fp16_decode_weights", "cpu_kernels"):
             value = getattr(self, name)

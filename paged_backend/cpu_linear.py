@@ -10,10 +10,11 @@
 - **bf16 copy for steps of 1-64 rows, packed for `cpu_ops.gemm`** (on CPUs with AVX512-BF16,
   with the C kernels on): the weight in blocks of 16 outputs by pairs of inputs, read by a C
   kernel on AVX512-BF16 dot products on both threads (exact bf16 products, fp32 sums, as
-  oneDNN's), 8 rows by 32 outputs at a time. It beats oneDNN at every step size up to 64 rows:
-  the default model's linears take 5.1 against 8.4 ms at one row (the step reads the weights
-  at the memory's rate, where the fp16 GEMV took 9.7 with its casts), 7.6 against 11.5 at 8,
-  22.2 against 25.9 at 32, 43 against 45 at 64. It takes the fp16 copy's place (and memory).
+  oneDNN's), 8 rows by 32 outputs at a time. Which of it and oneDNN serves a step is timed per
+  machine and weight shape (`kernel_choice`): on a Zen 4 without AMX it beats oneDNN at every
+  step size up to 64 rows (the default model's linears take 5.1 against 8.4 ms at one row, 7.6
+  against 11.5 at 8, 22.2 against 25.9 at 32); on a Xeon with AMX oneDNN's tiles win from 16
+  rows. It takes the fp16 copy's place (and memory).
 - **fp16 copy for steps of 1-2 rows** (where the bf16 copy cannot run). Such a step streams
   every weight from memory once and does little arithmetic with it, so its speed is the rate
   the kernel reads weights: torch's fp16 GEMV reads 1.5x faster than the packed bf16 one (9.8
@@ -46,6 +47,7 @@ INT4_MAX_ROWS = 4  # int4 wins up to here (7.7 against 14 ms at 4 rows; it loses
 INT4_GROUP = 32
 
 Int4Weight = tuple[torch.Tensor, torch.Tensor]  # (packed 4-bit weight, scales and zeros)
+GemmRows = dict[tuple[int, int], int]  # weight shape -> most rows a step runs in the C GEMM
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -90,15 +92,17 @@ class CpuLinear(nn.Module):
         pack: bool,
         fp16_copy: bool,
         int4: Int4Weight | None = None,
-        gemm: bool = False,
+        gemm_rows: int | None = None,
     ) -> None:
         super().__init__()
         self.bias = bias
         self.int4 = int4
         n, k = weight.shape
         small_copy = fp16_copy and int4 is None
-        gemm = small_copy and gemm and n % 16 == 0 and k % 2 == 0
-        self.gemm = cpu_ops.pack_gemm_weight(weight) if gemm else None
+        gemm = small_copy and gemm_rows is not None and n % 16 == 0 and k % 2 == 0
+        # Steps of up to this many rows run the C GEMM (`kernel_choice` times it against oneDNN).
+        self.gemm_rows = gemm_rows if gemm else 0
+        self.gemm = cpu_ops.pack_gemm_weight(weight) if self.gemm_rows else None
         self.fp16 = weight.detach().to(torch.float16) if small_copy and not gemm else None
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if pack else None
         self.weight = None if pack else weight
@@ -123,7 +127,7 @@ class CpuLinear(nn.Module):
         if self.int4 is not None and rows <= INT4_MAX_ROWS:
             packed, scales = self.int4
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales)
-        if self.gemm is not None and rows <= cpu_ops.GEMM_MAX_ROWS and x.stride(1) == 1:
+        if self.gemm is not None and rows <= self.gemm_rows and x.stride(1) == 1:
             return cpu_ops.gemm(x, self.gemm, out_dtype)
         if self.fp16 is not None and rows <= FP16_MAX_ROWS:
             return F.linear(x.to(torch.float16), self.fp16)
@@ -144,13 +148,20 @@ def replace_linears_(
     pack: bool,
     fp16_copy: bool,
     int4: dict[str, Int4Weight] | None = None,
-    gemm: bool = False,
+    gemm_rows: GemmRows | None = None,
 ) -> None:
     """Replace, in place, every `nn.Linear` below `module` with a `CpuLinear` (with the int4
-    copy `int4` holds under its name from `quantize_linears_int4(module)`)."""
+    copy `int4` holds under its name from `quantize_linears_int4(module)`, and the C GEMM for
+    the steps `gemm_rows` gives its weight's shape)."""
     int4 = int4 or {}
     for name, child in list(module.named_modules()):
         if isinstance(child, nn.Linear):
             parent, _, attr = name.rpartition(".")
-            linear = CpuLinear(child.weight, child.bias, pack, fp16_copy, int4.get(name), gemm)
+            rows = None if gemm_rows is None else gemm_rows[tuple(child.weight.shape)]
+            linear = CpuLinear(child.weight, child.bias, pack, fp16_copy, int4.get(name), rows)
             setattr(module.get_submodule(parent), attr, linear)
+
+
+def linear_shapes(module: nn.Module) -> set[tuple[int, int]]:
+    """The weight shapes (out, in) of the `nn.Linear`s below `module`."""
+    return {tuple(m.weight.shape) for m in module.modules() if isinstance(m, nn.Linear)}

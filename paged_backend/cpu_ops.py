@@ -70,14 +70,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-def _cpu_flags() -> str:
+def _cpu_info(field: str) -> str:
+    """The first `field` line's value in /proc/cpuinfo ("" where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+            if line.startswith(field):
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def _cpu_flags() -> str:
+    return _cpu_info("flags")
+
+
+def cpu_description() -> str:
+    """The CPU's model name and the features the kernels depend on, so that figures and kernel
+    choices from different machines are never taken as equal."""
+    flags = set(_cpu_flags().split())
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    features = ", ".join(f for f in wanted if f in flags) or "no AVX2"
+    return f"{_cpu_info('model name') or 'unknown CPU'} ({features})"
 
 
 def _compiler() -> str | None:
@@ -307,7 +321,7 @@ def prefix_attention(
     return out[:, :rows].contiguous(), lse[:, :rows].contiguous()
 
 
-GEMM_MAX_ROWS = 64  # `gemm` beats oneDNN up to here (22 against 26 ms for the linears at 32)
+GEMM_MAX_ROWS = 64  # the most rows `gemm` takes (`kernel_choice` times it against oneDNN)
 
 
 def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from paged_backend import cpu_ops
+from paged_backend import cpu_ops, kernel_choice
 from paged_backend.attention import AttentionMetadata, get_backend
 from paged_backend.config import EngineConfig, ModelConfig
-from paged_backend.cpu_linear import can_pack, quantize_linears_int4
+from paged_backend.cpu_linear import GemmRows, can_pack, quantize_linears_int4
 from paged_backend.model_loader import load_safetensors
 from paged_backend.models import LlamaForCausalLM
 from paged_backend.request import Request
@@ -60,8 +60,11 @@ class ModelRunner:
         # From the full-precision weights: a Q4 grid survives only until the cast.
         int4 = quantize_linears_int4(model.layers) if config.quantization == "int4" else None
         model.to(self.dtype)
+        self.gemm_rows = None
         if pack or fp16_copy or int4:
-            model.use_cpu_linears_(pack, fp16_copy, int4, gemm=bf16_kernels)
+            if bf16_kernels and fp16_copy:
+                self.gemm_rows = self._gemm_rows(config, model.linear_shapes())
+            model.use_cpu_linears_(pack, fp16_copy, int4, self.gemm_rows)
         self.model = model.eval().requires_grad_(False)
         self.num_blocks = self._num_blocks(config, max_model_len)
         mc = model_config
@@ -91,6 +94,14 @@ class ModelRunner:
         if config.cpu_kernels is False or not self.bf16_cpu:
             return "torch"
         return "cpu" if cpu_ops.available() else "torch"
+
+    @staticmethod
+    def _gemm_rows(config: EngineConfig, shapes: set[tuple[int, int]]) -> GemmRows:
+        """Up to how many rows a step runs each weight shape in the C GEMM rather than oneDNN:
+        `config.cpu_gemm_max_rows` where given, else timed on this machine (`kernel_choice`)."""
+        if config.cpu_gemm_max_rows is not None:
+            return dict.fromkeys(shapes, config.cpu_gemm_max_rows)
+        return kernel_choice.gemm_max_rows(shapes)
 
     def _cpu_linears(self, config: EngineConfig, model: torch.nn.Module) -> tuple[bool, bool]:
         """(pack the weights, keep a copy for small steps: bf16 for the C GEMM where the C

@@ -70,7 +70,9 @@ def test_the_fp16_copy_serves_small_steps_only(pack):
 @pytest.mark.parametrize("pack", [False, pytest.param(True, marks=needs_packing)])
 def test_the_gemm_copy_serves_steps_of_up_to_64_rows(pack):
     linear = _linear(bias=True)
-    layer = CpuLinear(linear.weight, linear.bias, pack=pack, fp16_copy=True, gemm=True)
+    layer = CpuLinear(
+        linear.weight, linear.bias, pack=pack, fp16_copy=True, gemm_rows=cpu_ops.GEMM_MAX_ROWS
+    )
     assert layer.gemm is not None and layer.fp16 is None  # in the fp16 copy's place
     with torch.inference_mode():
         for rows in range(1, cpu_ops.GEMM_MAX_ROWS + 1):
@@ -86,8 +88,27 @@ def test_the_gemm_copy_serves_steps_of_up_to_64_rows(pack):
         large = torch.randn(cpu_ops.GEMM_MAX_ROWS + 1, 96, dtype=torch.bfloat16)
         assert torch.equal(layer(large), F.linear(large, linear.weight, linear.bias))
     odd = nn.Linear(96, 100).to(torch.bfloat16)  # 100 outputs: not whole blocks of 16
-    layer = CpuLinear(odd.weight, None, pack=pack, fp16_copy=True, gemm=True)
+    layer = CpuLinear(odd.weight, None, pack=pack, fp16_copy=True, gemm_rows=8)
     assert layer.gemm is None and layer.fp16 is not None
+
+
+@pytest.mark.skipif(not cpu_ops.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")
+@needs_packing
+@pytest.mark.parametrize("gemm_rows", [0, 1, 8])
+def test_steps_beyond_the_chosen_rows_run_onednn(gemm_rows):
+    """`gemm_rows` (timed per machine by `kernel_choice`) splits the steps: the C GEMM up to
+    it, oneDNN's packed weights, bit-identical to `F.linear`, above it."""
+    linear = _linear(bias=False)
+    layer = CpuLinear(linear.weight, None, pack=True, fp16_copy=True, gemm_rows=gemm_rows)
+    assert (layer.gemm is None) == (gemm_rows == 0) and layer.fp16 is None
+    with torch.inference_mode():
+        for rows in (1, 2, 8, 9, 32):
+            x = torch.randn(rows, 96, dtype=torch.bfloat16)
+            got = layer(x)
+            if rows <= gemm_rows:
+                assert torch.equal(got, cpu_ops.gemm(x, layer.gemm, torch.bfloat16))
+            else:
+                assert torch.equal(got, F.linear(x, linear.weight))
 
 
 @needs_packing
@@ -179,8 +200,9 @@ def test_bf16_engines_pack_by_default_and_give_the_plain_engines_outputs():
     packed = LLM(fp16_decode_weights=False, **args)
     default = LLM(**args)
     head = default.engine.runner.model.cpu_head
-    assert head.packed is not None and (head.fp16 is not None or head.gemm is not None)
-    assert head.gemm is not None or not cpu_ops.has_bf16_kernels()
+    assert head.packed is not None
+    chosen = default.engine.runner.gemm_rows  # None without the C kernels: the fp16 copy then
+    assert head.fp16 is not None if chosen is None else head.gemm_rows in chosen.values()
     assert packed.engine.runner.model.cpu_head.fp16 is None
     assert packed.engine.runner.model.cpu_head.gemm is None
     assert plain.engine.runner.model.cpu_head is None

@@ -19,7 +19,13 @@ from torch import nn
 from paged_backend import cpu_ops
 from paged_backend.attention import AttentionBackend
 from paged_backend.config import ModelConfig
-from paged_backend.cpu_linear import CpuLinear, Int4Weight, replace_linears_
+from paged_backend.cpu_linear import (
+    CpuLinear,
+    GemmRows,
+    Int4Weight,
+    linear_shapes,
+    replace_linears_,
+)
 from paged_backend.cpu_ops import apply_rotary, torch_rms_norm, torch_silu_and_mul
 
 
@@ -188,17 +194,23 @@ class LlamaForCausalLM(nn.Module):
         pack: bool,
         fp16_copy: bool,
         int4: dict[str, Int4Weight] | None = None,
-        gemm: bool = False,
+        gemm_rows: GemmRows | None = None,
     ) -> None:
         """Run every projection and the output head through `CpuLinear` (packed bf16 weights,
-        a copy for small steps: fp16, or with `gemm` bf16 for `cpu_ops.gemm`; int4 copies of
-        the layers from `quantize_linears_int4(self.layers)`); call after the weights are
-        loaded and cast. A tied head gets its own copy: the embedding table stays as it is for
-        lookups."""
-        replace_linears_(self.layers, pack, fp16_copy, int4, gemm)
+        a copy for small steps: fp16, or with `gemm_rows` bf16 for `cpu_ops.gemm` up to that
+        many rows per weight shape; int4 copies of the layers from
+        `quantize_linears_int4(self.layers)`); call after the weights are loaded and cast. A
+        tied head gets its own copy: the embedding table stays as it is for lookups."""
+        replace_linears_(self.layers, pack, fp16_copy, int4, gemm_rows)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.cpu_head = CpuLinear(weight, None, pack, fp16_copy, gemm=gemm)
+        rows = None if gemm_rows is None else gemm_rows[tuple(weight.shape)]
+        self.cpu_head = CpuLinear(weight, None, pack, fp16_copy, gemm_rows=rows)
         self.lm_head = None  # an untied head's weight lives on in `cpu_head`
+
+    def linear_shapes(self) -> set[tuple[int, int]]:
+        """The weight shapes of the projections and the output head."""
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return linear_shapes(self.layers) | {tuple(head.shape)}
 
     def forward(
         self,

@@ -1,0 +1,109 @@
+"""Which kernel runs a bf16 CPU linear at each step size, chosen by timing both on this machine.
+
+Two kernels compute the same exact-bf16-product, fp32-sum linear: oneDNN's packed linear
+(`CpuLinear.packed`, AMX tiles where the CPU has them) and the C GEMM (`cpu_ops.gemm`, AVX512-BF16
+dot products). Which is faster depends on the CPU and the number of rows: on a Zen 4 without AMX
+the C GEMM wins at every step up to 64 rows; on a Xeon with AMX oneDNN is several times faster
+from 16 rows. So nothing is assumed: at engine start each of the model's weight shapes is timed
+under both kernels at 1-64 rows, and the C GEMM serves a shape up to the largest row count it
+wins at (and every smaller one). The result is cached per CPU, thread count, torch and C-kernel
+build under the cache dir, so later starts read it instead of timing (about a second). Timings
+taken while other work loads the machine can mislead: `EngineConfig.cpu_gemm_max_rows` forces a
+choice, and deleting `kernel_choice.json` in the cache dir times again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from paged_backend import cpu_ops
+from paged_backend.file_cache import cache_dir, locked
+
+logger = logging.getLogger(__name__)
+
+ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # the step sizes timed; GEMM_MAX_ROWS is the largest
+_REPEATS = 7
+_MARGIN = 0.98
+_CACHE_FILE = "kernel_choice.json"
+
+
+def gemm_max_rows(shapes: set[tuple[int, int]]) -> dict[tuple[int, int], int]:
+    """For each weight shape (out, in), the most rows of a step the C GEMM serves (0: none):
+    from the cache when this machine timed the shape before, else timed now and cached."""
+    path = cache_dir() / _CACHE_FILE
+    key = _machine_key()
+    known = _read(path).get(key, {})
+    if any(_name(s) not in known for s in shapes):
+        with locked(_CACHE_FILE):
+            entries = _read(path)  # another process may have timed some meanwhile
+            known = entries.setdefault(key, {})
+            for shape in sorted(s for s in shapes if _name(s) not in known):
+                known[_name(shape)] = rows = _time_shape(*shape)
+                logger.info("linear %s: the C GEMM serves steps of up to %d rows", shape, rows)
+            _write(path, entries)
+    return {s: known[_name(s)] for s in shapes}
+
+
+def _time_shape(n: int, k: int) -> int:
+    """The largest row count up to which the C GEMM is faster at every timed count. The two
+    kernels run in turns, so that both see the same conditions, and each keeps its best."""
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    gemm_weight = cpu_ops.pack_gemm_weight(weight)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    best = 0
+    with torch.inference_mode():
+        for rows in ROW_COUNTS:
+            x = torch.randn(rows, k).to(torch.bfloat16)
+            c_gemm, onednn = _best_times(
+                (cpu_ops.gemm, x, gemm_weight, torch.bfloat16),
+                (torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], ""),
+            )
+            if c_gemm > _MARGIN * onednn:  # a tie goes to oneDNN, the vendor's kernel
+                break
+            best = rows
+    return best
+
+
+def _best_times(*calls: tuple) -> list[float]:
+    """Each `(kernel, *args)` call's best time."""
+    best = [float("inf")] * len(calls)
+    for kernel, *args in calls:
+        kernel(*args)  # warm: first calls set kernels up
+    for _ in range(_REPEATS):
+        for i, (kernel, *args) in enumerate(calls):
+            start = time.perf_counter()
+            kernel(*args)
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
+def _machine_key() -> str:
+    """What the timings depend on: the CPU, the threads, torch (its oneDNN) and the C kernels'
+    build (its file name holds a hash of the source, the flags and the CPU's flags)."""
+    library = Path(getattr(cpu_ops.load_library(), "_name", "")).name
+    build = hashlib.sha256(f"{torch.__version__}|{library}".encode()).hexdigest()[:12]
+    return f"{cpu_ops.cpu_description()} / {torch.get_num_threads()} threads / {build}"
+
+
+def _name(shape: tuple[int, int]) -> str:
+    return f"{shape[0]}x{shape[1]}"
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(path: Path, entries: dict) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+    os.replace(tmp, path)  # atomic: a reader never sees half a file

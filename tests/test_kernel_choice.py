@@ -1,0 +1,74 @@
+"""The C GEMM / oneDNN choice: timed once per machine and weight shape, then read from the
+cache; forced by `cpu_gemm_max_rows`; visible in `stats()`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_backend import LLM, EngineConfig, cpu_ops, kernel_choice
+
+needs_gemm = pytest.mark.skipif(
+    not cpu_ops.has_bf16_kernels() or not torch.backends.mkldnn.is_available(),
+    reason="no AVX512-BF16 C kernels or no oneDNN",
+)
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGED_BACKEND_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@needs_gemm
+def test_each_shape_is_timed_once_per_machine_then_read(private_cache, monkeypatch):
+    timed = []
+    real = kernel_choice._time_shape
+    monkeypatch.setattr(
+        kernel_choice, "_time_shape", lambda n, k: timed.append((n, k)) or real(n, k)
+    )
+    first = kernel_choice.gemm_max_rows({(64, 96), (32, 96)})
+    assert sorted(timed) == [(32, 96), (64, 96)]
+    assert all(rows in (0, *kernel_choice.ROW_COUNTS) for rows in first.values())
+    assert kernel_choice.gemm_max_rows({(64, 96)}) == {(64, 96): first[(64, 96)]}
+    kernel_choice.gemm_max_rows({(64, 96), (16, 96)})  # only the new shape is timed
+    assert sorted(timed) == [(16, 96), (32, 96), (64, 96)]
+    assert (private_cache / "kernel_choice.json").exists()
+
+
+@needs_gemm
+def test_another_thread_count_is_another_machine(private_cache, monkeypatch):
+    timed = []
+    monkeypatch.setattr(kernel_choice, "_time_shape", lambda n, k: timed.append(n) or 8)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 1):
+            torch.set_num_threads(threads)
+            assert kernel_choice.gemm_max_rows({(64, 96)}) == {(64, 96): 8}
+    finally:
+        torch.set_num_threads(before)
+    assert len(timed) == 2  # timed at 1 and at 2 threads, read back the second time at 1
+
+
+@needs_gemm
+def test_the_faster_kernel_wins_the_steps(monkeypatch):
+    """The C GEMM keeps the row counts up to the first it loses; a tie goes to oneDNN."""
+    speeds = {1: (1.0, 2.0), 2: (1.0, 2.0), 4: (1.0, 1.01), 8: (1.0, 2.0)}  # (gemm, oneDNN)
+    calls = iter(speeds[r] for r in kernel_choice.ROW_COUNTS if r in speeds)
+    monkeypatch.setattr(kernel_choice, "_best_times", lambda *kernels: next(calls))
+    assert kernel_choice._time_shape(64, 96) == 2
+
+
+@pytest.mark.parametrize("rows", [-1, 65, 1.5, True, "8"])
+def test_cpu_gemm_max_rows_is_checked(rows):
+    with pytest.raises(ValueError, match=r"cpu_gemm_max_rows must be .* \[0, 64\]"):
+        EngineConfig(cpu_gemm_max_rows=rows)
+
+
+@needs_gemm
+def test_a_forced_choice_is_what_the_engine_runs_and_reports(tiny_model, one_thread):
+    llm = LLM(model=str(tiny_model), dtype="bfloat16", num_kv_blocks=32, cpu_gemm_max_rows=4)
+    chosen = llm.stats()["cpu_gemm_max_rows"]
+    assert chosen and set(chosen.values()) == {4}
+    down = llm.engine.runner.model.layers[0].mlp.down_proj  # [64, 128] in the tiny model
+    assert chosen["64x128"] == down.gemm_rows == 4 and down.gemm is not None
