@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from paged_backend.cpu_ops import GEMM_MAX_ROWS
+from paged_backend.cpu_ops import GEMM_MAX_ROWS, cpu_features
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -218,8 +218,4 @@ def _sliding_window(raw: dict) -> int | None:
 
 
 def _cpu_has_native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool(cpu_features() & {"avx512_bf16", "amx_bf16"})

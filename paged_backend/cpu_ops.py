@@ -46,7 +46,11 @@ from paged_backend.file_cache import cache_dir, locked, notice
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.c"
-FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
+# torch's own CPU kernels can be capped below what the CPU has (ATEN_CPU_CAPABILITY=avx2 or
+# default), so that one machine stands in for an older one; ours follow the same cap.
+_CAPPED_ARCH = {"avx2": "x86-64-v3", "default": "x86-64-v2"}
+CPU_CAP = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+FLAGS = ["-O3", f"-march={_CAPPED_ARCH.get(CPU_CAP, 'native')}", "-shared", "-fPIC"]
 # Where torch runs on OpenMP (libgomp on Linux), the kernels build with it too: the loader then
 # reuses torch's already-loaded libgomp.so.1, so their parallel loops run on torch's thread pool,
 # whose threads are still spinning from the last torch op, instead of a second pool fighting it.
@@ -85,13 +89,21 @@ def _cpu_flags() -> str:
     return _cpu_info("flags")
 
 
+def cpu_features() -> set[str]:
+    """The CPU's flags the kernels use, less those above the ATEN_CPU_CAPABILITY cap."""
+    flags = set(_cpu_flags().split()) & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+    if CPU_CAP in _CAPPED_ARCH:
+        flags = flags & {"avx2"} if CPU_CAP == "avx2" else set()
+    return flags
+
+
 def cpu_description() -> str:
-    """The CPU's model name and the features the kernels depend on, so that figures and kernel
+    """The CPU's model name and the features the kernels use, so that figures and kernel
     choices from different machines are never taken as equal."""
-    flags = set(_cpu_flags().split())
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    features = ", ".join(f for f in wanted if f in flags) or "no AVX2"
-    return f"{_cpu_info('model name') or 'unknown CPU'} ({features})"
+    order = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    features = ", ".join(f for f in order if f in cpu_features()) or "no AVX2"
+    capped = f", capped by ATEN_CPU_CAPABILITY={CPU_CAP}" if CPU_CAP in _CAPPED_ARCH else ""
+    return f"{_cpu_info('model name') or 'unknown CPU'} ({features}{capped})"
 
 
 def _compiler() -> str | None:

@@ -301,3 +301,47 @@ def test_fp32_engines_refuse_cpu_kernels(tiny_model):
         LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=16, cpu_kernels=True)
     with pytest.raises(ValueError, match="cpu_kernels"):
         LLM(model=str(tiny_model), cpu_kernels="yes")
+
+
+AVX2_RUN = """
+import json, sys
+from paged_backend import LLM, SamplingParams, cpu_ops
+llm = LLM(dtype=sys.argv[1], num_kv_blocks=256)
+params = SamplingParams(temperature=0, max_tokens=24)
+outs = llm.generate(json.loads(sys.argv[2]), params, use_tqdm=False)
+print(json.dumps({
+    "cpu": cpu_ops.cpu_description(),
+    "bf16_kernels": cpu_ops.has_bf16_kernels(),
+    "dtype": str(llm.engine.runner.dtype),
+    "texts": [o.outputs[0].text for o in outs],
+}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 capability levels")
+def test_capped_at_avx2_the_engine_runs_as_on_an_older_cpu(llm_fp32):
+    """ATEN_CPU_CAPABILITY=avx2 stands this machine in for a CPU without AVX-512: torch's and
+    our kernels take no AVX-512, the default dtype is fp32, and greedy text is the uncapped fp32
+    engine's (RAG-style prompts sharing a prefix, so the prefix cache serves too)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    shared = "Retrieved: the Alm bridge was built in 1642 by the town's masons. "
+    prompts = [shared + q for q in ("When was the bridge built?", "Who built the bridge?")]
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    run = subprocess.run(
+        [sys.executable, "-c", AVX2_RUN, "auto", json.dumps(prompts)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    capped = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "capped by ATEN_CPU_CAPABILITY=avx2" in capped["cpu"] and "avx512" not in capped["cpu"]
+    assert not capped["bf16_kernels"] and capped["dtype"] == "torch.float32"
+    params = SamplingParams(temperature=0, max_tokens=24)
+    assert capped["texts"] == [o.outputs[0].text for o in llm_fp32.generate(prompts, params)]
