@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODEL_IMPLS = ("auto", "native", "transformers")
 
 
 @dataclass
@@ -43,6 +44,7 @@ class ModelConfig:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
+    impl: str = "native"  # or "transformers": its modeling code on our cache
 
     @property
     def max_len(self) -> int:
@@ -60,18 +62,67 @@ class ModelConfig:
         return requested or self.max_len
 
     @classmethod
-    def from_dir(cls, path: Path) -> ModelConfig:
+    def from_dir(cls, path: Path, model_impl: str = "auto") -> ModelConfig:
+        """The model in `path`, run natively where we have its family (`model_impl` "auto" or
+        "native"), else (or with "transformers") through transformers' modeling code."""
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"model directory {path} has no config.json")
         raw = json.loads(config_file.read_text())
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
+        if arch is None and model_impl == "native":
             raise ValueError(
-                f"unsupported architecture {archs} in {config_file}; "
-                f"expected one of {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"architecture {archs} in {config_file} has no native implementation (native: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}); model_impl='auto' or 'transformers' "
+                "runs it through transformers' modeling code"
             )
+        if arch is None or model_impl == "transformers":
+            return cls._through_transformers(path, raw)
+        try:
+            return cls._native(raw, arch, config_file)
+        except ValueError:  # a variant our modules do not implement (a rope type, say)
+            if model_impl == "native":
+                raise
+            return cls._through_transformers(path, raw)
+
+    @classmethod
+    def _through_transformers(cls, path: Path, raw: dict) -> ModelConfig:
+        from transformers import AutoConfig
+
+        from paged_backend.models.transformers_impl import check_servable
+
+        archs = raw.get("architectures") or []
+        if not archs:
+            raise ValueError(f"{path / 'config.json'} names no architecture")
+        hf = AutoConfig.from_pretrained(path)
+        check_servable(hf, archs[0])
+        text = hf.get_text_config()
+        num_heads = text.num_attention_heads
+        eos = getattr(text, "eos_token_id", None) or raw.get("eos_token_id")
+        return cls(
+            architecture=archs[0],
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            intermediate_size=getattr(text, "intermediate_size", 0),
+            num_layers=text.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // num_heads,
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            rope_theta=10000.0,  # transformers' modules apply their own rotary
+            rope_scaling=None,
+            max_position_embeddings=getattr(text, "max_position_embeddings", 4096),
+            tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
+            qkv_bias=False,
+            qk_norm=False,
+            sliding_window=_sliding_window(text.to_dict()),
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            impl="transformers",
+        )
+
+    @classmethod
+    def _native(cls, raw: dict, arch: str, config_file: Path) -> ModelConfig:
         rope = raw.get("rope_parameters") or {}
         scaling = raw.get("rope_scaling") or rope
         rope_type = (
@@ -132,8 +183,13 @@ class EngineConfig:
     quantization: str | None = None
     cpu_kernels: bool | None = None
     cpu_gemm_max_rows: int | None = None
+    model_impl: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(
+                f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}"
+            )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {list(_DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -50,7 +50,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.model_path = resolve_model_path(config.model)
         self.model_name = model_name(config.model)
-        self.model_config = ModelConfig.from_dir(self.model_path)
+        self.model_config = ModelConfig.from_dir(self.model_path, config.model_impl)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)

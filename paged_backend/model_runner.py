@@ -13,6 +13,7 @@ from paged_backend.config import EngineConfig, ModelConfig
 from paged_backend.cpu_linear import GemmRows, can_pack, quantize_linears_int4
 from paged_backend.model_loader import load_safetensors
 from paged_backend.models import LlamaForCausalLM
+from paged_backend.models.transformers_impl import TransformersForCausalLM
 from paged_backend.request import Request
 
 FP16_COPY_MAX_BYTES = 1 << 30  # the default small-step copy is kept for models this small
@@ -53,18 +54,11 @@ class ModelRunner:
             c_prefix=bf16_kernels and model_config.head_dim % 64 == 0,
         )
         self.model_config = model_config
-        with torch.device(self.device):
-            model = LlamaForCausalLM(model_config, max_model_len, ops=ops)
-        pack, fp16_copy = self._cpu_linears(config, model)
-        load_safetensors(model, model_path, model.checkpoint_name_map)
-        # From the full-precision weights: a Q4 grid survives only until the cast.
-        int4 = quantize_linears_int4(model.layers) if config.quantization == "int4" else None
-        model.to(self.dtype)
         self.gemm_rows = None
-        if pack or fp16_copy or int4:
-            if bf16_kernels and fp16_copy:
-                self.gemm_rows = self._gemm_rows(config, model.linear_shapes())
-            model.use_cpu_linears_(pack, fp16_copy, int4, self.gemm_rows)
+        if model_config.impl == "transformers":
+            model = TransformersForCausalLM(model_path, self.dtype, self.device)
+        else:
+            model = self._native_model(config, model_config, model_path, max_model_len, ops)
         self.model = model.eval().requires_grad_(False)
         self.num_blocks = self._num_blocks(config, max_model_len)
         mc = model_config
@@ -94,6 +88,29 @@ class ModelRunner:
         if config.cpu_kernels is False or not self.bf16_cpu:
             return "torch"
         return "cpu" if cpu_ops.available() else "torch"
+
+    def _native_model(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        model_path: Path,
+        max_model_len: int,
+        ops: str,
+    ) -> LlamaForCausalLM:
+        """Our own modules, loaded, cast, and on CPU with the linears of `cpu_linear`."""
+        bf16_kernels = ops == "cpu" and cpu_ops.has_bf16_kernels()
+        with torch.device(self.device):
+            model = LlamaForCausalLM(model_config, max_model_len, ops=ops)
+        pack, fp16_copy = self._cpu_linears(config, model)
+        load_safetensors(model, model_path, model.checkpoint_name_map)
+        # From the full-precision weights: a Q4 grid survives only until the cast.
+        int4 = quantize_linears_int4(model.layers) if config.quantization == "int4" else None
+        model.to(self.dtype)
+        if pack or fp16_copy or int4:
+            if bf16_kernels and fp16_copy:
+                self.gemm_rows = self._gemm_rows(config, model.linear_shapes())
+            model.use_cpu_linears_(pack, fp16_copy, int4, self.gemm_rows)
+        return model
 
     @staticmethod
     def _gemm_rows(config: EngineConfig, shapes: set[tuple[int, int]]) -> GemmRows:

@@ -1,0 +1,100 @@
+"""Any decoder transformers can build, run on our paged KV cache (`model_impl="transformers"`).
+
+transformers' own modeling code runs the layers; its attention goes through the public attention
+interface: the function registered here under "paged" writes each layer's keys and values into
+our cache blocks and attends with our backend, over the flattened batch (one row of all the
+step's tokens, with our positions), as the native models do. So continuous batching, prefix
+caching, chunked prefill and preemption work unchanged. transformers builds no attention mask:
+the mask function registered with it returns none, and the backend masks by sequence.
+
+Served: models whose transformers class takes the attention interface
+(`_supports_attention_backend`) and that attend with plain softmax. Refused with the reason:
+encoder-decoders, models without attention there (recurrent state), and attention logit
+soft-capping (Gemma 2), which the backend does not apply. Sliding-window layers are exact while
+sequences fit in the window, so the engine caps `max_model_len` at the smallest window.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from pathlib import Path
+
+import torch
+from torch import nn
+
+_STEP: contextvars.ContextVar[tuple] = contextvars.ContextVar("paged_step")
+ATTENTION = "paged"
+
+
+def _paged_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """transformers' attention call for one layer: q [1, heads, T, d], k and v [1, kv_heads,
+    T, d] of this step's tokens; returns [1, T, heads, d]."""
+    kv_caches, backend, meta = _STEP.get()
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    head_dim = q.shape[-1]
+    if scaling is not None and scaling != head_dim**-0.5:  # the backend scales by d ** -0.5
+        q = q * (scaling * head_dim**0.5)
+    out = backend.forward(
+        q.contiguous(), k.contiguous(), v.contiguous(), kv_caches[module.layer_idx], meta
+    )
+    return out.view(1, *out.shape[-3:]), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    return None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION, _paged_attention)
+    AttentionMaskInterface.register(ATTENTION, _no_mask)
+
+
+def check_servable(hf_config, architecture: str) -> None:
+    """Raise ValueError naming the architecture and why, for what this path cannot serve."""
+    import transformers
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    text = hf_config.get_text_config()
+    reason = None
+    model_class = getattr(transformers, architecture, None)
+    if getattr(hf_config, "is_encoder_decoder", False):
+        reason = "it is an encoder-decoder model"
+    elif model_class is None or architecture not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        reason = "it is not a causal language model that transformers can build"
+    elif not getattr(model_class, "_supports_attention_backend", False):
+        reason = "its transformers class does not take a pluggable attention (recurrent state?)"
+    elif getattr(text, "attn_logit_softcapping", None):
+        reason = "it soft-caps attention logits, which the paged attention does not apply"
+    if reason:
+        raise ValueError(f"cannot serve architecture {architecture}: {reason}")
+
+
+class TransformersForCausalLM(nn.Module):
+    """transformers' module for the checkpoint in `path`, called like our native models."""
+
+    def __init__(self, path: Path, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        _register()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=ATTENTION
+        ).to(device)
+        self.cpu_head = None
+
+    def forward(self, input_ids, positions, kv_caches, backend, meta, logits_indices):
+        """Logits (fp32) for the rows of `logits_indices` only."""
+        token = _STEP.set((kv_caches, backend, meta))
+        try:
+            hidden = self.model.base_model(
+                input_ids=input_ids[None], position_ids=positions[None], use_cache=False
+            ).last_hidden_state[0]
+        finally:
+            _STEP.reset(token)
+        logits = self.model.get_output_embeddings()(hidden[logits_indices]).float()
+        cap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits

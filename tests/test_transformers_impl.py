@@ -1,0 +1,168 @@
+"""The transformers-modeling path (`model_impl="transformers"`): architectures without a native
+implementation run transformers' own modules on the paged cache, token for token like
+transformers (fp32), with prefix caching on and off and under preemption; a native family gives
+the same tokens through it; what it cannot serve is refused with the reason."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TOKENIZER_FILES, make_tiny_model
+from safetensors.torch import save_file
+from test_models import hf_greedy
+
+from paged_backend import LLM, SamplingParams
+from paged_backend.config import ModelConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SHARED = "Retrieved context: the stone bridge over the Alm was built in 1642 by the masons. "
+PROMPTS = [SHARED + q for q in ("When was it built?", "Who built it?", "Over which river?")]
+NUM_TOKENS = 16
+COMMON = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    eos_token_id=2,
+    bos_token_id=1,
+    pad_token_id=0,
+)
+# architecture -> (its config class, what differs from COMMON)
+FALLBACK = {
+    "Phi3ForCausalLM": ("Phi3Config", {}),
+    "Gemma3ForCausalLM": (
+        "Gemma3TextConfig",
+        {  # a sliding layer and a global one; a query scale that is not head_dim ** -0.5
+            "sliding_window": 256,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24,
+        },
+    ),
+    "Olmo2ForCausalLM": ("Olmo2Config", {}),
+    "GraniteForCausalLM": (
+        "GraniteConfig",
+        {  # Granite scales attention, residuals and logits by its own multipliers
+            "attention_multiplier": 0.1,
+            "residual_multiplier": 0.5,
+            "embedding_multiplier": 2.0,
+            "logits_scaling": 4.0,
+        },
+    ),
+}
+
+
+def make_fallback_model(path: Path, default_model_path: Path, architecture: str) -> Path:
+    """A random-weight transformers model of `architecture`, with the default model's
+    tokenizer."""
+    import transformers
+
+    config_name, overrides = FALLBACK[architecture]
+    config = getattr(transformers, config_name)(**{**COMMON, **overrides})
+    config.architectures = [architecture]
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(config).to(torch.float32)
+    with torch.no_grad():  # larger weights than the default init: more varied greedy output
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() == 2 else p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        if (default_model_path / name).exists():
+            shutil.copy(default_model_path / name, path / name)
+    return path
+
+
+def ours(path: Path, **engine_args) -> tuple[list[list[int]], list[list[int]], LLM]:
+    llm = LLM(model=str(path), dtype="float32", **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [o.prompt_token_ids for o in outs], [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.fixture(scope="module", params=sorted(FALLBACK))
+def fallback_model(request, tmp_path_factory, default_model_path):
+    path = tmp_path_factory.mktemp(request.param)
+    return make_fallback_model(path, default_model_path, request.param)
+
+
+def test_an_architecture_without_a_native_path_matches_transformers(fallback_model):
+    from transformers import AutoModelForCausalLM
+
+    config = ModelConfig.from_dir(fallback_model)
+    assert config.impl == "transformers"
+    hf = AutoModelForCausalLM.from_pretrained(fallback_model, dtype=torch.float32).eval()
+    prompt_ids, cached, llm = ours(fallback_model, num_kv_blocks=128)
+    assert llm.stats()["prefix_cache_hits"] > 0  # the shared context came from the cache
+    want = [hf_greedy(hf, ids, NUM_TOKENS) for ids in prompt_ids]
+    assert cached == want
+    _, uncached, _ = ours(fallback_model, num_kv_blocks=128, enable_prefix_caching=False)
+    assert uncached == want
+    # Too few blocks for all three at once: some are preempted and recomputed.
+    _, tight, llm = ours(fallback_model, num_kv_blocks=16, block_size=4)
+    assert llm.stats()["num_preemptions"] > 0 and tight == want
+
+
+def test_a_native_family_gives_the_same_tokens_through_transformers(tmp_path, default_model_path):
+    path = make_tiny_model(tmp_path, default_model_path, "Qwen2ForCausalLM")
+    native = ours(path, num_kv_blocks=128)[1]
+    through = ours(path, num_kv_blocks=128, model_impl="transformers")
+    assert through[2].engine.model_config.impl == "transformers" and through[1] == native
+
+
+def test_a_variant_the_native_modules_lack_runs_through_transformers(tmp_path, tiny_model):
+    """A rope type our modules do not implement: "auto" takes transformers' modules, "native"
+    refuses it by name."""
+    path = tmp_path / "yarn"
+    path.mkdir()
+    for f in tiny_model.iterdir():
+        (path / f.name).symlink_to(f) if f.name != "config.json" else None
+    raw = json.loads((tiny_model / "config.json").read_text())
+    raw["rope_scaling"] = {
+        "rope_type": "yarn",
+        "factor": 2.0,
+        "original_max_position_embeddings": 512,
+    }
+    (path / "config.json").write_text(json.dumps(raw))
+    assert ModelConfig.from_dir(path).impl == "transformers"
+    with pytest.raises(ValueError, match="yarn"):
+        ModelConfig.from_dir(path, "native")
+
+
+@pytest.mark.parametrize(
+    ("architecture", "config", "reason"),
+    [
+        (
+            "T5ForConditionalGeneration",
+            {"model_type": "t5", "is_encoder_decoder": True},
+            "encoder-decoder",
+        ),
+        ("MambaForCausalLM", {"model_type": "mamba"}, "recurrent"),
+        (
+            "Gemma2ForCausalLM",
+            {"model_type": "gemma2", "attn_logit_softcapping": 50.0},
+            "soft-caps",
+        ),
+        ("BertModel", {"model_type": "bert"}, "not a causal language model"),
+    ],
+)
+def test_what_cannot_be_served_is_refused_with_the_reason(tmp_path, architecture, config, reason):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [architecture], **config}))
+    save_file({"x": torch.zeros(1)}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"cannot serve architecture {architecture}: .*{reason}"):
+        LLM(model=str(tmp_path))
+
+
+def test_native_only_is_refused_for_other_families(tmp_path, default_model_path):
+    path = make_fallback_model(tmp_path, default_model_path, "Phi3ForCausalLM")
+    with pytest.raises(ValueError, match=r"Phi3ForCausalLM.*no native implementation"):
+        LLM(model=str(path), model_impl="native")
+    with pytest.raises(ValueError, match="model_impl must be one of auto, native, transformers"):
+        LLM(model=str(path), model_impl="hf")
