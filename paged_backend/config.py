@@ -95,7 +95,10 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         if not archs:
             raise ValueError(f"{path / 'config.json'} names no architecture")
-        hf = AutoConfig.from_pretrained(path)
+        try:
+            hf = AutoConfig.from_pretrained(path)
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"transformers cannot read {path / 'config.json'}: {exc}") from None
         check_servable(hf, archs[0])
         text = hf.get_text_config()
         num_heads = text.num_attention_heads

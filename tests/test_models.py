@@ -140,22 +140,15 @@ def test_non_gguf_file_is_refused(tmp_path):
         resolve_model_path(file)
 
 
-def test_unsupported_architecture_is_named(tmp_path):
-    """A real checkpoint of another family fails on its architecture, before any weights."""
-    path = tmp_path / "gpt2"
-    path.mkdir()
-    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 8}
-    (path / "config.json").write_text(json.dumps(config))
-    save_file({"wte.weight": torch.zeros(8, 4)}, path / "model.safetensors")
-    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
-        LLM(model=str(path))
-
-
 def test_unsupported_rope_scaling_is_named(tmp_path, tiny_model):
-    """A rope type we do not implement must be refused, not silently run as plain RoPE."""
+    """A rope type our modules do not implement is refused by the native path, not silently
+    run as plain RoPE (`model_impl="auto"` hands such a variant to transformers' modules, see
+    test_transformers_impl)."""
     path = clone_dir(tiny_model, tmp_path / "m", config={"rope_scaling": {"rope_type": "yarn"}})
     with pytest.raises(ValueError, match="yarn"):
-        LLM(model=str(path), dtype="float32", num_kv_blocks=8)
+        LLM(model=str(path), dtype="float32", num_kv_blocks=8, model_impl="native")
+    with pytest.raises(ValueError, match=r"transformers cannot read .*factor"):
+        LLM(model=str(path), dtype="float32", num_kv_blocks=8)  # yarn needs its factor
 
 
 @pytest.mark.parametrize("damage", ["truncated", "bad-header", "empty"])

@@ -55,7 +55,6 @@ def _register() -> None:
 def check_servable(hf_config, architecture: str) -> None:
     """Raise ValueError naming the architecture and why, for what this path cannot serve."""
     import transformers
-
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     text = hf_config.get_text_config()
