@@ -248,20 +248,21 @@ def check_engine_args(engine_args: dict) -> None:
 
 
 @functools.lru_cache(maxsize=16)
-def _model_path(model: str | None) -> Path:
-    return resolve_model_path(model)
+def _model_path(model: str | None, revision: str | None) -> Path:
+    return resolve_model_path(model, revision)
 
 
 def model_context_window(model: str | None, engine_args: dict) -> int:
     """The engine's `max_model_len` for these arguments, from the model's config.json alone:
     no engine starts."""
-    config = ModelConfig.from_dir(_model_path(model))
+    path = _model_path(model, engine_args.get("revision"))
+    config = ModelConfig.from_dir(path, engine_args.get("model_impl", "auto"))
     return config.resolve_max_model_len(engine_args.get("max_model_len"))
 
 
 @functools.lru_cache(maxsize=16)
-def model_tokenizer(model: str | None):
+def model_tokenizer(model: str | None, revision: str | None = None):
     """The model's own tokenizer, for counting tokens without loading weights or a KV cache."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(_model_path(model))
+    return AutoTokenizer.from_pretrained(_model_path(model, revision))

@@ -168,6 +168,7 @@ class EngineConfig:
     """Everything that shapes an engine; `LLM(**kwargs)` and `AsyncEngine.from_model` take these."""
 
     model: str | None = None
+    revision: str | None = None  # of a hub model: a branch, tag or commit
     dtype: str = "auto"
     block_size: int | None = None
     num_kv_blocks: int | None = None

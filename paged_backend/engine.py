@@ -48,7 +48,7 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.model_path = resolve_model_path(config.model)
+        self.model_path = resolve_model_path(config.model, config.revision)
         self.model_name = model_name(config.model)
         self.model_config = ModelConfig.from_dir(self.model_path, config.model_impl)
         from transformers import AutoTokenizer

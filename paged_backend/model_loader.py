@@ -23,13 +23,20 @@ from paged_backend.file_cache import cache_dir, locked, notice
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*"]
 
 
-def resolve_model_path(model: str | Path | None) -> Path:
-    """Return a Hugging Face style directory (config.json, tokenizer, *.safetensors)."""
+def resolve_model_path(model: str | Path | None, revision: str | None = None) -> Path:
+    """Return a Hugging Face style directory (config.json, tokenizer, *.safetensors) for a
+    local directory, a .gguf file, a hub id ("org/name", at `revision`: a branch, tag or
+    commit) or a GGUF file in a hub repository ("org/name/file.gguf")."""
     if model is None:
         return convert_gguf(default_model_file())
     path = Path(model).expanduser()
-    if (repo_id := _hub_id(model)) is not None:
-        path = snapshot_from_hub(repo_id)
+    hub = _hub_ref(model)
+    if hub is not None:
+        path = snapshot_from_hub(*hub, revision=revision)
+    elif revision is not None:
+        raise ValueError(
+            f"revision applies to hub ids ('org/name'), not to the local path {str(model)!r}"
+        )
     if not path.exists():
         raise FileNotFoundError(
             f"model path {path} does not exist; expected a Hugging Face model directory, "
@@ -49,42 +56,60 @@ def model_name(model: str | Path | None) -> str:
     """The name users know a model by: the default model's, a hub id, or the file's name."""
     if model is None:
         return DEFAULT_MODEL_NAME
-    return _hub_id(model) or Path(model).expanduser().name
+    return str(model) if _hub_ref(model) else Path(model).expanduser().name
 
 
-def _hub_id(model: str | Path) -> str | None:
-    """`model` as a hub repository id ("org/name") when it is one and no such local path
-    exists; None for a local path."""
+def _hub_ref(model: str | Path) -> tuple[str, str | None] | None:
+    """(repository id, GGUF file name or None) when `model` names a hub repository ("org/name")
+    or a GGUF file in one ("org/name/file.gguf") and no such local path exists; else None."""
     name = str(model)
     parts = name.split("/")
-    is_id = len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
-    return name if is_id and not Path(name).expanduser().exists() else None
+    if not all(parts) or name.startswith((".", "~")) or Path(name).expanduser().exists():
+        return None
+    if len(parts) == 2:
+        return name, None
+    if len(parts) == 3 and parts[2].endswith(".gguf"):
+        return "/".join(parts[:2]), parts[2]
+    return None
 
 
-def snapshot_from_hub(repo_id: str) -> Path:
-    """A hub id resolved as transformers resolves it: the local Hugging Face cache first, a
-    download only where one is allowed (not under `HF_HUB_OFFLINE=1`) and a network exists."""
-    from huggingface_hub import snapshot_download
+def snapshot_from_hub(
+    repo_id: str, filename: str | None = None, *, revision: str | None = None
+) -> Path:
+    """A hub repository's model directory (or its GGUF file `filename`), resolved as
+    transformers resolves it: the local Hugging Face cache first, a download only where one is
+    allowed (not under `HF_HUB_OFFLINE=1`) and a network exists."""
+    from huggingface_hub import hf_hub_download, snapshot_download
 
+    def fetch(**kwargs) -> Path:
+        if filename is not None:
+            return Path(hf_hub_download(repo_id, filename, revision=revision, **kwargs))
+        return Path(
+            snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES, **kwargs)
+        )
+
+    what = repo_id + (f"/{filename}" if filename else "") + (f"@{revision}" if revision else "")
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True))
+        return fetch(local_files_only=True)
     except Exception as exc:  # not cached (or a partial cache): name why below
         cache_miss = exc
     how = (
-        f"download it where a network exists (`hf download {repo_id}`, into the same "
-        "HF_HOME cache) or pass a local directory"
+        f"download it where a network exists (`hf download {repo_id}"
+        + (f" {filename}" if filename else "")
+        + (f" --revision {revision}" if revision else "")
+        + "`, into the same HF_HOME cache) or pass a local path"
     )
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         raise FileNotFoundError(
-            f"model {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is "
+            f"model {what!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is "
             f"set ({type(cache_miss).__name__}); {how}"
         )
-    notice(f"downloading {repo_id} from the Hugging Face hub")
+    notice(f"downloading {what} from the Hugging Face hub")
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+        return fetch()
     except Exception as exc:
         raise FileNotFoundError(
-            f"model {repo_id!r} is not in the local Hugging Face cache and could not be "
+            f"model {what!r} is not in the local Hugging Face cache and could not be "
             f"downloaded ({type(exc).__name__}: {exc}); {how}"
         ) from exc
 

@@ -14,7 +14,8 @@ _users: dict[int, int] = {}
 
 
 def _key(model: str | None, engine_args: dict) -> tuple:
-    path = str(resolve_model_path(model)) if model is not None else None
+    revision = engine_args.get("revision")
+    path = str(resolve_model_path(model, revision)) if model is not None else None
     return (path, tuple(sorted((k, repr(v)) for k, v in engine_args.items())))
 
 

@@ -135,7 +135,8 @@ class PagedParams(BaseModel):
         """Token ids from the model's own tokenizer (the engine need not be running)."""
         if self.custom_get_token_ids is not None:
             return self.custom_get_token_ids(text)
-        return model_tokenizer(self.model)(text, add_special_tokens=False).input_ids
+        tokenizer = model_tokenizer(self.model, self.engine_args.get("revision"))
+        return tokenizer(text, add_special_tokens=False).input_ids
 
 
 def usage_metadata(

@@ -116,7 +116,7 @@ class ChatPaged(PagedParams, BaseChatModel):
         self, messages: list[BaseMessage], tools: Sequence[Any] | None = None
     ) -> int:
         """Prompt tokens of `messages` as the engine sees them: chat template and tools."""
-        tokenizer = model_tokenizer(self.model)
+        tokenizer = model_tokenizer(self.model, self.engine_args.get("revision"))
         apply = partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True)
         specs = [convert_to_openai_tool(t) for t in tools] if tools else None
         prompt = render_chat(apply, tokenizer.chat_template, messages, specs)
