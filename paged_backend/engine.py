@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_backend.chat_template import apply_chat_template
 from paged_backend.config import EngineConfig, ModelConfig
 from paged_backend.detokenizer import IncrementalDetokenizer
 from paged_backend.kv_cache_manager import KVCacheManager
@@ -94,8 +95,7 @@ class LLMEngine:
 
     # ---- input ---------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
-        kwargs.setdefault("add_generation_prompt", True)
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+        return apply_chat_template(self.tokenizer, messages, **kwargs)
 
     def tokenize(self, prompt: PromptType, *, add_special_tokens: bool = True) -> list[int]:
         """A prompt's token ids: text tokenized, token ids as given (`validate`, which every

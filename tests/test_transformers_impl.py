@@ -166,3 +166,67 @@ def test_native_only_is_refused_for_other_families(tmp_path, default_model_path)
         LLM(model=str(path), model_impl="native")
     with pytest.raises(ValueError, match="model_impl must be one of auto, native, transformers"):
         LLM(model=str(path), model_impl="hf")
+
+
+# A Gemma 2 style template: no system role (it raises), "model" turns.
+NO_SYSTEM_ROLE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("system_role", [True, False], ids=["system-role", "no-system-role"])
+@pytest.mark.parametrize("architecture", ["Gemma3ForCausalLM", "Phi3ForCausalLM"])
+def test_every_entry_point_serves_a_fallback_model(
+    tmp_path, default_model_path, architecture, system_role
+):
+    """`LLM`, `AsyncEngine`, `ChatPaged` and LlamaIndex's `PagedLLM` give the same greedy
+    answer to a chat with a system prompt; where the template has no system role, the system
+    prompt opens the first user turn."""
+    import asyncio
+
+    from langchain_core.messages import HumanMessage, SystemMessage
+    from llama_index.core.llms import ChatMessage
+
+    from langchain_paged import ChatPaged
+    from llama_index.llms.paged import PagedLLM
+    from paged_backend import AsyncEngine, get_engine, release_engine
+
+    path = make_fallback_model(tmp_path, default_model_path, architecture)
+    if not system_role:
+        (path / "chat_template.jinja").write_text(NO_SYSTEM_ROLE)
+    system, question = "Answer in one word.", "Which river runs under the bridge?"
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    args = {"dtype": "float32", "num_kv_blocks": 64}
+    params = SamplingParams(temperature=0, max_tokens=6)
+
+    out = LLM(model=str(path), **args).chat(messages, params, use_tqdm=False)[0]
+    text = out.outputs[0].text
+    assert len(out.outputs[0].token_ids) == 6
+    if not system_role:
+        assert f"<start_of_turn>user\n{system}\n\n{question}<end_of_turn>" in out.prompt
+
+    async def streamed() -> str:
+        engine = AsyncEngine.from_model(str(path), **args)
+        try:
+            prompt = engine.apply_chat_template(messages)
+            outputs = [out async for out in engine.generate(prompt, params, request_id="r")]
+            return outputs[-1].outputs[0].text
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(streamed()) == text
+    engine = get_engine(str(path), **args)  # shared by both adapters
+    try:
+        chat = ChatPaged(model=str(path), temperature=0, max_tokens=6, **args)
+        assert chat.invoke([SystemMessage(system), HumanMessage(question)]).content == text
+        llm = PagedLLM(model=str(path), temperature=0, max_tokens=6, engine_args=args)
+        reply = llm.chat(
+            [ChatMessage(role="system", content=system), ChatMessage(content=question)]
+        )
+        assert reply.message.content == text
+    finally:
+        release_engine(engine)

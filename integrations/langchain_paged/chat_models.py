@@ -40,6 +40,7 @@ from paged_backend.adapters import (
     model_context_window,
     model_tokenizer,
 )
+from paged_backend.chat_template import apply_chat_template
 from paged_backend.tool_calling import (
     ToolCallDelta,
     check_tools,
@@ -117,7 +118,7 @@ class ChatPaged(PagedParams, BaseChatModel):
     ) -> int:
         """Prompt tokens of `messages` as the engine sees them: chat template and tools."""
         tokenizer = model_tokenizer(self.model, self.engine_args.get("revision"))
-        apply = partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True)
+        apply = partial(apply_chat_template, tokenizer)
         specs = [convert_to_openai_tool(t) for t in tools] if tools else None
         prompt = render_chat(apply, tokenizer.chat_template, messages, specs)
         return len(tokenizer(prompt, add_special_tokens=False).input_ids)
