@@ -16,6 +16,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",  # Phi-3, Phi-4: fused qkv and gate_up in the checkpoint, as ours
 )
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODEL_IMPLS = ("auto", "native", "transformers")
@@ -133,6 +134,9 @@ class ModelConfig:
         )
         if rope_type not in ("default", "llama3", "linear"):
             raise ValueError(f"unsupported rope scaling type {rope_type!r} in {config_file}")
+        partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"unsupported partial rotary factor {partial} in {config_file}")
         eos = raw.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         num_heads = raw["num_attention_heads"]

@@ -47,6 +47,7 @@ def make_tiny_model(
         "MistralForCausalLM": transformers.MistralConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config,
         "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "Phi3ForCausalLM": transformers.Phi3Config,
     }[architecture]
     fields = dict(
         vocab_size=49152,

@@ -42,6 +42,7 @@ ARCHITECTURES = [
     pytest.param("MistralForCausalLM", {"num_key_value_heads": 4}, id="mistral-mha"),
     pytest.param("Qwen2ForCausalLM", {"num_key_value_heads": 1}, id="qwen2-mqa"),
     pytest.param("Qwen3ForCausalLM", {"head_dim": 32}, id="qwen3"),
+    pytest.param("Phi3ForCausalLM", {"pad_token_id": 0}, id="phi3"),
 ]
 
 
