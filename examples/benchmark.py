@@ -8,20 +8,31 @@ Workloads (default model, greedy, EOS ignored so every request makes the same nu
 Engines: ours; transformers one request at a time (what HuggingFacePipeline does; slow, so it
 runs on the first --hf-requests requests and its rate is taken from those); transformers with all
 requests in one left-padded static batch (its best case); llama-cpp-python on the same GGUF when
-it is installed. Reported: output tokens/s, ratios, TTFT median/p90, prefix-cache hit rate, peak
-RSS, KV slot utilisation, and achieved GFLOP/s against a bf16 matmul peak measured in this run:
-over the whole run the linears' and the head's FLOPs (a lower bound), and at batch 32 decode the
-model FLOPs of each step (linears, head, and attention over each sequence's context).
+it is installed; vLLM's CPU build on the same prompts when --vllm-python (or the environment
+variable PAGED_BACKEND_VLLM_PYTHON) names the Python of a virtualenv that has it (it runs
+examples/vllm_peer.py in a subprocess, started and compiled before anything is timed; the chat
+workload replays the turn prompts ours built). Reported: output tokens/s, ratios, TTFT
+median/p90, prefix-cache hit rate, peak RSS, KV slot utilisation, and achieved GFLOP/s against a
+bf16 matmul peak measured in this run: over the whole run the linears' and the head's FLOPs (a
+lower bound), and at batch 32 decode the model FLOPs of each step (linears, head, and attention
+over each sequence's context); for vLLM also the share of requests whose first 16 tokens match
+ours.
 
     python examples/benchmark.py [--workloads rag,distinct,single,chat] [--json]
+                                 [--vllm-python /path/to/vllm-venv/bin/python]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -133,6 +144,8 @@ class Ours:
         # Decode-only steps: (batch size, seconds, context tokens attended over, summed).
         self.decode_steps: list[tuple[int, float, int]] = []
         self.kv_usage: list[float] = []
+        # (prompt, output token ids) of every request run, for peers that replay them.
+        self.requests: list[tuple[list[int], list[int]]] = []
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[float]]:
         engine = self.engine
@@ -159,6 +172,7 @@ class Ours:
                 first.setdefault(out.request_id, time.perf_counter() - start)
                 if out.finished:
                     outputs[out.request_id] = out.outputs[0].token_ids
+        self.requests += [(list(p), list(outputs[i])) for p, i in zip(prompts, ids, strict=True)]
         return [outputs[i] for i in ids], [first[i] for i in ids]
 
 
@@ -241,6 +255,115 @@ class LlamaCpp:
     def _no_eos(self, _ids, logits):
         logits[self.eos_id] = -float("inf")
         return logits
+
+
+VLLM_PEER = Path(__file__).resolve().parent / "vllm_peer.py"
+VLLM_TIMEOUT_S = 3600
+AGREEMENT_TOKENS = 16
+
+
+class VllmPeer:
+    """vLLM's CPU build, in its own virtualenv: examples/vllm_peer.py runs every workload in one
+    subprocess (engine start-up, compilation and a warm-up request are not timed) and sends back
+    each request's tokens and time to first token."""
+
+    name = "vLLM (CPU)"
+
+    def __init__(self, python: str, model: str, dtype: torch.dtype, max_tokens: int) -> None:
+        self.python, self.model, self.max_tokens = python, model, max_tokens
+        self.dtype = str(dtype).removeprefix("torch.")
+        self.threads = torch.get_num_threads()
+        self.log = Path(tempfile.gettempdir()) / "paged_backend_vllm_peer.log"
+
+    def run_all(self, workloads: dict[str, list[list[int]]], serial: list[str]) -> dict:
+        """vllm_peer.py's result; RuntimeError with a one-line reason when it fails."""
+        job = {
+            "model": self.model,
+            "dtype": self.dtype,
+            "threads": self.threads,
+            "max_tokens": self.max_tokens,
+            "workloads": workloads,
+            "serial": serial,
+        }
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
+        env.pop("OMP_NUM_THREADS", None)  # vllm_peer.py gives vLLM's model `threads` threads
+        env["HF_HUB_OFFLINE"] = "1"
+        print(
+            f"vLLM peer: starting {self.python} (its first start compiles for minutes; "
+            f"log: {self.log})",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            with self.log.open("w") as log:
+                proc = subprocess.run(
+                    [self.python, str(VLLM_PEER)],
+                    input=json.dumps(job),
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    text=True,
+                    env=env,
+                    cwd=tempfile.gettempdir(),
+                    timeout=VLLM_TIMEOUT_S,
+                )
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"timed out after {VLLM_TIMEOUT_S} s (log: {self.log})") from None
+        except OSError as e:
+            raise RuntimeError(f"could not start {self.python}: {e}") from None
+        if proc.returncode != 0:
+            lines = [ln.strip() for ln in self.log.read_text(errors="replace").splitlines()]
+            # The exception's own line (vLLM logs its shutdown after it), else the last line.
+            errors = [ln for ln in lines if re.match(r"[A-Za-z_][\w.]*(Error|Exception)\b", ln)]
+            last = (errors or [ln for ln in lines if ln] or ["no output"])[-1]
+            raise RuntimeError(f"failed (exit {proc.returncode}): {last} (log: {self.log})")
+        try:
+            return json.loads(proc.stdout)
+        except json.JSONDecodeError:
+            raise RuntimeError(f"sent no result (log: {self.log})") from None
+
+
+def run_vllm(args, ours: Ours, replay: dict[str, list[tuple[list[int], list[int]]]], results):
+    """vLLM on the prompts ours ran (chat: the turn prompts ours built), into `results`; a
+    one-line reason in results["vllm"] when it cannot run."""
+    if not args.vllm_python:
+        results["vllm"] = (
+            "not run: no vLLM Python given (--vllm-python or PAGED_BACKEND_VLLM_PYTHON; "
+            "see the README's Benchmark section)"
+        )
+        return
+    if not Path(args.vllm_python).exists():
+        results["vllm"] = f"not run: {args.vllm_python} does not exist"
+        return
+    peer = VllmPeer(
+        args.vllm_python, str(ours.engine.model_path), ours.engine.runner.dtype, args.max_tokens
+    )
+    serial = [name for name in replay if name in ("single", "chat")]
+    try:
+        got = peer.run_all({name: [p for p, _ in reqs] for name, reqs in replay.items()}, serial)
+    except RuntimeError as e:
+        results["vllm"] = f"not run: {e}"
+        return
+    results["vllm"] = {
+        "version": got["vllm_version"],
+        "startup_s": got["startup_s"],
+        "prefix_cache_reset": got["prefix_cache_reset"],
+        "dtype": peer.dtype,
+        "threads": peer.threads,
+    }
+    for name, reqs in replay.items():
+        w = got["workloads"][name]
+        r = summarize(w["outputs"], w["ttfts"], w["elapsed_s"])
+        r["ours_speedup"] = results[name]["ours"]["tokens_per_s"] / r["tokens_per_s"]
+        r["prefix_cache_hit_rate"] = (
+            w["cached_prompt_tokens"] / w["prompt_tokens"] if w["prompt_tokens"] else 0.0
+        )
+        n = AGREEMENT_TOKENS
+        r["token_agreement"] = sum(
+            list(theirs[:n]) == list(mine[:n])
+            for theirs, (_, mine) in zip(w["outputs"], reqs, strict=True)
+        ) / len(reqs)
+        results[name]["vllm"] = r
 
 
 # ---- measuring --------------------------------------------------------------------------------
@@ -328,7 +451,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--workloads", default="rag,distinct,single,chat")
-    parser.add_argument("--engines", default="ours,hf-seq,hf-batch,llama-cpp")
+    parser.add_argument("--engines", default="ours,hf-seq,hf-batch,llama-cpp,vllm")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(
@@ -352,6 +475,12 @@ def main() -> None:
         action="store_true",
         help="ours without the C kernels (fused norm and rotary, decode and shared-prefix "
         "attention), to measure them",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        default=os.environ.get("PAGED_BACKEND_VLLM_PYTHON"),
+        help="the Python of a virtualenv with vLLM's CPU build (default: the environment "
+        "variable PAGED_BACKEND_VLLM_PYTHON); without it the vllm engine is skipped",
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -392,11 +521,13 @@ def main() -> None:
             "cpu": cpu_description(),
         }
     }
+    replay: dict[str, list[tuple[list[int], list[int]]]] = {}  # what ours ran, per workload
     for name in workloads:
         ours.engine.kv.pool.reset_cache()  # every workload starts cold
         before = ours.engine.stats()
         ours.decode_steps.clear()
         ours.kv_usage.clear()
+        ours.requests.clear()
         r = run_workload(ours, name, prompts[name], args.max_tokens)
         after = ours.engine.stats()
         queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
@@ -417,6 +548,7 @@ def main() -> None:
             )
             r["decode_fraction_of_peak"] = r["decode_gflops_at_max_batch"] / peak
         results.setdefault(name, {})["ours"] = r
+        replay[name] = list(ours.requests)
     results["peak_rss_mb_ours"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     peers = []
@@ -452,6 +584,8 @@ def main() -> None:
             results[name][key]["ours_speedup"] = (
                 results[name]["ours"]["tokens_per_s"] / r["tokens_per_s"]
             )
+    if "vllm" in wanted:
+        run_vllm(args, ours, replay, results)
     results["peak_rss_mb_total"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.json:
         print(json.dumps(results, indent=2))
@@ -518,9 +652,23 @@ def print_table(results: dict, workloads: list[str]) -> None:
                     )
             else:
                 line += f"  ours {r['ours_speedup']:.1f}x"
+                if "prefix_cache_hit_rate" in r:
+                    line += f"  prompt tokens cached {r['prefix_cache_hit_rate']:.1%}"
+                if "token_agreement" in r:
+                    line += f"  same first {AGREEMENT_TOKENS} tokens {r['token_agreement']:.0%}"
             print(line)
     if isinstance(results.get("llama_cpp"), str):
         print(f"\nllama-cpp-python: {results['llama_cpp']}")
+    v = results.get("vllm")
+    if isinstance(v, str):
+        print(f"\nvLLM: {v}")
+    elif v:
+        print(
+            f"\nvLLM {v['version']} (CPU build, {v['dtype']}, {v['threads']} threads): started, "
+            f"compiled and warmed up in {v['startup_s']:.0f} s (not timed); prefix cache "
+            f"{'reset' if v['prefix_cache_reset'] else 'NOT reset (reset_prefix_cache failed)'} "
+            "before each workload; chat replays the turn prompts ours built"
+        )
 
 
 if __name__ == "__main__":
