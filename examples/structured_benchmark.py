@@ -4,8 +4,8 @@ The same 32 prompts run greedy for a fixed number of tokens, once unconstrained 
 once under a JSON schema (a list of records with strings, bounded integers, enums and a pattern).
 The model lists records for as long as it may, and the budget guard closes the list in the last
 tokens: every request of both runs makes the same number of tokens, so tokens/s compare like for
-like, and the constrained run pays for the mask, the forced text and the guard. Runs alternate and the best of each
-kind is kept, to damp noise from other work on the machine.
+like, and the constrained run pays for the mask, the forced text and the guard. Runs alternate
+and the best of each kind is kept, to damp noise from other work on the machine.
 
     python examples/structured_benchmark.py [--requests 32] [--max-tokens 128] [--repeats 2]
 """
