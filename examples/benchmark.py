@@ -15,7 +15,9 @@ workload replays the turn prompts ours built). Reported: output tokens/s, ratios
 median/p90, prefix-cache hit rate, peak RSS, KV slot utilisation, and achieved GFLOP/s against a
 bf16 matmul peak measured in this run: over the whole run the linears' and the head's FLOPs (a
 lower bound), and at batch 32 decode the model FLOPs of each step (linears, head, and attention
-over each sequence's context); for vLLM also the share of requests whose first 16 tokens match
+over each sequence's context) and the step's roofline: the larger of those FLOPs at the matmul
+peak and its bytes (every weight, each sequence's keys and values) at the memory read rate
+measured in this run; for vLLM also the share of requests whose first 16 tokens match
 ours.
 
     python examples/benchmark.py [--workloads rag,distinct,single,chat] [--json]
@@ -387,18 +389,45 @@ def matmul_peak_gflops(dtype: torch.dtype) -> float:
     return best
 
 
+def read_bandwidth_gbps(megabytes: int = 512, repeats: int = 5) -> float:
+    """The best rate at which this machine's threads read a large tensor (an fp32 sum: one
+    pass over memory, little arithmetic per byte): the memory roof of a decode step."""
+    x = torch.ones(megabytes * 2**20 // 4)
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = max(best, x.numel() * 4 / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def _layer_weights(engine: LLMEngine) -> int:
+    """Weights of one decoder layer's linears (q, k, v, o, gate, up, down)."""
+    mc = engine.model_config
+    return (
+        mc.hidden_size * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
+        + mc.num_heads * mc.head_dim * mc.hidden_size
+        + 3 * mc.hidden_size * mc.intermediate_size
+    )
+
+
 def model_flops(engine: LLMEngine) -> tuple[float, float, float]:
     """FLOPs (multiply-adds count 2) of (one token through the decoder layers' linears, one token
     through the output head, one query token attending to one context token in every layer),
     the terms of the usual model-FLOPs count; the embedding lookup is not arithmetic."""
     mc = engine.model_config
-    per_layer = (
-        mc.hidden_size * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
-        + mc.num_heads * mc.head_dim * mc.hidden_size
-        + 3 * mc.hidden_size * mc.intermediate_size
-    )
     attention = 2 * 2 * mc.num_heads * mc.head_dim * mc.num_layers  # q.k and p.v
-    return 2.0 * per_layer * mc.num_layers, 2.0 * mc.hidden_size * mc.vocab_size, attention
+    layers = _layer_weights(engine) * mc.num_layers
+    return 2.0 * layers, 2.0 * mc.hidden_size * mc.vocab_size, attention
+
+
+def step_bytes(engine: LLMEngine) -> tuple[float, float]:
+    """Bytes a decode step must read: (every weight once: the layers' linears and the head; the
+    keys and values of one context token in every layer)."""
+    mc = engine.model_config
+    size = engine.runner.dtype.itemsize
+    weights = (_layer_weights(engine) * mc.num_layers + mc.hidden_size * mc.vocab_size) * size
+    return float(weights), 2.0 * mc.num_layers * mc.num_kv_heads * mc.head_dim * size
 
 
 def summarize(outputs, ttfts, elapsed) -> dict:
@@ -502,6 +531,8 @@ def main() -> None:
         "chat": None,
     }
     peak = matmul_peak_gflops(ours.engine.runner.dtype)
+    bandwidth = read_bandwidth_gbps()
+    weight_bytes, kv_bytes = step_bytes(ours.engine)
     head = ours.engine.runner.model.cpu_head
     layer_flops, head_flops, attention_flops = model_flops(ours.engine)
     results: dict = {
@@ -515,10 +546,11 @@ def main() -> None:
             "threads": torch.get_num_threads(),
             "hf_dtype": args.hf_dtype,
             "matmul_peak_gflops": peak,
+            "read_bandwidth_gbps": bandwidth,
             "requests": args.requests,
             "max_tokens": args.max_tokens,
             "block_hash_ns_per_token": block_hash_ns_per_token(ours.engine.config.block_size),
-            "cpu": cpu_description(),
+            "cpu": cpu_ops.cpu_description(),
         }
     }
     replay: dict[str, list[tuple[list[int], list[int]]]] = {}  # what ours ran, per workload
@@ -547,6 +579,19 @@ def main() -> None:
                 for b, s, context in big
             )
             r["decode_fraction_of_peak"] = r["decode_gflops_at_max_batch"] / peak
+            # The step's roofline: the larger of its FLOPs at the matmul peak and its bytes
+            # (weights, plus each sequence's keys and values) at the read bandwidth.
+            roofs = [
+                max(
+                    (b * (layer_flops + head_flops) + context * attention_flops) / (peak * 1e9),
+                    (weight_bytes + context * kv_bytes) / (bandwidth * 1e9),
+                )
+                for b, _, context in big
+            ]
+            r["decode_roofline_ms"] = 1000 * statistics.median(roofs)
+            r["decode_over_roofline"] = statistics.median(
+                s / roof for (_, s, _), roof in zip(big, roofs, strict=True)
+            )
         results.setdefault(name, {})["ours"] = r
         replay[name] = list(ours.requests)
     results["peak_rss_mb_ours"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -605,22 +650,6 @@ def block_hash_ns_per_token(block_size: int, tokens: int = 4096, repeats: int = 
     return best / tokens * 1e9
 
 
-def cpu_description() -> str:
-    """The CPU's model name and the features the kernels depend on, so that figures from
-    different machines are never compared as if they were equal."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    name = next(
-        (ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")),
-        "unknown CPU",
-    )
-    flags = set(next((ln for ln in info.splitlines() if ln.startswith("flags")), "").split())
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return f"{name} ({', '.join(f for f in wanted if f in flags) or 'no AVX2'})"
-
-
 def print_table(results: dict, workloads: list[str]) -> None:
     c = results["config"]
     print(f"CPU: {c['cpu']}")
@@ -630,6 +659,7 @@ def print_table(results: dict, workloads: list[str]) -> None:
         f"transformers {c['hf_dtype']}), "
         f"{c['threads']} threads, "
         f"bf16 matmul peak {c['matmul_peak_gflops']:.0f} GFLOP/s, "
+        f"memory read {c['read_bandwidth_gbps']:.0f} GB/s, "
         f"peak RSS ours {results['peak_rss_mb_ours']:.0f} MB, "
         f"prefix-cache block hashing (SHA-256) {c['block_hash_ns_per_token']:.0f} ns/prompt token"
     )
@@ -648,7 +678,8 @@ def print_table(results: dict, workloads: list[str]) -> None:
                 if "decode_gflops_at_max_batch" in r:
                     line += (
                         f"  decode@batch {r['decode_step_ms_at_max_batch']:.0f} ms/step "
-                        f"{r['decode_fraction_of_peak']:.0%} of peak"
+                        f"{r['decode_fraction_of_peak']:.0%} of peak, roofline "
+                        f"{r['decode_roofline_ms']:.0f} ms ({r['decode_over_roofline']:.1f}x)"
                     )
             else:
                 line += f"  ours {r['ours_speedup']:.1f}x"
