@@ -22,6 +22,7 @@ ours.
 
     python examples/benchmark.py [--workloads rag,distinct,single,chat] [--json]
                                  [--vllm-python /path/to/vllm-venv/bin/python]
+                                 [--model PATH_OR_HUB_ID] [--engines ours,ours-transformers]
 """
 
 from __future__ import annotations
@@ -127,21 +128,8 @@ CHAT_TURNS = [
 class Ours:
     name = "paged-backend"
 
-    def __init__(
-        self,
-        dtype: str,
-        pack_weights: bool | None = None,
-        quantization: str | None = None,
-        cpu_kernels: bool | None = None,
-    ) -> None:
-        self.engine = LLMEngine(
-            EngineConfig(
-                dtype=dtype,
-                pack_weights=pack_weights,
-                quantization=quantization,
-                cpu_kernels=cpu_kernels,
-            )
-        )
+    def __init__(self, dtype: str, **engine_args) -> None:
+        self.engine = LLMEngine(EngineConfig(dtype=dtype, **engine_args))
         self.tokenizer = self.engine.tokenizer
         # Decode-only steps: (batch size, seconds, context tokens attended over, summed).
         self.decode_steps: list[tuple[int, float, int]] = []
@@ -511,6 +499,16 @@ def main() -> None:
         help="the Python of a virtualenv with vLLM's CPU build (default: the environment "
         "variable PAGED_BACKEND_VLLM_PYTHON); without it the vllm engine is skipped",
     )
+    parser.add_argument(
+        "--model", default=None, help="a model directory, .gguf file or hub id (default: ours)"
+    )
+    parser.add_argument(
+        "--model-impl",
+        default="auto",
+        choices=["auto", "native", "transformers"],
+        help="who runs the layers for ours; the engine ours-transformers runs the same model "
+        "through transformers' modules beside it, for the ratio",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     workloads = args.workloads.split(",")
@@ -518,9 +516,11 @@ def main() -> None:
 
     ours = Ours(
         args.dtype,
-        False if args.no_pack_weights else None,
-        args.quantization,
-        False if args.no_cpu_kernels else None,
+        model=args.model,
+        model_impl=args.model_impl,
+        pack_weights=False if args.no_pack_weights else None,
+        quantization=args.quantization,
+        cpu_kernels=False if args.no_cpu_kernels else None,
     )
     tok = ours.tokenizer
     run_chat.tokenizer = tok
@@ -609,7 +609,12 @@ def main() -> None:
             peers.append(
                 ("hf_static_batch", TransformersStaticBatch(hf, tok.pad_token_id or 0), None)
             )
-    if "llama-cpp" in wanted:
+    if "ours-transformers" in wanted:  # the same model through transformers' modules
+        through = Ours(args.dtype, model=args.model, model_impl="transformers")
+        peers.append(("ours_transformers_impl", through, None))
+    if "llama-cpp" in wanted and args.model is not None:
+        results["llama_cpp"] = "not run: it runs the default model's GGUF only"
+    elif "llama-cpp" in wanted:
         try:
             peers.append(("llama_cpp", LlamaCpp(ours.engine.eos_token_ids[0]), None))
         except ImportError:
