@@ -24,14 +24,18 @@ from paged_backend.errors import EngineOverloadedError
 from paged_backend.model_loader import model_name, resolve_model_path
 from paged_backend.outputs import CompletionOutput, Logprob, RequestOutput
 from paged_backend.sampling_params import SamplingParams
-from paged_backend.shared_engines import get_engine, release_engine
+from paged_backend.shared_engines import RAY_ARGS, get_engine, release_engine
 from paged_backend.tool_calling import ToolCallDelta, ToolCallParser
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+# Where the engine runs: "local" (this process) or "ray" (replicas in Ray actors), with the
+# Ray backend's own arguments; adapters pass them through to `get_engine` like the rest.
+BACKEND_ARGS = ("backend", *RAY_ARGS)
 # What `get_engine(model, **engine_args)` accepts besides the model.
 ENGINE_ARGS = (
     *(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"),
     "max_waiting_requests",
+    *BACKEND_ARGS,
 )
 
 

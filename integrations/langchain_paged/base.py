@@ -30,7 +30,8 @@ PROVIDER = "paged"
 
 class PagedParams(BaseModel):
     """Mixed into both LangChain classes. Sampling fields left at None take `SamplingParams`'
-    defaults; any other keyword argument is an engine argument (dtype, num_kv_blocks, ...)."""
+    defaults; any other keyword argument is an engine argument (dtype, num_kv_blocks, ...;
+    backend="ray" with num_replicas, routing, ray_actor_options for replicas on Ray)."""
 
     model: str | None = None
     """Hugging Face model directory or `.gguf` file; None is the embedded SmolLM2-135M."""

@@ -33,7 +33,7 @@ from llama_index.core.base.llms.types import (
     TextBlock,
     ToolCallBlock,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection, default_completion_to_prompt
@@ -43,6 +43,7 @@ from llama_index.core.prompts import PromptTemplate
 from llama_index.core.types import PydanticProgramMode
 
 from paged_backend.adapters import (
+    BACKEND_ARGS,
     SAMPLING_FIELDS,
     EngineHandle,
     StreamedText,
@@ -126,10 +127,22 @@ class PagedLLM(FunctionCallingLLM):
     )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
-        description="Engine arguments (dtype, num_kv_blocks, max_model_len, ...).",
+        description="Engine arguments (dtype, num_kv_blocks, max_model_len, ...; backend='ray' "
+        "with num_replicas, routing, ray_actor_options for replicas on a Ray cluster).",
     )
 
     _handle: EngineHandle = PrivateAttr()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _collect_backend_args(cls, values: Any) -> Any:
+        """`PagedLLM(backend="ray", num_replicas=2)` is `PagedLLM(engine_args={"backend": "ray",
+        "num_replicas": 2})`, as in the LangChain adapter."""
+        if not isinstance(values, dict) or not set(BACKEND_ARGS) & set(values):
+            return values
+        rest = {k: v for k, v in values.items() if k not in BACKEND_ARGS}
+        moved = {k: v for k, v in values.items() if k in BACKEND_ARGS}
+        return {**rest, "engine_args": {**(rest.get("engine_args") or {}), **moved}}
 
     def model_post_init(self, context: Any, /) -> None:
         super().model_post_init(context)

@@ -1,0 +1,412 @@
+"""`RayEngine`: `AsyncEngine`'s interface over N replicas, each an `AsyncEngine` in a Ray actor.
+
+Ray does placement, the actor processes, restarts and streaming (each request is a Ray
+streaming generator on its replica's async actor). This process keeps only what Ray does not
+know: the tokenizer (to hash prompts for routing), the router, and which replica each request
+runs on, so that a close, cancel or `abort` reaches it and a replica's death fails only its own
+requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import ray
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
+
+from paged_backend.async_engine import check_timeout
+from paged_backend.chat_template import apply_chat_template
+from paged_backend.config import EngineConfig
+from paged_backend.distributed.replica import Replica
+from paged_backend.distributed.router import NoReplicaError, Router, check_routing
+from paged_backend.engine import PromptType
+from paged_backend.errors import EngineError, EngineShutdownError, RequestFailedError
+from paged_backend.model_loader import model_name, resolve_model_path
+from paged_backend.outputs import RequestOutput
+from paged_backend.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+# Ray restarts a crashed replica process itself (up to 3 times); a replica that is gone for
+# good (killed, restarts used up) is replaced by a new actor, up to this many times in a row.
+_MAX_REPLACEMENTS = 3
+_ACTOR_OPTIONS = {"max_restarts": 3, "max_task_retries": 0, "max_concurrency": 10_000}
+_QUEUE_ARG = "max_waiting_requests"  # AsyncEngine's own; every other engine argument is config
+_COMBINE = {"max_batch_size": max}  # every other numeric stat is a sum over replicas
+
+
+@dataclass(eq=False)
+class _Call:
+    """One request: what its replica is sent, where it runs now, and how far it got."""
+
+    request_id: str
+    prompt: PromptType  # as given: text is tokenized again on the replica, as locally
+    prompt_ids: list[int]  # for routing
+    params: SamplingParams
+    options: tuple  # priority, add_special_tokens, timeout
+    replica: int = -1  # -1: not placed (or released)
+    stream: ray.ObjectRefGenerator | None = None
+    tried: set[int] = field(default_factory=set)
+    streamed: bool = False  # an output reached the caller: it can no longer move
+    finished: bool = False
+    ended: bool = False
+
+
+class RayEngine:
+    """Drop-in for `AsyncEngine` (`generate`, `generate_stream`, `abort`, `stats`,
+    `shutdown`, tokenizer helpers) on `num_replicas` Ray actors. Create it with
+    `paged_backend.get_engine(model, backend="ray", num_replicas=N, ...)`; `routing` is
+    "prefix_affinity" (default), "least_loaded" or "round_robin" (see `router`), and
+    `ray_actor_options` go to each actor (e.g. `{"num_gpus": 1}` or `{"num_cpus": 4}`)."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        num_replicas: int = 2,
+        routing: str = "prefix_affinity",
+        ray_actor_options: dict | None = None,
+        **engine_args,
+    ) -> None:
+        check_routing(routing, num_replicas)
+        # Bad engine arguments raise here as they do locally, before any actor starts.
+        EngineConfig(model=model, **{k: v for k, v in engine_args.items() if k != _QUEUE_ARG})
+        if not ray.is_initialized():
+            ray.init()  # the cluster RAY_ADDRESS or `ray start` runs, else a local one
+        from transformers import AutoTokenizer
+
+        self.model_name = model_name(model)
+        path = resolve_model_path(model, engine_args.get("revision"))
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self._tokenizer_lock = threading.Lock()
+        self._model, self._engine_args = model, engine_args
+        self._actor_class = ray.remote(Replica)
+        self._actor_options = {**_ACTOR_OPTIONS, **(ray_actor_options or {})}
+        self._name = f"paged-backend-{uuid.uuid4().hex[:8]}"
+        self._generation = itertools.count()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._calls: dict[str, _Call] = {}
+        self._ids = itertools.count()
+        self._actors = [self._new_actor(i) for i in range(num_replicas)]
+        infos = self._start()
+        block_sizes = {info["block_size"] for info in infos}
+        if len(block_sizes) > 1:
+            self.shutdown()
+            raise EngineError(f"replicas resolved different block sizes {block_sizes}: pass one")
+        self.max_model_len = min(info["max_model_len"] for info in infos)
+        self._router = Router(
+            num_replicas,
+            block_sizes.pop(),
+            routing,
+            index_capacity=sum(info["kv_blocks_total"] for info in infos),
+        )
+
+    def _new_actor(self, slot: int):
+        name = f"{self._name}-{slot}-{next(self._generation)}"
+        options = {**self._actor_options, "name": name}
+        return self._actor_class.options(**options).remote(self._model, self._engine_args)
+
+    def _start(self) -> list[dict]:
+        """Wait for every replica's model to load; a replica that cannot start stops them all."""
+        try:
+            return ray.get([actor.info.remote() for actor in self._actors])
+        except RayError as exc:
+            self.shutdown()
+            raise EngineError(f"a replica failed to start: {exc}") from None
+
+    # ---- helpers for adapters (tokenizer local, as the replicas' own) -------------------------
+    @property
+    def replicas(self) -> list:
+        """The replicas' actor handles, in routing order (e.g. for `ray.kill` in a drill)."""
+        return list(self._actors)
+
+    def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
+        with self._tokenizer_lock:
+            return apply_chat_template(self.tokenizer, messages, **kwargs)
+
+    def tokenize(self, prompt: PromptType, *, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        with self._tokenizer_lock:
+            return self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    # ---- submitting ------------------------------------------------------------------------
+    def _submit(self, prompt, params, request_id, priority, add_special_tokens, timeout) -> _Call:
+        """Route and send a request. The replica validates it: a bad request raises at the
+        first output, as a refused one (`EngineOverloadedError`) does."""
+        check_timeout(timeout)
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
+        with self._lock:
+            if request_id is None:
+                request_id = f"ray-req-{next(self._ids)}"
+            request_id = str(request_id)
+            if request_id in self._calls:
+                raise ValueError(f"request_id {request_id!r} is already in flight")
+            call = _Call(request_id, prompt, ids, params, (priority, add_special_tokens, timeout))
+            self._calls[request_id] = call
+        try:
+            self._dispatch(call)
+        except NoReplicaError as exc:
+            self._end(call)
+            raise RequestFailedError(f"request {request_id!r}: {exc}") from None
+        except BaseException:
+            self._end(call)
+            raise
+        return call
+
+    def _dispatch(self, call: _Call) -> None:
+        with self._lock:
+            if self._closed:
+                raise EngineShutdownError("the engine has been shut down; create a new one")
+            call.replica = self._router.route(call.prompt_ids, call.params, exclude=call.tried)
+            call.tried.add(call.replica)
+            actor = self._actors[call.replica]
+        call.stream = actor.generate.options(num_returns="streaming").remote(
+            call.prompt, call.params, call.request_id, *call.options
+        )
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+        timeout: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """As `AsyncEngine.generate`: leaving the loop early or cancelling the task aborts the
+        request on its replica."""
+        call = self._submit(
+            prompt, sampling_params, request_id, priority, add_special_tokens, timeout
+        )
+        try:
+            while True:
+                try:
+                    async for ref in call.stream:
+                        yield self._received(call, await ref)
+                    return
+                except RayError as exc:
+                    self._fail_over(call, exc)
+        finally:
+            self._end(call)
+
+    def generate_stream(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        add_special_tokens: bool = True,
+        timeout: float | None = None,
+    ) -> Iterator[RequestOutput]:
+        """As `AsyncEngine.generate_stream`: the request is sent now; closing or dropping the
+        iterator before its end aborts it."""
+        call = self._submit(
+            prompt, sampling_params, request_id, priority, add_special_tokens, timeout
+        )
+        return RayRequestStream(self, call)
+
+    def _read(self, call: _Call) -> Iterator[RequestOutput]:
+        while True:
+            try:
+                for ref in call.stream:
+                    yield self._received(call, ray.get(ref))
+                return
+            except RayError as exc:
+                self._fail_over(call, exc)
+
+    def _received(self, call: _Call, out: RequestOutput) -> RequestOutput:
+        call.streamed = True
+        call.finished = out.finished
+        return out
+
+    def _fail_over(self, call: _Call, exc: RayError) -> None:
+        """After a Ray error: raise what the caller should see, or (the replica died before
+        anything was streamed) send the request to another replica."""
+        if isinstance(exc, RayTaskError):  # the replica's engine raised: the caller's error
+            raise (exc.cause if isinstance(exc.cause, BaseException) else exc) from None
+        if self._closed:
+            raise EngineShutdownError("the engine was shut down while the request ran") from None
+        failed = call.replica
+        if isinstance(exc, RayActorError):
+            self._replica_down(failed, exc)
+        with self._lock:
+            self._router.done(failed)
+            call.replica = -1
+        if call.streamed:
+            raise RequestFailedError(
+                f"replica {failed} failed while request {call.request_id!r} ran: {exc}"
+            ) from None
+        try:
+            self._dispatch(call)
+        except NoReplicaError:
+            raise RequestFailedError(
+                f"replica {failed} failed before request {call.request_id!r} started, and no "
+                f"other replica is available: {exc}"
+            ) from None
+
+    def _end(self, call: _Call) -> None:
+        """The caller is done with a request: free its place, stop it if it still runs."""
+        with self._lock:
+            if call.ended:
+                return
+            call.ended = True
+            self._calls.pop(call.request_id, None)
+            if call.replica >= 0:
+                self._router.done(call.replica)
+        if not (call.finished or call.stream is None or self._closed):
+            ray.cancel(call.stream)  # closes the replica's generator, which aborts the request
+
+    async def abort(self, request_id: str) -> None:
+        self.abort_sync(request_id)
+
+    def abort_sync(self, request_id: str) -> None:
+        """Abort a request on its replica; its stream ends (finish_reason "abort") within a
+        step. Unknown or finished ids are ignored."""
+        with self._lock:
+            call = self._calls.get(str(request_id))
+            actor = self._actors[call.replica] if call and call.replica >= 0 else None
+        if actor is not None:
+            actor.abort.remote(call.request_id)
+
+    # ---- replicas failing and coming back --------------------------------------------------
+    def _replica_down(self, slot: int, exc: BaseException) -> None:
+        with self._lock:
+            if self._closed or not self._router.up[slot]:
+                return  # shutting down, or already being brought back
+            self._router.mark_down(slot)
+        logger.warning("replica %d failed (%s); routing around it until it is back", slot, exc)
+        threading.Thread(
+            target=self._recover, args=(slot,), name=f"paged-backend-recover-{slot}", daemon=True
+        ).start()
+
+    def _recover(self, slot: int) -> None:
+        """Wait for Ray's restart of the replica, or replace it when it is gone for good."""
+        replacements = 0
+        while not self._closed:
+            try:
+                ray.get(self._actors[slot].info.remote())
+            except ActorUnavailableError:  # restarting: ask again
+                time.sleep(0.5)
+                continue
+            except RayActorError as exc:
+                with self._lock:
+                    if self._closed:
+                        return
+                    if replacements == _MAX_REPLACEMENTS:
+                        logger.error("replica %d could not be brought back: %s", slot, exc)
+                        return
+                    replacements += 1
+                    self._actors[slot] = self._new_actor(slot)
+                continue
+            with self._lock:
+                if not self._closed:
+                    self._router.mark_up(slot)
+            logger.warning("replica %d is back", slot)
+            return
+
+    # ---- lifecycle and introspection -------------------------------------------------------
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Kill the replicas (requests in flight end with `EngineShutdownError`) and wait up to
+        `timeout` seconds for Ray to report them dead, so their resources are free again."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            actors = list(self._actors)
+        if not ray.is_initialized():
+            return  # Ray was shut down first, and its actors with it
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        deadline = time.monotonic() + timeout
+        for actor in actors:
+            try:
+                ray.get(actor.info.remote(), timeout=max(0.0, deadline - time.monotonic()))
+            except RayError:
+                continue  # dead, as it should be (or the wait is over)
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def stats(self) -> dict:
+        """The replicas' numeric stats summed (`max_batch_size`: the largest), the prefix-cache
+        hit rate recomputed from the sums, `replicas` (each one's own, with `alive`) and
+        `routing` (how many requests each rule placed)."""
+        with self._lock:
+            actors, up = list(self._actors), list(self._router.up)
+            decisions = dict(self._router.decisions)
+        refs = [actor.stats.remote() if ok else None for actor, ok in zip(actors, up, strict=True)]
+        replicas = []
+        for slot, ref in enumerate(refs):
+            stats = None
+            if ref is not None:
+                try:
+                    stats = ray.get(ref, timeout=30)
+                except RayError as exc:
+                    if isinstance(exc, RayActorError):
+                        self._replica_down(slot, exc)
+            replicas.append({"replica": slot, "alive": stats is not None, **(stats or {})})
+        merged = _merge([r for r in replicas if r["alive"]])
+        merged["replicas"], merged["routing"] = replicas, decisions
+        return merged
+
+
+class RayRequestStream(Iterator[RequestOutput]):
+    """A request's outputs for a plain thread. The request is already sent: `close()`, leaving
+    a `with` block, an error, or dropping the iterator before its end aborts it."""
+
+    def __init__(self, engine: RayEngine, call: _Call) -> None:
+        self.request_id = call.request_id
+        self._engine, self._call = engine, call
+        self._outputs = engine._read(call)
+
+    def __next__(self) -> RequestOutput:
+        try:
+            return next(self._outputs)
+        except BaseException:  # StopIteration included: the request is over either way
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._outputs.close()
+        self._engine._end(self._call)
+
+    def __enter__(self) -> RayRequestStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _merge(replicas: list[dict]) -> dict:
+    merged: dict = {}
+    for stats in replicas:
+        for key, value in stats.items():
+            if key in ("replica", "alive") or isinstance(value, bool):
+                continue
+            if isinstance(value, int | float):
+                combine = _COMBINE.get(key, operator.add)
+                merged[key] = combine(merged[key], value) if key in merged else value
+    queries, hits = merged.get("prefix_cache_queries", 0), merged.get("prefix_cache_hits", 0)
+    merged["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
+    return merged

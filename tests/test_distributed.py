@@ -1,0 +1,324 @@
+"""Scale-out on Ray: the prefix-aware router alone, then `RayEngine` on a local Ray cluster
+(one start per module, tiny random model, fp32): greedy parity with the local engine, routing
+that reaches the replicas' prefix caches, cancellation, a killed replica, shutdown, and both
+adapters on `backend="ray"`."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from langchain_core.messages import AIMessage  # noqa: E402
+from llama_index.core.llms import ChatMessage  # noqa: E402
+
+from langchain_paged import ChatPaged  # noqa: E402
+from llama_index.llms.paged import PagedLLM  # noqa: E402
+from paged_backend import (  # noqa: E402
+    EngineShutdownError,
+    RequestFailedError,
+    SamplingParams,
+    get_engine,
+    release_engine,
+)
+from paged_backend.distributed import NoReplicaError, Router  # noqa: E402
+from paged_backend.distributed.engine import RayEngine  # noqa: E402
+
+ENGINE_ARGS = {"dtype": "float32", "num_kv_blocks": 256}
+RAY_ARGS = {"backend": "ray", "num_replicas": 2, **ENGINE_ARGS}
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "One, two, three, four,",
+    "The three primary colours are",
+    "Rain is falling on the roof and",
+]
+CONTEXT = (
+    "The town of Lindenfeld lies on the river Alm. Its archive was founded in 1873 and holds "
+    "the council records, the parish registers and the guild books. "
+)
+
+
+# ---- the router, without Ray -----------------------------------------------------------------
+def ids(n: int, start: int = 100) -> list[int]:
+    return list(range(start, start + n))
+
+
+def test_requests_sharing_a_prefix_go_to_one_replica_and_others_go_elsewhere():
+    router = Router(2, block_size=4)
+    context_a, context_b = ids(40), ids(40, start=5000)
+    first = router.route([*context_a, 7, 8, 9], SamplingParams())
+    same = {router.route([*context_a, i, i + 1], SamplingParams()) for i in range(5)}
+    assert same == {first}
+    other = {router.route([*context_b, i], SamplingParams()) for i in range(3)}
+    assert other == {1 - first}  # a new prefix goes to the least loaded replica
+    assert router.decisions == {"least_loaded": 2, "affinity": 7}
+
+
+def test_a_short_shared_prefix_does_not_pin_a_long_prompt():
+    router = Router(2, block_size=4)
+    first = router.route(ids(4) + ids(60, start=9000), SamplingParams())
+    second = router.route(ids(4) + ids(60, start=20000), SamplingParams())  # 1 block of 16
+    assert second != first and router.decisions == {"least_loaded": 2}
+
+
+def test_the_guard_spreads_a_flood_of_one_prefix():
+    router = Router(2, block_size=4, imbalance_abs=8, imbalance_rel=1.5)
+    placed = [router.route([*ids(40), i], SamplingParams()) for i in range(40)]
+    assert router.decisions["guard"] > 0
+    assert abs(placed.count(0) - placed.count(1)) <= 10  # within the guard's margin
+    # Both replicas now hold the prefix: once the flood drains, affinity picks either.
+    for replica in placed:
+        router.done(replica)
+    assert router.load == [0, 0]
+
+
+def test_cache_salts_are_indexed_separately():
+    router = Router(2, block_size=4)
+    prompt = ids(40)
+    tenant_a = router.route(prompt, SamplingParams(cache_salt="tenant-a"))
+    tenant_b = router.route(prompt, SamplingParams(cache_salt="tenant-b"))
+    assert tenant_b != tenant_a and router.decisions == {"least_loaded": 2}
+    assert router.route(prompt, SamplingParams(cache_salt="tenant-a")) == tenant_a
+    assert router.route(prompt, SamplingParams()) == tenant_b  # unsalted: new, least loaded
+    assert router.decisions == {"least_loaded": 3, "affinity": 1}
+
+
+def test_least_loaded_and_round_robin_ignore_prefixes():
+    least = Router(2, block_size=4, policy="least_loaded")
+    assert [least.route(ids(40), SamplingParams()) for _ in range(4)] == [0, 1, 0, 1]
+    least.done(1)
+    assert least.route(ids(40), SamplingParams()) == 1
+    rr = Router(3, block_size=4, policy="round_robin")
+    assert [rr.route(ids(40), SamplingParams()) for _ in range(4)] == [0, 1, 2, 0]
+
+
+def test_a_replica_marked_down_is_skipped_and_forgotten():
+    router = Router(2, block_size=4)
+    home = router.route(ids(40), SamplingParams())
+    router.done(home)
+    router.mark_down(home)
+    assert router.route(ids(40), SamplingParams()) == 1 - home
+    with pytest.raises(NoReplicaError):
+        router.route(ids(40), SamplingParams(), exclude={1 - home})
+    router.mark_up(home)  # back, but its cache is empty: the prefix stays where it went
+    assert router.route(ids(40), SamplingParams()) == 1 - home
+
+
+def test_bad_routing_arguments_fail_early():
+    with pytest.raises(ValueError, match="routing must be one of"):
+        Router(2, 4, "random")
+    with pytest.raises(ValueError, match="num_replicas"):
+        Router(0, 4)
+    with pytest.raises(ValueError, match="need backend='ray'"):
+        get_engine(None, num_replicas=2)
+    with pytest.raises(ValueError, match="dtype must be"):
+        RayEngine(None, dtype="float13")  # as locally, and before Ray or any actor starts
+
+
+# ---- RayEngine on a local Ray cluster ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(ray_cluster, tiny_model):
+    engine = get_engine(str(tiny_model), **RAY_ARGS)
+    yield engine
+    release_engine(engine)
+    engine.shutdown()  # adapters not yet collected may still hold references
+
+
+@pytest.fixture(scope="module")
+def local_engine(tiny_model):
+    engine = get_engine(str(tiny_model), **ENGINE_ARGS)
+    yield engine
+    release_engine(engine)
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def idle(engine: RayEngine) -> dict | None:
+    stats = engine.stats()
+    free = stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    return stats if free and not stats["num_running"] and not stats["num_in_flight"] else None
+
+
+def texts(outputs) -> list[str]:
+    return [out.outputs[0].text for out in outputs]
+
+
+async def last_async(engine, prompt, params=GREEDY, **kwargs):
+    last = None
+    async for out in engine.generate(prompt, params, **kwargs):
+        last = out
+    return last
+
+
+async def test_greedy_outputs_equal_the_local_engine(engine, local_engine):
+    expected = texts([list(local_engine.generate_stream(p, GREEDY))[-1] for p in PROMPTS])
+    concurrent = await asyncio.gather(*(last_async(engine, p) for p in PROMPTS))
+    threaded = [list(engine.generate_stream(p, GREEDY))[-1] for p in PROMPTS]
+    assert texts(concurrent) == expected
+    assert texts(threaded) == expected
+    assert all(out.finished and out.prompt in PROMPTS for out in concurrent)
+    stats = wait_for(lambda: idle(engine), what="idle replicas")
+    assert len(stats["replicas"]) == 2 and all(r["alive"] for r in stats["replicas"])
+    per_replica = [r["num_generated_tokens"] for r in stats["replicas"]]
+    assert stats["num_generated_tokens"] == sum(per_replica)
+
+
+def test_the_router_hashes_blocks_as_the_engine_caches_them(local_engine):
+    """Same block size, same salt, same chain: every hash the router indexes for a prompt is
+    one the engine registered in its prefix cache for that prompt."""
+    kv = local_engine.engine.kv
+    router = Router(2, block_size=kv.block_size)
+    for salt in (None, "tenant-a"):
+        params = SamplingParams(temperature=0, max_tokens=2, cache_salt=salt)
+        prompt = local_engine.tokenize(CONTEXT + "Who keeps the records?")
+        list(local_engine.generate_stream(prompt, params))
+        hashes = router.block_hashes(prompt, params)
+        assert len(hashes) == len(prompt) // kv.block_size
+        assert all(h in kv.pool.cached for h in hashes)
+    assert router.block_hashes(prompt, SamplingParams()) != hashes  # the salt separates
+
+
+def test_a_shared_prefix_reaches_the_replica_that_caches_it(engine):
+    """The router's block hashes must equal the replicas' (size, salt): then the requests after
+    the first land where the context is cached. Two tenants are cached apart."""
+    for salt in ("tenant-a", "tenant-b"):
+        params = SamplingParams(temperature=0, max_tokens=4, cache_salt=salt)
+        outs = [
+            list(engine.generate_stream(CONTEXT + f"Question {i}: who?", params))[-1]
+            for i in range(4)
+        ]
+        context_tokens = len(engine.tokenize(CONTEXT))
+        assert outs[0].num_cached_tokens == 0  # the other tenant's blocks are not shared
+        assert all(out.num_cached_tokens >= context_tokens - 4 for out in outs[1:])
+
+
+async def test_a_bad_request_raises_the_replicas_error(engine):
+    with pytest.raises(ValueError, match="prompt token ids must be in"):
+        await last_async(engine, [10**6])
+    with pytest.raises(ValueError, match="prompt token ids must be in"):
+        await last_async(engine, [-1] * 8)  # not hashable for routing: the replica says why
+    with pytest.raises(ValueError, match="prompt token ids must be in"):
+        list(engine.generate_stream([10**6], GREEDY))
+    wait_for(lambda: idle(engine), what="idle replicas")
+
+
+@pytest.mark.parametrize("how", ["close", "cancel_task"])
+async def test_cancelling_a_stream_aborts_it_on_its_replica(engine, how):
+    before = wait_for(lambda: idle(engine), what="idle replicas")["num_generated_tokens"]
+    params = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
+    if how == "close":
+        stream = engine.generate_stream("Count with me:", params)
+        next(stream), next(stream)
+        stream.close()
+    else:
+        seen = []
+
+        async def consume():
+            async for out in engine.generate("Count with me:", params):
+                seen.append(out)
+
+        task = asyncio.create_task(consume())
+        while len(seen) < 2:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    stats = await asyncio.to_thread(wait_for, lambda: idle(engine), 30.0, "freed blocks")
+    # Without the abort the request would run to its 900 tokens before its blocks came free.
+    assert stats["num_generated_tokens"] - before < 300
+
+
+def test_chat_paged_on_ray_invoke_stream_batch(engine, local_engine, tiny_model):
+    model = ChatPaged(model=str(tiny_model), temperature=0, max_tokens=8, **RAY_ARGS)
+    local = ChatPaged(model=str(tiny_model), temperature=0, max_tokens=8, **ENGINE_ARGS)
+    assert model.engine is engine and local.engine is local_engine
+    reply = model.invoke("Hello, who are you?")
+    assert isinstance(reply, AIMessage)
+    assert reply.content == local.invoke("Hello, who are you?").content
+    assert reply.usage_metadata["output_tokens"] > 0
+    chunks = list(model.stream("Hello, who are you?"))
+    assert "".join(c.content for c in chunks) == reply.content
+    questions = ["Name a colour.", "Name a river.", "Name a town."]
+    assert [m.content for m in model.batch(questions)] == [
+        m.content for m in local.batch(questions)
+    ]
+    assert asyncio.run(model.ainvoke("Hello, who are you?")).content == reply.content
+
+
+def test_paged_llm_llama_index_on_ray_complete_chat(engine, local_engine, tiny_model):
+    model = PagedLLM(model=str(tiny_model), temperature=0, max_tokens=8, engine_args=RAY_ARGS)
+    by_kwargs = PagedLLM(
+        model=str(tiny_model), backend="ray", num_replicas=2, engine_args=ENGINE_ARGS
+    )
+    local = PagedLLM(model=str(tiny_model), temperature=0, max_tokens=8, engine_args=ENGINE_ARGS)
+    assert model.engine is engine and by_kwargs.engine is engine
+    text = model.complete("The capital of France is").text
+    assert text == local.complete("The capital of France is").text
+    assert "".join(r.delta for r in model.stream_complete("The capital of France is")) == text
+    assert asyncio.run(model.acomplete("The capital of France is")).text == text
+    message = [ChatMessage(role="user", content="Hello!")]
+    assert model.chat(message).message.content == local.chat(message).message.content
+
+
+def test_a_killed_replica_fails_only_its_requests_and_comes_back(engine):
+    wait_for(lambda: idle(engine), what="idle replicas")
+    params = SamplingParams(temperature=0, max_tokens=600, ignore_eos=True)
+    streams = [engine.generate_stream(f"Story {i} begins with", params) for i in range(4)]
+    for stream in streams:
+        next(stream)  # each has streamed: it fails rather than moves
+    in_flight = [r["num_in_flight"] for r in engine.stats()["replicas"]]
+    assert in_flight == [2, 2]
+    ray.kill(engine.replicas[0])
+    finished, failed = 0, 0
+    for stream in streams:
+        try:
+            finished += list(stream)[-1].finished
+        except RequestFailedError as exc:
+            assert "replica 0 failed" in str(exc)
+            failed += 1
+    assert (finished, failed) == (2, 2)
+    # Meanwhile requests go to the live replica; then the dead one is replaced.
+    assert all(list(engine.generate_stream(p, GREEDY))[-1].finished for p in PROMPTS[:3])
+    wait_for(lambda: all(r["alive"] for r in engine.stats()["replicas"]), 60, "a new replica")
+    outs = [list(engine.generate_stream(p, GREEDY))[-1] for p in PROMPTS]
+    assert all(out.finished for out in outs)
+
+
+def test_shutdown_leaves_no_actors_and_ends_requests(ray_cluster, tiny_model):
+    engine = RayEngine(str(tiny_model), num_replicas=1, **ENGINE_ARGS)
+    actors = engine.replicas
+    stream = engine.generate_stream("Hello", SamplingParams(max_tokens=600, ignore_eos=True))
+    next(stream)
+    engine.shutdown()
+    with pytest.raises(EngineShutdownError):
+        list(stream)
+    with pytest.raises(EngineShutdownError):
+        list(engine.generate_stream("Hello", GREEDY))
+    for actor in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.info.remote(), timeout=10)
+    gc.collect()
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    assert not [n for n in names if n.startswith(engine._name)]
