@@ -119,10 +119,10 @@ class CompletionFinder:
         if _may_stop(state):
             return None
         forced = state.find_jump_forward_string()
-        state.fill_next_token_bitmask(bitmask, 0)
-        words = bitmask[0].numpy().view(np.uint32)
         if forced:
             return _Pieces((forced.encode(),), free_text=False)
+        state.fill_next_token_bitmask(bitmask, 0)
+        words = bitmask[0].numpy().view(np.uint32)
         ids = self._byte_tokens
         allowed = self._bytes[((words[ids >> 5] >> (ids & 31)) & 1).astype(bool)]
         free_text = len(allowed) > _MAX_BRANCHES
