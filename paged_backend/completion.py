@@ -11,7 +11,7 @@ The model writes freely while the invariant holds after its token; a token that 
 is replaced by the completion's next token, and once the completion needs every token left the
 output is exactly that completion. So the wrap-up starts as late as the grammar allows (string
 arguments keep the tokens that remain), and the output always parses when the request's
-`max_tokens` is at least the completion of the empty output (`GrammarCache.min_tokens`).
+`max_tokens` is at least the completion of the empty output (`GrammarCache.shortest_output`).
 """
 
 from __future__ import annotations
@@ -191,13 +191,13 @@ class BudgetGuard:
     shortest completion; later ones are the greedy completion or the rest of an earlier one:
     the search for the shortest costs ~20 ms, too much for every step, and saves few tokens."""
 
-    def __init__(self, finder: CompletionFinder, text: bytes) -> None:
+    def __init__(self, finder: CompletionFinder, text: bytes, tokens: list[int]) -> None:
         self._finder = finder
-        self._set(text)
+        self._set(text, list(tokens))  # a copy: the grammar cache shares its own
 
-    def _set(self, text: bytes, tokens: list[int] | None = None) -> None:
+    def _set(self, text: bytes, tokens: list[int]) -> None:
         self.text = text
-        self.tokens = self._finder.tokens(text) if tokens is None else tokens
+        self.tokens = tokens
 
     def forced(self, budget: int) -> int | None:
         """The token the output must take with `budget` tokens left: the completion's next

@@ -123,6 +123,9 @@ def _require(ok: bool, name: str, allowed: str, value: Any) -> None:
         raise ValueError(f"structured_outputs.{name} must be {allowed}, got {value!r}")
 
 
+_Shortest = tuple[bytes, list[int]] | None  # a spec's shortest complete output: text, token ids
+
+
 class GrammarCache:
     """Compiles specs for one engine's tokenizer and hands out matchers. Thread-safe: callers
     validate requests in their own threads while the engine thread creates matchers."""
@@ -132,23 +135,24 @@ class GrammarCache:
         self._vocab_size = vocab_size
         self._tokenizer = tokenizer
         self._first_tokens: dict[str, int] = {}
-        self._compiled: OrderedDict[tuple, tuple[xgr.CompiledGrammar, bytes | None]] = OrderedDict()
+        self._compiled: OrderedDict[tuple, tuple[xgr.CompiledGrammar, _Shortest]] = OrderedDict()
         self._lock = threading.Lock()  # guards only the dict: compiles may run concurrently
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """The compiled grammar of `params`; raises ValueError if the spec is invalid."""
         return self._entry(params)[0]
 
-    def _entry(self, params: StructuredOutputsParams) -> tuple[xgr.CompiledGrammar, bytes | None]:
-        """The compiled grammar of `params` and the shortest completion of its start."""
+    def _entry(self, params: StructuredOutputsParams) -> tuple[xgr.CompiledGrammar, _Shortest]:
+        """The compiled grammar of `params` and the shortest completion of its start (text and
+        token ids, or None where the search gave up), both once per spec."""
         with self._lock:
             entry = self._compiled.get(params.key)
             if entry is not None:
                 self._compiled.move_to_end(params.key)
                 return entry
         compiled = self._compile(*params.key)
-        start = _xgrammar().GrammarMatcher(compiled)
-        entry = (compiled, self._finder.find(start, thorough=True))
+        text = self._finder.find(_xgrammar().GrammarMatcher(compiled), thorough=True)
+        entry = (compiled, None if text is None else (text, self._finder.tokens(text)))
         with self._lock:
             self._compiled[params.key] = entry
             if len(self._compiled) > _CACHE_SIZE:
@@ -199,15 +203,16 @@ class GrammarCache:
     def shortest_output(self, params: StructuredOutputsParams) -> tuple[int, str] | None:
         """The fewest new tokens a complete output of `params` takes, and that output; None
         when the search for it gave up (a grammar with no end in reach)."""
-        text = self._entry(params)[1]
-        if text is None:
+        shortest = self._entry(params)[1]
+        if shortest is None:
             return None
-        return len(self._finder.tokens(text)), text.decode("utf-8", "replace")
+        text, tokens = shortest
+        return len(tokens), text.decode("utf-8", "replace")
 
     def budget_guard(self, params: StructuredOutputsParams) -> BudgetGuard | None:
         """A fresh request's `BudgetGuard`; None when its grammar has no completion in reach."""
-        text = self._entry(params)[1]
-        return None if text is None else BudgetGuard(self._finder, text)
+        shortest = self._entry(params)[1]
+        return None if shortest is None else BudgetGuard(self._finder, *shortest)
 
     def forced_token(self, matcher: xgr.GrammarMatcher) -> int | None:
         """The first token of the text the grammar forces next (a key, `": "`, a closing
