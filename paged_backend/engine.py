@@ -43,6 +43,24 @@ class _Parent:
         return all(c.status is RequestStatus.FINISHED for c in self.children)
 
 
+def tokenize_prompt(tokenizer, prompt: PromptType, add_special_tokens: bool = True) -> list[int]:
+    """A prompt's token ids: text tokenized, token ids as given (`LLMEngine.validate`, which
+    every entry runs, checks them)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must be a non-empty string or token id list, got ''")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer can take it
+            raise ValueError(
+                f"prompt is not valid Unicode text: {exc.reason} at position {exc.start}"
+            ) from None
+        return tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+    if isinstance(prompt, Sequence):
+        return list(prompt)
+    raise TypeError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
         config = config or EngineConfig(**kwargs)
@@ -98,25 +116,7 @@ class LLMEngine:
         return apply_chat_template(self.tokenizer, messages, **kwargs)
 
     def tokenize(self, prompt: PromptType, *, add_special_tokens: bool = True) -> list[int]:
-        """A prompt's token ids: text tokenized, token ids as given (`validate`, which every
-        entry runs, checks them)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must be a non-empty string or token id list, got ''")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer can take it
-                raise ValueError(
-                    f"prompt is not valid Unicode text: {exc.reason} at position {exc.start}"
-                ) from None
-            ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
-        elif isinstance(prompt, Sequence):
-            ids = list(prompt)
-        else:
-            raise TypeError(
-                f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}"
-            )
-        return ids
+        return tokenize_prompt(self.tokenizer, prompt, add_special_tokens)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Reject, before any work, a request that could never be served."""

@@ -221,6 +221,11 @@ async def test_a_bad_request_raises_the_replicas_error(engine):
         await last_async(engine, [-1] * 8)  # not hashable for routing: the replica says why
     with pytest.raises(ValueError, match="prompt token ids must be in"):
         list(engine.generate_stream([10**6], GREEDY))
+    # What the local engine refuses while tokenizing, this one refuses before routing.
+    with pytest.raises(ValueError, match="prompt must be a non-empty string"):
+        engine.generate_stream("", GREEDY)
+    with pytest.raises(TypeError, match="prompt must be a str or a list of int token ids"):
+        engine.generate_stream(3.5, GREEDY)
     wait_for(lambda: idle(engine), what="idle replicas")
 
 

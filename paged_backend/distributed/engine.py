@@ -26,7 +26,7 @@ from paged_backend.chat_template import apply_chat_template
 from paged_backend.config import EngineConfig
 from paged_backend.distributed.replica import Replica
 from paged_backend.distributed.router import NoReplicaError, Router, check_routing
-from paged_backend.engine import PromptType
+from paged_backend.engine import PromptType, tokenize_prompt
 from paged_backend.errors import EngineError, EngineShutdownError, RequestFailedError
 from paged_backend.model_loader import model_name, resolve_model_path
 from paged_backend.outputs import RequestOutput
@@ -132,10 +132,8 @@ class RayEngine:
             return apply_chat_template(self.tokenizer, messages, **kwargs)
 
     def tokenize(self, prompt: PromptType, *, add_special_tokens: bool = True) -> list[int]:
-        if not isinstance(prompt, str):
-            return list(prompt)
         with self._tokenizer_lock:
-            return self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+            return tokenize_prompt(self.tokenizer, prompt, add_special_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         with self._tokenizer_lock:
