@@ -533,16 +533,19 @@ def main() -> None:
     peak = matmul_peak_gflops(ours.engine.runner.dtype)
     bandwidth = read_bandwidth_gbps()
     weight_bytes, kv_bytes = step_bytes(ours.engine)
-    head = ours.engine.runner.model.cpu_head
+    model = ours.engine.runner.model
+    native = ours.engine.model_config.impl == "native"  # else transformers' modules
     layer_flops, head_flops, attention_flops = model_flops(ours.engine)
     results: dict = {
         "config": {
             "dtype": str(ours.engine.runner.dtype),
-            "packed_weights": head is not None and head.packed is not None,
+            "model_impl": ours.engine.model_config.impl,
+            "packed_weights": native
+            and model.cpu_head is not None
+            and model.cpu_head.packed is not None,
             "block_size": ours.engine.config.block_size,
             "quantization": args.quantization,
-            "cpu_kernels": ours.engine.runner.model.layers[0].input_layernorm.norm
-            is cpu_ops.rms_norm,
+            "cpu_kernels": native and model.layers[0].input_layernorm.norm is cpu_ops.rms_norm,
             "threads": torch.get_num_threads(),
             "hf_dtype": args.hf_dtype,
             "matmul_peak_gflops": peak,
@@ -659,7 +662,8 @@ def print_table(results: dict, workloads: list[str]) -> None:
     c = results["config"]
     print(f"CPU: {c['cpu']}")
     print(
-        f"dtype {c['dtype']} (packed weights {c['packed_weights']}, block size {c['block_size']}, "
+        f"dtype {c['dtype']} ({c['model_impl']} modules, packed weights {c['packed_weights']}, "
+        f"block size {c['block_size']}, "
         f"quantization {c['quantization']}, C ops {c['cpu_kernels']}; "
         f"transformers {c['hf_dtype']}), "
         f"{c['threads']} threads, "

@@ -89,9 +89,12 @@ def _cpu_flags() -> str:
     return _cpu_info("flags")
 
 
+_KERNEL_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
 def cpu_features() -> set[str]:
     """The CPU's flags the kernels use, less those above the ATEN_CPU_CAPABILITY cap."""
-    flags = set(_cpu_flags().split()) & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+    flags = set(_cpu_flags().split()) & set(_KERNEL_FEATURES)
     if CPU_CAP in _CAPPED_ARCH:
         flags = flags & {"avx2"} if CPU_CAP == "avx2" else set()
     return flags
@@ -100,8 +103,7 @@ def cpu_features() -> set[str]:
 def cpu_description() -> str:
     """The CPU's model name and the features the kernels use, so that figures and kernel
     choices from different machines are never taken as equal."""
-    order = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    features = ", ".join(f for f in order if f in cpu_features()) or "no AVX2"
+    features = ", ".join(f for f in _KERNEL_FEATURES if f in cpu_features()) or "no AVX2"
     capped = f", capped by ATEN_CPU_CAPABILITY={CPU_CAP}" if CPU_CAP in _CAPPED_ARCH else ""
     return f"{_cpu_info('model name') or 'unknown CPU'} ({features}{capped})"
 

@@ -58,7 +58,9 @@ class ModelRunner:
         if model_config.impl == "transformers":
             model = TransformersForCausalLM(model_path, self.dtype, self.device)
         else:
-            model = self._native_model(config, model_config, model_path, max_model_len, ops)
+            model = self._native_model(
+                config, model_config, model_path, max_model_len, ops, bf16_kernels
+            )
         self.model = model.eval().requires_grad_(False)
         self.num_blocks = self._num_blocks(config, max_model_len)
         mc = model_config
@@ -96,9 +98,10 @@ class ModelRunner:
         model_path: Path,
         max_model_len: int,
         ops: str,
+        bf16_kernels: bool,
     ) -> LlamaForCausalLM:
-        """Our own modules, loaded, cast, and on CPU with the linears of `cpu_linear`."""
-        bf16_kernels = ops == "cpu" and cpu_ops.has_bf16_kernels()
+        """Our own modules, loaded, cast, and on CPU with the linears of `cpu_linear` (the C
+        GEMM's copies where `bf16_kernels`)."""
         with torch.device(self.device):
             model = LlamaForCausalLM(model_config, max_model_len, ops=ops)
         pack, fp16_copy = self._cpu_linears(config, model)

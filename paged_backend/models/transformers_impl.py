@@ -83,7 +83,8 @@ class TransformersForCausalLM(nn.Module):
         self.model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=ATTENTION
         ).to(device)
-        self.cpu_head = None
+        text = self.model.config.get_text_config()
+        self.logit_softcap = getattr(text, "final_logit_softcapping", None)  # Gemma 2
 
     def forward(self, input_ids, positions, kv_caches, backend, meta, logits_indices):
         """Logits (fp32) for the rows of `logits_indices` only."""
@@ -95,5 +96,5 @@ class TransformersForCausalLM(nn.Module):
         finally:
             _STEP.reset(token)
         logits = self.model.get_output_embeddings()(hidden[logits_indices]).float()
-        cap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+        cap = self.logit_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
