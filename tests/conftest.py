@@ -35,20 +35,31 @@ def hf_model(default_model_path):
     return AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
 
 
+CONFIG_CLASSES = {  # the native architectures' config classes in transformers
+    "LlamaForCausalLM": "LlamaConfig",
+    "MistralForCausalLM": "MistralConfig",
+    "Qwen2ForCausalLM": "Qwen2Config",
+    "Qwen3ForCausalLM": "Qwen3Config",
+    "Phi3ForCausalLM": "Phi3Config",
+}
+
+
 def make_tiny_model(
-    path: Path, default_model_path: Path, architecture: str = "LlamaForCausalLM", **overrides
+    path: Path,
+    default_model_path: Path,
+    architecture: str = "LlamaForCausalLM",
+    *,
+    config_class: str | None = None,
+    vector_noise: float = 0.0,
+    **overrides,
 ) -> Path:
-    """Save a random-weight transformers model of the given architecture, with the default
-    model's tokenizer, so our engine and transformers can be compared on it."""
+    """Save a random-weight transformers model of the given architecture (its config class
+    named by `config_class`, else `CONFIG_CLASSES`'), with the default model's tokenizer, so our
+    engine and transformers can be compared on it. `vector_noise` moves the 1-D weights (norms,
+    biases) off their init values too."""
     import transformers
 
-    config_cls = {
-        "LlamaForCausalLM": transformers.LlamaConfig,
-        "MistralForCausalLM": transformers.MistralConfig,
-        "Qwen2ForCausalLM": transformers.Qwen2Config,
-        "Qwen3ForCausalLM": transformers.Qwen3Config,
-        "Phi3ForCausalLM": transformers.Phi3Config,
-    }[architecture]
+    config_cls = getattr(transformers, config_class or CONFIG_CLASSES[architecture])
     fields = dict(
         vocab_size=49152,
         hidden_size=64,
@@ -71,6 +82,8 @@ def make_tiny_model(
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.2)
+            elif vector_noise:
+                p.add_(vector_noise * torch.randn_like(p))
     model.save_pretrained(path)
     for name in TOKENIZER_FILES:
         if (default_model_path / name).exists():

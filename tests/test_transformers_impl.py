@@ -6,12 +6,11 @@ the same tokens through it; what it cannot serve is refused with the reason."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TOKENIZER_FILES, make_tiny_model
+from conftest import make_tiny_model
 from safetensors.torch import save_file
 from test_models import hf_greedy
 
@@ -23,26 +22,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 SHARED = "Retrieved context: the stone bridge over the Alm was built in 1642 by the masons. "
 PROMPTS = [SHARED + q for q in ("When was it built?", "Who built it?", "Over which river?")]
 NUM_TOKENS = 16
-COMMON = dict(
-    vocab_size=49152,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=1024,
-    eos_token_id=2,
-    bos_token_id=1,
-    pad_token_id=0,
-)
-# architecture -> (its config class, what differs from COMMON)
+# architecture -> (its config class, what differs from `make_tiny_model`'s fields)
 FALLBACK = {
     "GPTNeoXForCausalLM": ("GPTNeoXConfig", {"rotary_pct": 0.25, "num_key_value_heads": 4}),
     "Phi3ForCausalLM": ("Phi3Config", {}),  # native: here for the entry points
     "Gemma3ForCausalLM": (
         "Gemma3TextConfig",
         {  # a sliding layer and a global one; a query scale that is not head_dim ** -0.5
+            "tie_word_embeddings": True,
             "sliding_window": 256,
             "layer_types": ["sliding_attention", "full_attention"],
             "query_pre_attn_scalar": 24,
@@ -62,23 +49,16 @@ FALLBACK = {
 
 
 def make_fallback_model(path: Path, default_model_path: Path, architecture: str) -> Path:
-    """A random-weight transformers model of `architecture`, with the default model's
-    tokenizer."""
-    import transformers
-
-    config_name, overrides = FALLBACK[architecture]
-    config = getattr(transformers, config_name)(**{**COMMON, **overrides})
-    config.architectures = [architecture]
-    torch.manual_seed(0)
-    model = getattr(transformers, architecture)(config).to(torch.float32)
-    with torch.no_grad():  # larger weights than the default init: more varied greedy output
-        for p in model.parameters():
-            p.normal_(0, 0.2) if p.dim() == 2 else p.add_(0.3 * torch.randn_like(p))
-    model.save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        if (default_model_path / name).exists():
-            shutil.copy(default_model_path / name, path / name)
-    return path
+    config_class, overrides = FALLBACK[architecture]
+    return make_tiny_model(
+        path,
+        default_model_path,
+        architecture,
+        config_class=config_class,
+        vector_noise=0.3,
+        pad_token_id=0,
+        **overrides,
+    )
 
 
 def ours(path: Path, **engine_args) -> tuple[list[list[int]], list[list[int]], LLM]:
