@@ -2,9 +2,10 @@
 
 Prefill chunks, cached prefixes and single-token decodes are the same problem here: each
 sequence has `query_len` new tokens at the end of `seq_len` tokens of context, and query
-token i sees keys `0 .. seq_len - query_len + i`. The grid is (query tiles, KV heads), as in
-vLLM's `triton_unified_attention`: a tile holds BLOCK_Q query positions times the query heads
-of one KV head (BLOCK_M rows), so each K/V tile read from the cache serves the whole GQA group.
+token i sees keys `0 .. seq_len - query_len + i` (with a window W > 0, only the last W of
+them). The grid is (query tiles, KV heads), as in vLLM's `triton_unified_attention`: a tile
+holds BLOCK_Q query positions times the query heads of one KV head (BLOCK_M rows), so each
+K/V tile read from the cache serves the whole GQA group.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def _unified_attention_kernel(
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     scale_log2,  # softmax scale * log2(e): the kernel works with exp2
     num_seqs,
+    window,  # > 0: sliding window, a query sees its last `window` keys; 0: all
     stride_q_t, stride_q_h, stride_q_d,
     stride_o_t, stride_o_h, stride_o_d,
     stride_k_b, stride_k_s, stride_k_h, stride_k_d,
@@ -89,11 +91,17 @@ def _unified_attention_kernel(
     last_query = tl.minimum(query_len, (local_tile + 1) * BLOCK_Q)
     num_keys = context_len + last_query
     visible_to = context_len + query_pos  # last key position each row may see
+    # With a window, the tile's first query sees nothing before `first_key`: the loop starts at
+    # the tile holding it and masks the loads before it, so block table entries before the
+    # window (freed blocks) are never read.
+    first_key = tl.where(
+        window > 0, tl.maximum(context_len + local_tile * BLOCK_Q - window + 1, 0), 0
+    )
     offs_n = tl.arange(0, TILE_N)
     block_table_row = block_tables_ptr + seq * stride_bt_s
-    for start_n in range(0, num_keys, TILE_N):
+    for start_n in range((first_key // TILE_N) * TILE_N, num_keys, TILE_N):
         key_pos = start_n + offs_n
-        key_mask = key_pos < num_keys
+        key_mask = (key_pos < num_keys) & (key_pos >= first_key)
         block = tl.load(block_table_row + (key_pos // BLOCK_SIZE) * stride_bt_b,
                         mask=key_mask, other=0).to(tl.int64)
         in_block = key_pos % BLOCK_SIZE
@@ -108,7 +116,8 @@ def _unified_attention_kernel(
                     other=0.0).to(tl.float32)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-        visible = row_mask[:, None] & (key_pos[None, :] <= visible_to[:, None])
+        visible = row_mask[:, None] & (key_pos[None, :] <= visible_to[:, None]) \
+            & ((window == 0) | (key_pos[None, :] > visible_to[:, None] - window))
         s = tl.where(visible, s, float("-inf"))
 
         # Online softmax. Padding rows see no key: a shift of 0 keeps their p at 0, not NaN.
@@ -139,6 +148,7 @@ def unified_attention(
     *,
     max_query_len: int | None = None,
     tile_n: int = 32,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of every new token over its sequence's paged K/V; writes `out`.
 
@@ -146,7 +156,8 @@ def unified_attention(
     num_kv_heads, head_dim] (the new tokens' K/V must already be in the cache);
     query_start_loc: [num_seqs + 1] int32; seq_lens: [num_seqs] int32 (context + new tokens);
     block_tables: [num_seqs, max_blocks] int32. `max_query_len`, when known, lets decode-only
-    batches use small query tiles; `tile_n` is the number of keys per inner iteration.
+    batches use small query tiles; `tile_n` is the number of keys per inner iteration. With a
+    `window`, a query sees its last `window` keys only (sliding-window layers).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -164,6 +175,7 @@ def unified_attention(
         query_start_loc, seq_lens, block_tables,
         scale * LOG2E,
         num_seqs,
+        window or 0,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         BLOCK_SIZE=block_size,
         GROUP=group,

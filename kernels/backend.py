@@ -46,7 +46,7 @@ class TritonAttention:
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata, window: int | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         prep: _TritonPrepared = meta.prepared
@@ -54,5 +54,5 @@ class TritonAttention:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         return unified_attention(
             q, k_cache, v_cache, out, prep.query_start_loc, prep.seq_lens, meta.block_tables,
-            q.shape[-1] ** -0.5, max_query_len=prep.max_query_len,
+            q.shape[-1] ** -0.5, max_query_len=prep.max_query_len, window=window,
         )

@@ -59,8 +59,12 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Write the new k/v into the cache, then attend: q [T, H, D] -> [T, H, D]."""
+        """Write the new k/v into the cache, then attend: q [T, H, D] -> [T, H, D]. With a
+        `window` (one of the backend's `windows`), the token at position p sees the keys at
+        positions p - window + 1 .. p only, as transformers' sliding-window layers do; the
+        entries of the block tables before that may be stale (freed blocks) and are not read."""
 
 
 # ---- torch backend ---------------------------------------------------------------------------
@@ -79,7 +83,8 @@ class _Shared:
 
 @dataclass
 class _Decodes:
-    blocks: torch.Tensor  # [nd * n] block ids (each sequence's blocks after its shared prefix)
+    blocks: torch.Tensor  # [nd * n] block ids (each sequence's blocks after its shared prefix, or
+    # from the first block its window reaches)
     mask: torch.Tensor  # [nd, 1, 1, n * block_size] additive: 0 where the key is in context
     members: torch.Tensor | None  # decode indices that take part in the shared prefix
     shared_pos: torch.Tensor | None  # ... and the positions of their rows in `_Shared.rows`
@@ -90,7 +95,7 @@ class _Prefill:
     start: int
     end: int
     blocks: torch.Tensor | None  # blocks from `first_key` on; None: attend to the new k/v only
-    mask: torch.Tensor | None  # [1, 1, q_len * group, keys] additive causal mask over those keys
+    mask: torch.Tensor | None  # [1, 1, q_len * group, keys] additive causal (and window) mask
     shared_pos: torch.Tensor | None  # positions of this sequence's rows in `_Shared.rows`
     num_keys: int = 0  # tokens from `first_key` to the end of the chunk
     offset: int = 0  # keys before the chunk's first token, from `first_key` (its cached context)
@@ -107,6 +112,7 @@ class _CDecode:
     # row for each thread
     shared: _Shared | None
     prefix_pos: torch.Tensor | None  # int32 [S]: each sequence's row in `shared.rows`, or -1
+    window: int | None
 
 
 @dataclass
@@ -114,6 +120,12 @@ class _TorchPrepared:
     shared: _Shared | None
     decodes: _Decodes | None
     prefills: list[_Prefill]
+    window: int | None
+
+
+def _window_start(position: int, window: int | None) -> int:
+    """The first key position the query at `position` sees."""
+    return 0 if window is None else max(0, position - window + 1)
 
 
 def _shared_prefix(meta: AttentionMetadata) -> tuple[list[int], int]:
@@ -197,12 +209,19 @@ class TorchAttention:
         return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, c_decode: bool = False, c_prefix: bool = False
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        c_decode: bool = False,
+        c_prefix: bool = False,
+        windows: tuple[int | None, ...] = (None,),
     ) -> None:
         """For bf16 caches, C kernels (`paged_backend.cpu_ops`): with `c_prefix`, a shared prefix
         is attended by `prefix_attention`; with `c_decode`, steps of decodes only run
-        `decode_attention` (those with a shared prefix only with `c_prefix` too)."""
+        `decode_attention` (those with a shared prefix only with `c_prefix` too). `windows`: the
+        layers' windows (None: global), one step plan each."""
         self.group = num_heads // num_kv_heads
+        self.windows = tuple(dict.fromkeys(windows)) or (None,)
         self.c_decode = c_decode
         self.c_prefix = c_prefix
         # A RAG batch rereads the same shared prefix every decode step: its K/V, gathered and
@@ -249,13 +268,18 @@ class TorchAttention:
         )
 
     def prepare(self, meta: AttentionMetadata) -> None:
+        if meta.block_tables_cpu is None:
+            meta.block_tables_cpu = meta.block_tables.cpu().numpy()
+        meta.prepared = {window: self._plan(meta, window) for window in self.windows}
+
+    def _plan(self, meta: AttentionMetadata, window: int | None) -> _CDecode | _TorchPrepared:
+        """The step's plan for the layers with this `window` (None: global). Windowed layers
+        read only their window's blocks and take no cascade: a shared prefix soon leaves it."""
         bs, group = meta.block_size, self.group
         device = meta.block_tables.device
         qsl = meta.query_start_loc
-        if meta.block_tables_cpu is None:
-            meta.block_tables_cpu = meta.block_tables.cpu().numpy()
         tables = meta.block_tables_cpu
-        members, num_shared = _shared_prefix(meta)
+        members, num_shared = _shared_prefix(meta) if window is None else ([], 0)
         shared = None
         skip = [0] * len(meta.seq_lens)  # leading blocks each sequence gets from `shared`
         row_pos: dict[int, list[int]] = {}  # member -> positions of its rows in `shared.rows`
@@ -269,11 +293,11 @@ class TorchAttention:
                 torch.tensor(rows, device=device),
                 torch.from_numpy(tables[members[0], :num_shared]).to(device),
             )
-        if device.type == "cpu":
+        if device.type == "cpu" and window is None:
             self._track_prefix(meta, tables[members[0], :num_shared] if num_shared else None)
         nd = meta.num_decodes
         if self.c_decode and nd == len(meta.seq_lens) and (self.c_prefix or not num_shared):
-            meta.prepared = _CDecode(
+            return _CDecode(
                 torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int32)),
                 torch.tensor(meta.seq_lens, dtype=torch.int32),
                 torch.empty(torch.get_num_threads(), self.group * max(meta.seq_lens)),
@@ -281,8 +305,8 @@ class TorchAttention:
                 torch.tensor([row_pos.get(i, [-1])[0] for i in range(nd)], dtype=torch.int32)
                 if shared
                 else None,
+                window,
             )
-            return
 
         def positions(seqs: list[int]) -> torch.Tensor | None:
             return torch.tensor([p for i in seqs for p in row_pos[i]], device=device)
@@ -290,12 +314,13 @@ class TorchAttention:
         decodes = None
         if nd:
             lens = np.array(meta.seq_lens[:nd])
-            first = np.array(skip[:nd])
+            lows = np.array([_window_start(n - 1, window) for n in lens])  # first key seen
+            first = np.array(skip[:nd]) if window is None else lows // bs
             n = int(((lens + bs - 1) // bs - first).max())
             cols = first[:, None] + np.arange(n)[None, :]
             blocks = np.take_along_axis(tables[:nd], np.minimum(cols, tables.shape[1] - 1), 1)
-            key_pos = cols[:, :, None] * bs + np.arange(bs)[None, None, :]
-            mask = (key_pos.reshape(nd, -1) < lens[:, None]).reshape(nd, 1, 1, -1)
+            key_pos = (cols[:, :, None] * bs + np.arange(bs)[None, None, :]).reshape(nd, -1)
+            mask = ((key_pos < lens[:, None]) & (key_pos >= lows[:, None])).reshape(nd, 1, 1, -1)
             dec_members = [i for i in range(nd) if i in row_pos]
             decodes = _Decodes(
                 torch.from_numpy(blocks.reshape(-1)).to(device),
@@ -307,27 +332,32 @@ class TorchAttention:
         for i in range(nd, len(meta.seq_lens)):
             start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens[i]
             context = seq_len - (end - start)
-            if context == 0 and not self.c_prefix:
-                prefills.append(_Prefill(start, end, None, None, None))
+            if context == 0 and not self.c_prefix and (window is None or end - start <= window):
+                prefills.append(_Prefill(start, end, None, None, None))  # plain causal
                 continue
-            first_key = skip[i] * bs
-            blocks = torch.from_numpy(tables[i, skip[i] : (seq_len + bs - 1) // bs]).to(device)
+            first_block = skip[i] if window is None else _window_start(context, window) // bs
+            first_key = first_block * bs
+            blocks = torch.from_numpy(tables[i, first_block : (seq_len + bs - 1) // bs]).to(device)
             mask = None
             if not self.c_prefix:  # the C kernel masks by position
-                q_pos = torch.arange(context, seq_len, device=device)
+                q_pos = torch.arange(context, seq_len, device=device)[:, None]
                 k_pos = torch.arange(first_key, first_key + len(blocks) * bs, device=device)
-                allowed = (k_pos[None, :] <= q_pos[:, None]).repeat_interleave(group, dim=0)
-                mask = _additive(allowed)[None, None]
+                allowed = k_pos[None, :] <= q_pos
+                if window is not None:
+                    allowed &= k_pos[None, :] > q_pos - window
+                mask = _additive(allowed.repeat_interleave(group, dim=0))[None, None]
             shared_pos = positions([i]) if i in row_pos else None
             prefills.append(
                 _Prefill(
                     start, end, blocks, mask, shared_pos, seq_len - first_key, context - first_key
                 )
             )
-        meta.prepared = _TorchPrepared(shared, decodes, prefills)
+        return _TorchPrepared(shared, decodes, prefills, window)
 
-    def forward(self, q, k, v, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        prep = meta.prepared
+    def forward(
+        self, q, k, v, kv_cache: KVCache, meta: AttentionMetadata, window: int | None = None
+    ) -> torch.Tensor:
+        prep = meta.prepared[window]
         if isinstance(prep, _CDecode):
             prefix = None
             if prep.shared is not None:
@@ -335,7 +365,7 @@ class TorchAttention:
                 prefix = (prep.prefix_pos, len(prep.shared.blocks) * meta.block_size, o, lse)
             return cpu_ops.decode_attention(
                 *(q, k, v, kv_cache, prep.block_tables, prep.seq_lens, meta.block_size),
-                *(prep.scratch, prefix),
+                *(prep.scratch, prefix, prep.window),
             )
         k_cache, v_cache = kv_cache
         kvh, _, d = k_cache.shape
@@ -391,7 +421,8 @@ class TorchAttention:
             if self.c_prefix:  # bf16 queries over the chunk's packed keys, causal
                 packed = cpu_ops.pack_prefix(kv_cache, p.blocks, bs, p.num_keys)
                 q_rows = _rows_first(q[p.start : p.end].view(n, kvh, group, d))[0]
-                o, lse = cpu_ops.prefix_attention(q_rows, packed, p.num_keys, (group, p.offset))
+                causal = (group, p.offset, prep.window or 0)
+                o, lse = cpu_ops.prefix_attention(q_rows, packed, p.num_keys, causal)
                 o, lse = by_token(o[None], lse[None], n)
             elif p.blocks is None:
                 # 4-D strided views take torch's flash kernel (3-D inputs fall back to math);
@@ -421,10 +452,15 @@ class TorchAttention:
 
 
 def get_backend(
-    name: str, num_heads: int, num_kv_heads: int, c_decode: bool = False, c_prefix: bool = False
+    name: str,
+    num_heads: int,
+    num_kv_heads: int,
+    c_decode: bool = False,
+    c_prefix: bool = False,
+    windows: tuple[int | None, ...] = (None,),
 ) -> AttentionBackend:
     if name == "torch":
-        return TorchAttention(num_heads, num_kv_heads, c_decode, c_prefix)
+        return TorchAttention(num_heads, num_kv_heads, c_decode, c_prefix, windows)
     if name == "triton":
         from paged_backend.kernels.backend import TritonAttention
 

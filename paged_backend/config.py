@@ -41,7 +41,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
-    sliding_window: int | None = None
+    layer_windows: tuple[int | None, ...] = ()  # per layer: its attention window, None: global
     o_proj_bias: bool = False
     mlp_bias: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
@@ -49,11 +49,17 @@ class ModelConfig:
 
     @property
     def max_len(self) -> int:
-        """Longest sequence we serve exactly: sliding-window attention is not implemented, and
-        full attention equals windowed attention while sequences fit in the window."""
-        return min(
-            self.max_position_embeddings, self.sliding_window or self.max_position_embeddings
-        )
+        return self.max_position_embeddings
+
+    @property
+    def kv_window(self) -> int | None:
+        """How many trailing tokens of a sequence any layer still reads, when every layer has a
+        window (the largest); None when a global layer reads them all. Blocks wholly before
+        that can be freed."""
+        windows = self.layer_windows
+        if not windows or None in windows:
+            return None
+        return max(windows)
 
     def resolve_max_model_len(self, requested: int | None) -> int:
         if requested is not None and requested > self.max_len:
@@ -120,7 +126,7 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
             qkv_bias=False,
             qk_norm=False,
-            sliding_window=_sliding_window(text.to_dict()),
+            layer_windows=layer_windows(text, text.num_hidden_layers),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             impl="transformers",
         )
@@ -137,6 +143,9 @@ class ModelConfig:
         partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
         if partial != 1.0:
             raise ValueError(f"unsupported partial rotary factor {partial} in {config_file}")
+        from transformers import AutoConfig
+
+        text_config = AutoConfig.from_pretrained(config_file.parent).get_text_config()
         eos = raw.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         num_heads = raw["num_attention_heads"]
@@ -160,7 +169,7 @@ class ModelConfig:
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
             qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=_sliding_window(raw),
+            layer_windows=layer_windows(text_config, raw["num_hidden_layers"]),
             o_proj_bias=attention_bias,
             mlp_bias=arch == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False)),
             eos_token_ids=eos_ids,
@@ -273,12 +282,16 @@ class EngineConfig:
         return "triton" if device.type == "cuda" and has_triton else "torch"
 
 
-def _sliding_window(raw: dict) -> int | None:
-    """The attention window if the model uses one (Mistral v0.1; Qwen with use_sliding_window)."""
-    window = raw.get("sliding_window")
-    if not window or ("use_sliding_window" in raw and not raw["use_sliding_window"]):
-        return None
-    return int(window)
+def layer_windows(text_config, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's attention window as transformers' modules apply it: a token sees itself and
+    the `window - 1` before it. transformers' config classes resolve the family rules (Qwen's
+    `use_sliding_window` and `max_window_layers`, Gemma's interleaving) into `sliding_window` and
+    `layer_types`; without `layer_types` (Mistral, Phi-3) every layer slides."""
+    window = getattr(text_config, "sliding_window", None)
+    if not window:
+        return (None,) * num_layers
+    types = getattr(text_config, "layer_types", None) or ["sliding_attention"] * num_layers
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
 def _cpu_has_native_bf16() -> bool:

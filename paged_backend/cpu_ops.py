@@ -133,13 +133,15 @@ def load_library() -> ctypes.CDLL | None:
         *(i64, i64, i64, i64, ctypes.c_float, ptr, ptr),  # sizes, scale, out, scratch
         *(i64, c_int),  # scratch row stride, threads
         *(ptr, i64, ptr, ptr, i64),  # a shared prefix's rows, length, out, lse, rows a head
+        i64,  # window
     ]
     lib.has_bf16_kernels.restype = c_int
     if lib.has_bf16_kernels():
         lib.pack_prefix_bf16.argtypes = [*(ptr, ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, c_int)]
         lib.gemm_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, c_int, c_int]
         lib.prefix_attention_bf16.argtypes = [
-            *(ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_float, ptr, ptr, ptr, c_int, i64, i64)
+            *(ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_float, ptr, ptr, ptr, c_int),
+            *(i64, i64, i64),  # causal: group, offset, window
         ]
     return lib
 
@@ -251,6 +253,7 @@ def decode_attention(
     block_size: int,
     scratch: torch.Tensor,
     prefix: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Write each sequence's new k/v [S, kv_heads, dim] into the head-major bf16 caches
     [kv_heads, slots, dim] and attend its q [S, heads, dim] over its `seq_lens` (int32) tokens
@@ -259,7 +262,8 @@ def decode_attention(
 
     `prefix` = (pos, length, out, lse) merges a shared prefix's attention (`prefix_attention`'s
     out [kv_heads, rows, dim] and lse): sequence s with pos[s] >= 0 (int32 [S]) attends itself
-    only from token `length` on and takes the prefix's result at rows pos[s] * group + g."""
+    only from token `length` on and takes the prefix's result at rows pos[s] * group + g.
+    With a `window` (and no prefix), each new token sees its last `window` positions only."""
     k_cache, v_cache = kv_cache
     num_seqs, num_heads, dim = q.shape
     q, k, v = _heads_packed(q), _heads_packed(k), _heads_packed(v)
@@ -273,6 +277,7 @@ def decode_attention(
         *(out.data_ptr(), scratch.data_ptr(), scratch.shape[1], scratch.shape[0]),
         *(None if pos is None else pos.data_ptr(), length),
         *(None, None, 0) if p_out is None else (p_out.data_ptr(), p_lse.data_ptr(), p_out.shape[1]),
+        window or 0,
     )
     return out
 
@@ -313,12 +318,13 @@ def prefix_attention(
     q: torch.Tensor,
     packed: tuple[torch.Tensor, torch.Tensor],
     length: int,
-    causal: tuple[int, int] | None = None,
+    causal: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of bf16 query rows q [kv_heads, rows, dim] (each kv head's queries) over the
     `length` tokens of a `pack_prefix`: (out [kv_heads, rows, dim], log-sum-exp [kv_heads, rows]),
-    fp32. No mask, or `causal` = (group, offset): row r is the query of token r // group of a chunk
-    that starts after key `offset`, and sees the keys up to its own."""
+    fp32. No mask, or `causal` = (group, offset, window): row r is the query of token r // group of
+    a chunk that starts after key `offset`, and sees the keys up to its own (with a window > 0,
+    the last `window` of them)."""
     num_kv_heads, rows, dim = q.shape
     kp, vp = packed
     rows4 = -(-rows // 4) * 4
@@ -330,7 +336,7 @@ def prefix_attention(
     load_library().prefix_attention_bf16(
         *(q.data_ptr(), num_kv_heads, rows4, dim, kp.data_ptr(), vp.data_ptr(), length),
         *(dim**-0.5, out.data_ptr(), lse.data_ptr(), work.data_ptr(), threads),
-        *(causal or (0, 0)),
+        *(causal or (0, 0, 0)),
     )
     return out[:, :rows].contiguous(), lse[:, :rows].contiguous()
 

@@ -73,16 +73,13 @@ class LLMEngine:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        if self.model_config.max_len < self.model_config.max_position_embeddings:
-            logger.warning(
-                "sliding-window attention is not implemented: sequences are limited "
-                "to the window (%d tokens)",
-                self.model_config.sliding_window,
-            )
         self.max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
         self.runner = ModelRunner(config, self.model_config, self.model_path, self.max_model_len)
         self.kv = KVCacheManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            self.model_config.kv_window,
         )
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
@@ -150,11 +147,12 @@ class LLMEngine:
                 f"({self.max_model_len}); max_tokens must be <= {self.max_model_len - n}"
             )
         total = n + (params.max_tokens or self.max_model_len - n)
-        if self.kv.blocks_needed(total) > self.kv.num_blocks:
+        need = self.kv.most_blocks_held(total, self.config.max_num_batched_tokens)
+        if need > self.kv.num_blocks:
             raise ValueError(
-                f"prompt + max_tokens ({total} tokens) needs {self.kv.blocks_needed(total)} KV "
-                f"blocks but the cache has {self.kv.num_blocks}; lower max_tokens or raise "
-                "num_kv_blocks / kv_cache_memory_bytes"
+                f"prompt + max_tokens ({total} tokens) needs {need} KV blocks but the cache has "
+                f"{self.kv.num_blocks}; lower max_tokens or raise num_kv_blocks / "
+                "kv_cache_memory_bytes"
             )
         if params.structured_outputs is not None:
             self._check_structured_budget(params, n)

@@ -1,4 +1,10 @@
-"""Per-request block tables on top of the `BlockPool`, with automatic prefix caching."""
+"""Per-request block tables on top of the `BlockPool`, with automatic prefix caching.
+
+When every layer attends through a sliding window (`window`: the largest), the leading blocks
+no layer will read again are freed as a request advances; its table keeps None in their place,
+so entry i still holds tokens i * block_size on. Freed blocks keep their hashes (LRU eviction,
+as any freed block) and stay findable by later prompts with the same prefix.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +13,14 @@ from paged_backend.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool, window: int | None = None
+    ) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_tables: dict[str, list[KVCacheBlock]] = {}
+        self.window = window
+        self.block_tables: dict[str, list[KVCacheBlock | None]] = {}
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found in the cache
 
@@ -21,6 +30,16 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def most_blocks_held(self, num_tokens: int, step_tokens: int) -> int:
+        """The most blocks a sequence of `num_tokens` holds at once, computed `step_tokens` at a
+        time at most: all of them, or under a window the blocks from the first one a step's
+        queries see to the last one it writes."""
+        need = self.blocks_needed(num_tokens)
+        if self.window is None:
+            return need
+        reach = self.window - 1 + min(step_tokens, num_tokens)
+        return min(need, reach // self.block_size + 2)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of full blocks. Never the whole prompt: the last token is always
@@ -48,14 +67,18 @@ class KVCacheManager:
         table = self.block_tables.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
         total = num_computed + num_new_tokens
+        dead = self._num_dead_blocks(num_computed)
+        self._free_leading(table, dead)
+        skipped = min(max(dead - len(table), 0), len(computed))  # hits no layer will read
+        live_hits = list(computed[skipped:])
         need = self.blocks_needed(total) - len(table) - len(computed)
-        hits_in_free_queue = sum(1 for b in computed if b.ref_cnt == 0)
+        hits_in_free_queue = sum(1 for b in live_hits if b.ref_cnt == 0)
         if need > self.pool.num_free - hits_in_free_queue:
             if not table:
                 del self.block_tables[request.request_id]
             return False
-        self.pool.touch(computed)
-        table.extend(computed)
+        self.pool.touch(live_hits)
+        table.extend([None] * skipped + live_hits)
         if need > 0:
             table.extend(self.pool.allocate(need))
         if self.enable_caching:
@@ -64,9 +87,24 @@ class KVCacheManager:
             hashes = request.update_block_hashes(self.block_size)
             num_full = min(total // self.block_size, len(hashes))
             for i in range(request.num_hashed_blocks, num_full):
-                self.pool.cache(table[i], hashes[i])
+                if table[i] is not None:  # a skipped hit is cached already
+                    self.pool.cache(table[i], hashes[i])
             request.num_hashed_blocks = max(request.num_hashed_blocks, num_full)
         return True
+
+    def _num_dead_blocks(self, num_computed: int) -> int:
+        """Leading blocks that no query from position `num_computed` on can see."""
+        if self.window is None:
+            return 0
+        return max(num_computed - self.window + 1, 0) // self.block_size
+
+    def _free_leading(self, table: list[KVCacheBlock | None], dead: int) -> None:
+        """Free the table's first `dead` blocks (those still held), last first."""
+        n = min(dead, len(table))
+        freed = [b for b in table[:n] if b is not None]
+        if freed:
+            table[:n] = [None] * n
+            self.pool.free(reversed(freed))
 
     def free(self, request: Request) -> list[KVCacheBlock]:
         """Release a request's blocks, tail first. The blocks it hashed when their tokens were
@@ -78,7 +116,7 @@ class KVCacheManager:
         unwritten = table[written : request.num_hashed_blocks]
         for block in unwritten:
             self.pool.uncache(block)
-        self.pool.free(reversed(table))
+        self.pool.free(b for b in reversed(table) if b is not None)
         request.num_hashed_blocks = 0
         return [b for b in unwritten if b.ref_cnt > 0]
 
@@ -98,4 +136,5 @@ class KVCacheManager:
         return allocated, allocated - empty
 
     def block_ids(self, request: Request) -> list[int]:
-        return [b.block_id for b in self.block_tables[request.request_id]]
+        """The request's block table; freed leading entries read 0 (attention skips them)."""
+        return [0 if b is None else b.block_id for b in self.block_tables[request.request_id]]

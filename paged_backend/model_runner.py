@@ -52,6 +52,7 @@ class ModelRunner:
             model_config.num_kv_heads,
             c_decode=ops == "cpu" and model_config.head_dim % 16 == 0,
             c_prefix=bf16_kernels and model_config.head_dim % 64 == 0,
+            windows=model_config.layer_windows or (None,),
         )
         self.model_config = model_config
         self.gemm_rows = None
@@ -165,10 +166,12 @@ class ModelRunner:
             budget = min(
                 int(_available_memory(self.device) * _DEFAULT_KV_FRACTION), _DEFAULT_KV_CAP
             )
-            # Never more than every sequence at full length could use.
-            budget = min(
-                budget, config.max_num_seqs * -(-max_model_len // config.block_size) * per_block
-            )
+            # Never more than every sequence at full length could hold at once (with windows on
+            # every layer: its window and a step's tokens).
+            held = max_model_len
+            if mc.kv_window is not None:
+                held = min(held, mc.kv_window + config.max_num_batched_tokens)
+            budget = min(budget, config.max_num_seqs * -(-held // config.block_size) * per_block)
         num = budget // per_block
         if num < 2:
             raise ValueError(

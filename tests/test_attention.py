@@ -19,22 +19,30 @@ from paged_backend.attention import (
 KVH, GROUP, D = 3, 3, 32
 
 
-def dense_reference(q, keys, values, context: int) -> torch.Tensor:
-    """q [n, H, D] at positions context.., keys/values [seq_len, KVH, D]; fp32."""
+def dense_reference(q, keys, values, context: int, window: int | None = None) -> torch.Tensor:
+    """q [n, H, D] at positions context.., keys/values [seq_len, KVH, D]; fp32. With a
+    `window`, as transformers' sliding-window mask: key > query - window."""
     n, seq_len = q.shape[0], keys.shape[0]
     q, keys, values = q.float(), keys.float(), values.float()
     k = keys.repeat_interleave(GROUP, dim=1).transpose(0, 1)
     v = values.repeat_interleave(GROUP, dim=1).transpose(0, 1)
     scores = q.transpose(0, 1) @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
-    allowed = torch.arange(seq_len)[None, :] <= torch.arange(context, context + n)[:, None]
+    k_pos, q_pos = torch.arange(seq_len)[None, :], torch.arange(context, context + n)[:, None]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
     scores = scores.masked_fill(~allowed, float("-inf"))
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
-def run_and_check(backend, cache, seqs, tables, bs, gen, tol=(1e-5, 1e-4)):
+def run_and_check(backend, cache, seqs, tables, bs, gen, tol=(1e-5, 1e-4), window=None):
     """One step of `seqs` ((context, new tokens), decodes first) over block `tables`: forward,
     then compare every sequence with dense attention over what the cache holds after it, within
-    `tol` (atol, rtol). q/k/v take the cache's dtype and head dim."""
+    `tol` (atol, rtol). q/k/v take the cache's dtype and head dim.
+
+    With a `window`, the backend's tables point the blocks wholly before a sequence's first
+    visible key at the cache's last block, filled with NaN, as the engine leaves freed blocks in
+    the table: reading one would spread NaN."""
     k_cache, v_cache = cache
     total, dim, dtype = sum(new for _, new in seqs), k_cache.shape[-1], k_cache.dtype
     q = torch.randn(total, KVH * GROUP, dim, generator=gen).to(dtype)
@@ -45,7 +53,16 @@ def run_and_check(backend, cache, seqs, tables, bs, gen, tol=(1e-5, 1e-4)):
         qsl.append(qsl[-1] + new)
         slots += [table[p // bs] * bs + p % bs for p in range(context, context + new)]
     width = max(map(len, tables))
-    padded = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
+    seen = tables
+    if window is not None:
+        poison = k_cache.shape[1] // bs - 1
+        for c in cache:
+            c[:, poison * bs :] = float("nan")
+        seen = []
+        for (context, _), table in zip(seqs, tables, strict=True):
+            dead = max(context - window + 1, 0) // bs
+            seen.append([poison] * dead + table[dead:])
+    padded = np.array([t + [0] * (width - len(t)) for t in seen], dtype=np.int32)
     meta = AttentionMetadata(
         num_decodes=sum(1 for _, new in seqs if new == 1),
         query_start_loc=qsl,
@@ -56,12 +73,12 @@ def run_and_check(backend, cache, seqs, tables, bs, gen, tol=(1e-5, 1e-4)):
         block_tables_cpu=padded,
     )
     backend.prepare(meta)
-    out = backend.forward(q, k, v, cache, meta)
+    out = backend.forward(q, k, v, cache, meta, window)
     for i, ((context, new), table) in enumerate(zip(seqs, tables, strict=True)):
         token_slots = [table[p // bs] * bs + p % bs for p in range(context + new)]
         keys = k_cache[:, token_slots].transpose(0, 1)
         values = v_cache[:, token_slots].transpose(0, 1)
-        want = dense_reference(q[qsl[i] : qsl[i + 1]], keys, values, context)
+        want = dense_reference(q[qsl[i] : qsl[i + 1]], keys, values, context, window)
         got = out[qsl[i] : qsl[i + 1]].float()
         torch.testing.assert_close(got, want, atol=tol[0], rtol=tol[1])
     return meta
@@ -101,7 +118,7 @@ def test_torch_backend_matches_dense(seed, shared_blocks, bs):
     cache = random_cache(gen, 200, bs, D)
     meta = run_and_check(TorchAttention(KVH * GROUP, KVH), cache, seqs, tables, bs, gen)
     if shared_blocks >= 2 and sum(c >= shared_blocks * bs > 0 for c, _ in seqs) >= 2:
-        assert meta.prepared.shared is not None  # the cascade path is what is under test
+        assert meta.prepared[None].shared is not None  # the cascade path is what is under test
 
 
 @pytest.mark.skipif(not cpu_ops.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")
@@ -116,7 +133,28 @@ def test_c_kernels_match_dense(seed, shared_blocks, decodes_only):
     cache = random_cache(gen, 300, 4, 64, torch.bfloat16)
     backend = TorchAttention(KVH * GROUP, KVH, c_decode=True, c_prefix=True)
     meta = run_and_check(backend, cache, seqs, tables, 4, gen, tol=(2e-2, 2e-2))
-    assert (type(meta.prepared).__name__ == "_CDecode") == decodes_only
+    assert (type(meta.prepared[None]).__name__ == "_CDecode") == decodes_only
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("window", [5, 13, 64])
+@pytest.mark.parametrize("kernels", ["torch", "c"])
+def test_sliding_window_layers_see_their_window_only(seed, window, kernels):
+    """A backend serving global and windowed layers: the windowed plan attends each query to its
+    last `window` keys (decodes, chunks with context, fresh prefills longer than the window),
+    never reads the blocks before them, and the global layers keep their cascade."""
+    if kernels == "c" and not cpu_ops.has_bf16_kernels():
+        pytest.skip("no AVX512-BF16 C kernels")
+    bs, num_blocks = 4, 300
+    gen = torch.Generator().manual_seed(seed)
+    c = kernels == "c"
+    backend = TorchAttention(KVH * GROUP, KVH, c, c, windows=(None, window))
+    dtype, dim, tol = (torch.bfloat16, 64, (2e-2, 2e-2)) if c else (torch.float32, D, (1e-5, 1e-4))
+    for decodes_only in (False, True):
+        seqs, tables = random_step(seed, 3, bs, num_blocks - 1, decodes_only)
+        cache = random_cache(gen, num_blocks, bs, dim, dtype)
+        run_and_check(backend, cache, seqs, tables, bs, gen, tol)  # a global layer
+        run_and_check(backend, cache, seqs, tables, bs, gen, tol, window)
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -164,5 +202,5 @@ def test_shared_prefix_copies_are_reused_until_a_step_writes_into_their_blocks()
     meta = run_and_check(
         backend, cache, seqs, [[0, 1, 2, 9], [0, 1, 2, 10], [0, 1, 2, 11]], bs, gen
     )
-    assert meta.prepared.shared is not None
+    assert meta.prepared[None].shared is not None
     assert all(backend.prefix_kv.get(key) is not kv for key, kv in copies.items())

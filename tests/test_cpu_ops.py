@@ -143,7 +143,7 @@ def test_decode_attention_gives_the_torch_backends_output_and_cache(
         q, k, v, cache, meta = _decode_step(lens, bs, num_kv_heads, group, dim, packed_qkv, 0)
         backend = TorchAttention(num_kv_heads * group, num_kv_heads, c_decode=c_decode)
         backend.prepare(meta)
-        assert isinstance(meta.prepared, _CDecode) == c_decode
+        assert isinstance(meta.prepared[None], _CDecode) == c_decode
         outs.append(backend.forward(q, k, v, cache, meta))
         caches.append(cache)
     got, want = outs
@@ -161,16 +161,16 @@ def test_decode_attention_takes_every_step_of_decodes_only():
     for lens in ([5000, 4000], [10] * 40):
         *_, meta = _decode_step(lens, 16, 3, 3, 64, True, 0)
         TorchAttention(9, 3, c_decode=True).prepare(meta)
-        assert isinstance(meta.prepared, _CDecode) and meta.prepared.shared is None
+        assert isinstance(meta.prepared[None], _CDecode) and meta.prepared[None].shared is None
     for c_prefix in (False, True):
         *_, meta = _decode_step([20, 30], 4, 3, 3, 64, True, 0, shared_blocks=2)
         TorchAttention(9, 3, c_decode=True, c_prefix=c_prefix).prepare(meta)
-        assert meta.prepared.shared is not None
-        assert isinstance(meta.prepared, _CDecode) == c_prefix
+        assert meta.prepared[None].shared is not None
+        assert isinstance(meta.prepared[None], _CDecode) == c_prefix
     *_, meta = _decode_step([20, 30], 4, 3, 3, 64, True, 0)
     meta.num_decodes = 1  # the second sequence is a 1-token prefill chunk
     TorchAttention(9, 3, c_decode=True).prepare(meta)
-    assert not isinstance(meta.prepared, _CDecode)
+    assert not isinstance(meta.prepared[None], _CDecode)
 
 
 needs_prefix_attention = pytest.mark.skipif(
@@ -180,7 +180,7 @@ needs_prefix_attention = pytest.mark.skipif(
 
 def _cascade(backend, q, k, v, cache, meta) -> torch.Tensor:
     backend.prepare(meta)
-    assert meta.prepared.shared is not None
+    assert meta.prepared[None].shared is not None
     return backend.forward(q, k, v, cache, meta)
 
 
@@ -206,7 +206,7 @@ def test_prefix_attention_gives_the_torch_cascade_and_keeps_its_packing(
         backend = TorchAttention(2 * group, 2, c_decode=c_decode and c_prefix, c_prefix=c_prefix)
         step = _decode_step(lens, 4, 2, group, dim, True, 0, shared_blocks=8, sharing=sharing)
         outs.append(_cascade(backend, *step))
-        assert isinstance(step[-1].prepared, _CDecode) == (c_decode and c_prefix)
+        assert isinstance(step[-1].prepared[None], _CDecode) == (c_decode and c_prefix)
         copies = dict(backend.prefix_kv)
         again = _cascade(backend, *step)  # the same step again: same k/v, and the kept copy
         assert all(backend.prefix_kv[key] is kv for key, kv in copies.items())

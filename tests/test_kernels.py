@@ -64,8 +64,12 @@ class PagedBatch:
         block_size: int,
         dtype: torch.dtype,
         seed: int,
+        window: int | None = None,
     ) -> None:
+        """With a `window`, the table entries wholly before a sequence's first visible key
+        point at the spare block (NaN), as the engine leaves freed blocks."""
         gen = torch.Generator().manual_seed(seed)
+        self.window = window
         kvh, d, bs = num_kv_heads, head_dim, block_size
         self.seqs = seqs
         blocks_per_seq = [-(-(c + q) // bs) for c, q in seqs]
@@ -79,6 +83,9 @@ class PagedBatch:
             table = order[: blocks_per_seq[i]]
             order = order[blocks_per_seq[i] :]
             self.block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            if window is not None:
+                dead = max(context - window + 1, 0) // bs
+                self.block_tables[i, :dead] = order[-1]  # the spare block, never written
             pos = torch.arange(context + query_len)
             seq_slots = torch.tensor(table)[pos // bs] * bs + pos % bs
             keys = torch.randn(context + query_len, kvh, d, generator=gen).to(dtype)
@@ -109,9 +116,11 @@ class PagedBatch:
             k = self.keys[i].float().repeat_interleave(group, 1).transpose(0, 1)
             v = self.values[i].float().repeat_interleave(group, 1).transpose(0, 1)
             scores = q @ k.transpose(1, 2) / q.shape[-1] ** 0.5
-            visible = torch.arange(context + query_len)[None, :] <= (
-                context + torch.arange(query_len)[:, None]
-            )
+            k_pos = torch.arange(context + query_len)[None, :]
+            q_pos = context + torch.arange(query_len)[:, None]
+            visible = k_pos <= q_pos
+            if self.window is not None:
+                visible &= k_pos > q_pos - self.window
             probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
             outs.append((probs @ v).transpose(0, 1))
         return torch.cat(outs)
@@ -130,6 +139,7 @@ class PagedBatch:
             self.q.shape[-1] ** -0.5,
             max_query_len=max_query_len,
             tile_n=tile_n,
+            window=self.window,
         )
         return out.float().cpu()
 
@@ -182,6 +192,24 @@ def test_unified_attention(group, num_kv_heads, block_size, head_dim, dtype, til
     )
     out = batch.attend(max_query_len=max(q for _, q in batch.seqs), tile_n=tile_n)
     torch.testing.assert_close(out, batch.reference(), atol=ATOL[dtype], rtol=1e-2)
+
+
+@pytest.mark.parametrize(("window", "tile_n"), [(7, 32), (40, 32), (40, 16), (200, 64)])
+def test_unified_attention_with_a_sliding_window(window, tile_n):
+    """Each query sees its last `window` keys: decodes, prefills longer than the window and
+    chunks after a long context; the freed blocks before the window (NaN here) are not read."""
+    batch = PagedBatch(
+        [(150, 1), (9, 1), (0, 50), (120, 30)],
+        num_kv_heads=2,
+        group=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+        seed=window,
+        window=window,
+    )
+    out = batch.attend(max_query_len=50, tile_n=tile_n)
+    torch.testing.assert_close(out, batch.reference(), atol=ATOL[torch.float32], rtol=1e-2)
 
 
 def test_unified_attention_without_max_query_len():

@@ -153,7 +153,10 @@ static inline float dot_bf16(const bf16 *q, const bf16 *k, int64_t dim) {
  * Cascade: where `prefix_pos` is given and prefix_pos[s] >= 0, sequence s attends only to its
  * tokens from `prefix_len` on and merges, by log-sum-exp, the result of its query row over the
  * first `prefix_len` (a shared prefix): `prefix_out` [kv_heads][prefix_rows][dim] and
- * `prefix_lse` [kv_heads][prefix_rows] (fp32), at rows prefix_pos[s] * group + g. */
+ * `prefix_lse` [kv_heads][prefix_rows] (fp32), at rows prefix_pos[s] * group + g.
+ *
+ * With `window` > 0 (sliding-window layers, no cascade) the new token sees its last `window`
+ * positions only; the table's entries before them are not read. */
 void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t q_stride,
                            int64_t k_stride, int64_t v_stride,
                            bf16 *k_cache, bf16 *v_cache, int64_t cache_head_stride,
@@ -162,7 +165,7 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
                            int64_t num_heads, int64_t num_kv_heads, int64_t dim, float scale,
                            bf16 *out, float *scores, int64_t scores_stride, int threads,
                            const int32_t *prefix_pos, int64_t prefix_len, const float *prefix_out,
-                           const float *prefix_lse, int64_t prefix_rows) {
+                           const float *prefix_lse, int64_t prefix_rows, int64_t window) {
     int64_t group = num_heads / num_kv_heads;
 #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if (threads > 1)
     for (int64_t s = 0; s < num_seqs; s++) {
@@ -171,7 +174,10 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
             float *sc = scores + omp_get_thread_num() * scores_stride;
             const int32_t *table = block_tables + s * max_blocks;
             int64_t len = seq_lens[s], pos = len - 1;
-            int64_t first = prefix_pos && prefix_pos[s] >= 0 ? prefix_len : 0, n = len - first;
+            int cascade = prefix_pos && prefix_pos[s] >= 0;
+            int64_t first = cascade ? prefix_len : 0;
+            if (window > 0 && len - window > first) first = len - window;
+            int64_t n = len - first;
             int64_t slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
             bf16 *kc = k_cache + h * cache_head_stride, *vc = v_cache + h * cache_head_stride;
             memcpy(kc + slot * dim, k + s * k_stride + h * dim, dim * sizeof(bf16));
@@ -205,7 +211,7 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
             for (int64_t g = 0; g < group; g++) {
                 float a = 1.0f, b = 0.0f; /* weights of the tail's sums and the prefix's output */
                 const float *po = NULL;
-                if (first) { /* out = (acc e^top + po e^lse) / (total e^top + e^lse) */
+                if (cascade) { /* out = (acc e^top + po e^lse) / (total e^top + e^lse) */
                     int64_t row = h * prefix_rows + prefix_pos[s] * group + g;
                     float lse = prefix_lse[row], m = lse > top[g] ? lse : top[g];
                     a = expf(top[g] - m);
@@ -342,13 +348,13 @@ void pack_prefix_bf16(const bf16 *k_cache, const bf16 *v_cache, int64_t cache_he
 }
 
 /* Attention of 4 query rows (bf16 [4][dim]) over packed keys/values (`packed` keys a head,
- * padded to 32), row i over the first limits[i] keys: out [4][dim] fp32 and log-sum-exp [4].
+ * padded to 32), row i over keys lows[i] .. limits[i] - 1: out [4][dim] fp32 and log-sum-exp [4].
  * QK^T and PV run on AVX512-BF16 dot products (exact bf16 products, fp32 sums); softmax in fp32;
  * the probabilities enter PV rounded to bf16, as flash attention on bf16 does. `work`: 4 * packed
  * floats plus 4 * packed bf16. */
 static void prefix_rows4(const bf16 *q, const bf16 *kp, const bf16 *vp, int64_t packed,
-                         const int64_t *limits, int64_t dim, float scale, float *out, float *lse,
-                         float *work) {
+                         const int64_t *lows, const int64_t *limits, int64_t dim, float scale,
+                         float *out, float *lse, float *work) {
     int64_t len = limits[0], pairs = dim / 2;
     for (int i = 1; i < 4; i++) len = limits[i] > len ? limits[i] : len;
     int64_t padded = (len + 31) / 32 * 32;
@@ -377,6 +383,7 @@ static void prefix_rows4(const bf16 *q, const bf16 *kp, const bf16 *vp, int64_t 
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int i = 0; i < 4; i++) {
         float *si = s + i * padded;
+        for (int64_t t = 0; t < lows[i]; t++) si[t] = -INFINITY;
         for (int64_t t = limits[i]; t < padded; t++) si[t] = -INFINITY;
         __m512 vmax = _mm512_set1_ps(-INFINITY);
         for (int64_t t = 0; t < padded; t += 16) {
@@ -429,23 +436,24 @@ static void prefix_rows4(const bf16 *q, const bf16 *kp, const bf16 *vp, int64_t 
  * over its `len` packed keys/values (`pack_prefix_bf16`): out [heads][rows][dim] fp32 and
  * log-sum-exp [heads][rows]. Without mask (`causal_group` 0), or causal: row r is token
  * r / causal_group of a chunk whose first token follows key `causal_offset`, and sees the keys up
- * to its own. `threads` threads share the blocks of 4 rows; `work` holds 6 * padded floats for
- * each. */
+ * to its own (with `window` > 0, its last `window` keys only). `threads` threads share the blocks
+ * of 4 rows; `work` holds 6 * padded floats for each. */
 void prefix_attention_bf16(const bf16 *q, int64_t heads, int64_t rows, int64_t dim,
                            const bf16 *kp, const bf16 *vp, int64_t len, float scale, float *out,
                            float *lse, float *work, int threads, int64_t causal_group,
-                           int64_t causal_offset) {
+                           int64_t causal_offset, int64_t window) {
     int64_t padded = (len + 31) / 32 * 32;
 #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if (threads > 1)
     for (int64_t h = 0; h < heads; h++)
         for (int64_t r = 0; r < rows; r += 4) {
-            int64_t limits[4];
+            int64_t lows[4], limits[4];
             for (int i = 0; i < 4; i++) {
                 int64_t limit = causal_group ? causal_offset + (r + i) / causal_group + 1 : len;
                 limits[i] = limit < len ? limit : len;
+                lows[i] = window > 0 && limit - window > 0 ? limit - window : 0;
             }
             prefix_rows4(q + (h * rows + r) * dim, kp + h * padded * dim, vp + h * padded * dim,
-                         padded, limits, dim, scale,
+                         padded, lows, limits, dim, scale,
                          out + (h * rows + r) * dim, lse + h * rows + r,
                          work + omp_get_thread_num() * 6 * padded);
         }

@@ -101,9 +101,10 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, window: int | None = None) -> None:
         super().__init__()
         self.rotary = ops.rotary
+        self.window = window  # sliding-window layer: the keys each token sees
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -135,7 +136,7 @@ class Attention(nn.Module):
                 )
             )
             q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
-        out = backend.forward(q, k, v, kv_cache, meta)
+        out = backend.forward(q, k, v, kv_cache, meta, self.window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -152,10 +153,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = Attention(config, ops)
+        self.self_attn = Attention(config, ops, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.mlp = MLP(config, ops)
 
@@ -180,7 +181,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         ops = make_ops(ops)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_layers))
+        windows = config.layer_windows or (None,) * config.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(config, ops, w) for w in windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary = RotaryEmbedding(config, max_len)
         if config.tie_word_embeddings:

@@ -10,8 +10,8 @@ the mask function registered with it returns none, and the backend masks by sequ
 Served: models whose transformers class takes the attention interface
 (`_supports_attention_backend`) and that attend with plain softmax. Refused with the reason:
 encoder-decoders, models without attention there (recurrent state), and attention logit
-soft-capping (Gemma 2), which the backend does not apply. Sliding-window layers are exact while
-sequences fit in the window, so the engine caps `max_model_len` at the smallest window.
+soft-capping (Gemma 2), which the backend does not apply. Sliding-window layers pass their
+window to the backend, as the native models do (`ModelConfig.layer_windows` must agree).
 """
 
 from __future__ import annotations
@@ -26,16 +26,20 @@ _STEP: contextvars.ContextVar[tuple] = contextvars.ContextVar("paged_step")
 ATTENTION = "paged"
 
 
-def _paged_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+def _paged_attention(
+    module, query, key, value, attention_mask, scaling=None, sliding_window=None, **kwargs
+):
     """transformers' attention call for one layer: q [1, heads, T, d], k and v [1, kv_heads,
-    T, d] of this step's tokens; returns [1, T, heads, d]."""
+    T, d] of this step's tokens; returns [1, T, heads, d]. A sliding-window layer passes its
+    window, which the backend applies."""
     kv_caches, backend, meta = _STEP.get()
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     head_dim = q.shape[-1]
     if scaling is not None and scaling != head_dim**-0.5:  # the backend scales by d ** -0.5
         q = q * (scaling * head_dim**0.5)
     out = backend.forward(
-        q.contiguous(), k.contiguous(), v.contiguous(), kv_caches[module.layer_idx], meta
+        *(q.contiguous(), k.contiguous(), v.contiguous(), kv_caches[module.layer_idx], meta),
+        sliding_window,
     )
     return out.view(1, *out.shape[-3:]), None
 
