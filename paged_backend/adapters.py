@@ -13,8 +13,8 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterator
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import aclosing, closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +89,10 @@ def pop_request_options(defaults: object, kwargs: dict) -> dict:
     return options
 
 
+# Submits a request as attempt n (from 0), retrying refusals at submission: (attempt, outputs).
+_Submit = Callable[[int], tuple[int, Iterator[RequestOutput]]]
+
+
 @dataclass
 class Submitter:
     """Sends an adapter's requests to the shared engine: `timeout` (seconds for the whole
@@ -100,17 +104,46 @@ class Submitter:
     max_retries: int = 0
 
     def stream(self, prompt, params, request_id=None, **kwargs) -> Iterator[RequestOutput]:
-        attempt = 0
+        """Sends the request now (a batch's requests queue together) and returns its outputs.
+        A refusal is resubmitted whether it comes at submission (a local engine) or with the
+        first output (a Ray engine, once every live replica refused)."""
+
+        def submit(attempt: int) -> tuple[int, Iterator[RequestOutput]]:
+            while True:
+                try:
+                    outputs = self.engine.generate_stream(
+                        prompt, params, request_id, timeout=self.timeout, **kwargs
+                    )
+                    return attempt, outputs
+                except EngineOverloadedError:
+                    if not self._may_retry(attempt):
+                        raise
+                    attempt += 1
+
+        return self._resubmitting(submit, *submit(0))
+
+    def _resubmitting(
+        self, submit: _Submit, attempt: int, outputs: Iterator[RequestOutput]
+    ) -> Iterator[RequestOutput]:
         while True:
-            try:
-                return self.engine.generate_stream(
-                    prompt, params, request_id, timeout=self.timeout, **kwargs
-                )
-            except EngineOverloadedError:
-                if attempt >= self.max_retries:
-                    raise
-                time.sleep(_retry_delay(attempt))
-                attempt += 1
+            with closing(outputs):  # leaving early aborts the request
+                try:
+                    first = next(outputs)
+                except EngineOverloadedError:
+                    if not self._may_retry(attempt):
+                        raise
+                    attempt, outputs = submit(attempt + 1)
+                    continue
+                yield first
+                yield from outputs
+                return
+
+    def _may_retry(self, attempt: int) -> bool:
+        """Whether refusal number `attempt` (from 0) is resubmitted, after its backoff."""
+        if attempt >= self.max_retries:
+            return False
+        time.sleep(_retry_delay(attempt))
+        return True
 
     async def astream(self, prompt, params, request_id=None, **kwargs) -> AsyncIterator:
         for attempt in itertools.count():

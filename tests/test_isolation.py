@@ -129,10 +129,11 @@ async def test_llama_index_timeout(engine_args, one_thread):
 
 
 class _Overloaded:
-    """An engine that refuses the first `refusals` submissions, as a full queue does."""
+    """An engine that refuses the first `refusals` submissions, as a full queue does: at
+    submission (a local engine) or with the first output (a Ray engine's replicas)."""
 
-    def __init__(self, refusals: int) -> None:
-        self.refusals = refusals
+    def __init__(self, refusals: int, at_first_output: bool = False) -> None:
+        self.refusals, self.at_first_output = refusals, at_first_output
         self.calls = 0
 
     def _submit(self) -> None:
@@ -141,18 +142,26 @@ class _Overloaded:
             raise EngineOverloadedError("queue full")
 
     def generate_stream(self, *args, **kwargs):
-        self._submit()
-        return iter(["out"])
+        if not self.at_first_output:
+            self._submit()
+        return self._outputs()
+
+    def _outputs(self):
+        if self.at_first_output:
+            self._submit()
+        yield "out"
 
     async def generate(self, *args, **kwargs):
         self._submit()
         yield "out"
 
 
+@pytest.mark.parametrize("at_first_output", [False, True])
 @pytest.mark.parametrize("refusals", [0, 1, 2])
-async def test_overload_is_retried_up_to_max_retries(refusals):
-    engine = _Overloaded(refusals)
+async def test_overload_is_retried_up_to_max_retries(refusals, at_first_output):
+    engine = _Overloaded(refusals, at_first_output)
     assert list(Submitter(engine, max_retries=2).stream("p", None)) == ["out"]
+    assert engine.calls == refusals + 1
     engine = _Overloaded(refusals)
     assert [o async for o in Submitter(engine, max_retries=2).astream("p", None)] == ["out"]
     assert engine.calls == refusals + 1
@@ -161,5 +170,7 @@ async def test_overload_is_retried_up_to_max_retries(refusals):
 async def test_overload_past_max_retries_raises():
     with pytest.raises(EngineOverloadedError):
         Submitter(_Overloaded(2), max_retries=1).stream("p", None)
+    with pytest.raises(EngineOverloadedError):
+        list(Submitter(_Overloaded(2, at_first_output=True), max_retries=1).stream("p", None))
     with pytest.raises(EngineOverloadedError):
         [o async for o in Submitter(_Overloaded(1), max_retries=0).astream("p", None)]
