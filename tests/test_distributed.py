@@ -1,13 +1,15 @@
 """Scale-out on Ray: the prefix-aware router alone, then `RayEngine` on a local Ray cluster
 (one start per module, tiny random model, fp32): greedy parity with the local engine, routing
-that reaches the replicas' prefix caches, cancellation, a killed replica, shutdown, and both
-adapters on `backend="ray"`."""
+that reaches the replicas' prefix caches, cancellation, a killed replica, overload moved to
+another replica, replica-labelled gauges, shutdown, and both adapters on `backend="ray"`."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -19,10 +21,12 @@ from llama_index.core.llms import ChatMessage  # noqa: E402
 from langchain_paged import ChatPaged  # noqa: E402
 from llama_index.llms.paged import PagedLLM  # noqa: E402
 from paged_backend import (  # noqa: E402
+    EngineOverloadedError,
     EngineShutdownError,
     RequestFailedError,
     SamplingParams,
     get_engine,
+    metrics,
     release_engine,
 )
 from paged_backend.distributed import NoReplicaError, Router  # noqa: E402
@@ -30,6 +34,10 @@ from paged_backend.distributed.engine import RayEngine  # noqa: E402
 
 ENGINE_ARGS = {"dtype": "float32", "num_kv_blocks": 256}
 RAY_ARGS = {"backend": "ray", "num_replicas": 2, **ENGINE_ARGS}
+# Replicas that run one request and queue one more: a third is refused.
+SMALL_QUEUE_ARGS = {**RAY_ARGS, "max_num_seqs": 1, "max_waiting_requests": 1}
+LONG = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)  # runs for seconds
+SHORT = SamplingParams(temperature=0, max_tokens=4)
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 PROMPTS = [
     "The capital of France is",
@@ -122,6 +130,19 @@ def test_bad_routing_arguments_fail_early():
         RayEngine(None, dtype="float13")  # as locally, and before Ray or any actor starts
 
 
+def test_a_dead_replicas_gauges_are_removed_but_alive():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    labels = {"model": "gauge-test", "replica": "3"}
+
+    def sample(stat: str) -> float | None:
+        return prometheus_client.REGISTRY.get_sample_value(f"paged_backend_{stat}", labels)
+
+    metrics.export({"alive": True, "num_running": 2}, "gauge-test", replica="3")
+    assert (sample("alive"), sample("num_running")) == (1, 2)
+    metrics.export({"alive": False}, "gauge-test", replica="3")  # no stale num_running
+    assert (sample("alive"), sample("num_running")) == (0, None)
+
+
 # ---- RayEngine on a local Ray cluster ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def ray_cluster():
@@ -136,6 +157,14 @@ def engine(ray_cluster, tiny_model):
     yield engine
     release_engine(engine)
     engine.shutdown()  # adapters not yet collected may still hold references
+
+
+@pytest.fixture(scope="module")
+def small_queues(ray_cluster, tiny_model):
+    engine = get_engine(str(tiny_model), **SMALL_QUEUE_ARGS)
+    yield engine
+    release_engine(engine)
+    engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +188,18 @@ def idle(engine: RayEngine) -> dict | None:
     stats = engine.stats()
     free = stats["kv_blocks_free"] == stats["kv_blocks_total"]
     return stats if free and not stats["num_running"] and not stats["num_in_flight"] else None
+
+
+def waiting(engine: RayEngine) -> list[int]:
+    return [r["num_waiting"] for r in engine.stats()["replicas"]]
+
+
+def run_one_on_each(engine: RayEngine) -> list:
+    """A long request running on each replica (their first blocks differ: no affinity)."""
+    streams = [engine.generate_stream(f"{word} counts:", LONG) for word in ("North", "South")]
+    for stream in streams:
+        next(stream)
+    return streams
 
 
 def texts(outputs) -> list[str]:
@@ -309,6 +350,72 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(engine):
     wait_for(lambda: all(r["alive"] for r in engine.stats()["replicas"]), 60, "a new replica")
     outs = [list(engine.generate_stream(p, GREEDY))[-1] for p in PROMPTS]
     assert all(out.finished for out in outs)
+
+
+def test_gauges_carry_a_replica_label(engine):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    list(engine.generate_stream(PROMPTS[0], GREEDY))
+    stats = wait_for(lambda: idle(engine), what="idle replicas")  # stats() exports them
+
+    def sample(stat: str, replica: str) -> float | None:
+        labels = {"model": engine.model_name, "replica": replica}
+        return prometheus_client.REGISTRY.get_sample_value(f"paged_backend_{stat}", labels)
+
+    assert sample("num_generated_tokens", "") == stats["num_generated_tokens"]  # the totals
+    assert sample("prefix_cache_hit_rate", "") == stats["prefix_cache_hit_rate"]
+    for replica in stats["replicas"]:
+        index = str(replica["replica"])
+        assert sample("num_generated_tokens", index) == replica["num_generated_tokens"]
+        assert sample("alive", index) == 1
+        assert sample("replica", index) is None  # the index is the label, not a stat
+
+
+async def test_a_refused_request_moves_to_another_replica(small_queues):
+    engine = small_queues
+    running = run_one_on_each(engine)
+    queued = engine.generate_stream(CONTEXT + "Question 0: who?", SHORT)
+    wait_for(lambda: sorted(waiting(engine)) == [0, 1], what="a request queued on one replica")
+    before = Counter(engine.stats()["routing"])
+    # Affinity sends the same context to the full replica; it refuses, the other one queues it.
+    moved = asyncio.create_task(last_async(engine, CONTEXT + "Question 1: who?", SHORT))
+    await asyncio.to_thread(wait_for, lambda: waiting(engine) == [1, 1], 30.0, "the move")
+    assert Counter(engine.stats()["routing"]) - before == {"affinity": 1, "least_loaded": 1}
+    # Every replica is full now: the caller gets the local engine's error, in both APIs.
+    with pytest.raises(EngineOverloadedError, match="every live replica refused"):
+        next(engine.generate_stream("Hello", GREEDY))
+    with pytest.raises(EngineOverloadedError, match="max_waiting_requests=1"):
+        await last_async(engine, "Hello")
+    for stream in [*running, queued]:
+        stream.close()
+    assert (await moved).finished
+    await asyncio.to_thread(wait_for, lambda: idle(engine), 30.0, "idle replicas")
+    assert engine._router.load == [0, 0]  # refusals gave their places back
+
+
+def test_chat_paged_retries_a_ray_overload(small_queues, tiny_model, monkeypatch):
+    """The adapters' `max_retries` applies: a Ray overload is `EngineOverloadedError` itself."""
+    fillers = run_one_on_each(small_queues)
+    fillers += [small_queues.generate_stream(f"{w} waits:", SHORT) for w in ("East", "West")]
+    wait_for(lambda: waiting(small_queues) == [1, 1], what="full queues")
+    model = str(tiny_model)
+    impatient = ChatPaged(model=model, max_tokens=4, max_retries=0, **SMALL_QUEUE_ARGS)
+    assert impatient.engine is small_queues
+    with pytest.raises(EngineOverloadedError) as refused:
+        impatient.invoke("Hello")
+    assert type(refused.value) is EngineOverloadedError  # not Ray's wrapper of it
+    submitted = []
+    submit = small_queues.generate_stream
+    monkeypatch.setattr(
+        small_queues, "generate_stream", lambda *a, **k: submitted.append(a) or submit(*a, **k)
+    )
+    patient = ChatPaged(model=model, max_tokens=4, max_retries=6, **SMALL_QUEUE_ARGS)
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(patient.invoke, "Hello")
+        wait_for(lambda: len(submitted) >= 2, what="a resubmission")
+        for stream in fillers:
+            stream.close()
+        assert reply.result(timeout=30).usage_metadata["output_tokens"] > 0
+    wait_for(lambda: idle(small_queues), what="idle replicas")
 
 
 def test_shutdown_leaves_no_actors_and_ends_requests(ray_cluster, tiny_model):

@@ -15,19 +15,26 @@ import operator
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 
+from paged_backend import metrics
 from paged_backend.async_engine import check_timeout
 from paged_backend.chat_template import apply_chat_template
 from paged_backend.config import EngineConfig
 from paged_backend.distributed.replica import Replica
 from paged_backend.distributed.router import NoReplicaError, Router, check_routing
 from paged_backend.engine import PromptType, tokenize_prompt
-from paged_backend.errors import EngineError, EngineShutdownError, RequestFailedError
+from paged_backend.errors import (
+    EngineError,
+    EngineOverloadedError,
+    EngineShutdownError,
+    RequestFailedError,
+)
 from paged_backend.model_loader import model_name, resolve_model_path
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
@@ -39,6 +46,7 @@ _MAX_REPLACEMENTS = 3
 _ACTOR_OPTIONS = {"max_restarts": 3, "max_task_retries": 0, "max_concurrency": 10_000}
 _QUEUE_ARG = "max_waiting_requests"  # AsyncEngine's own; every other engine argument is config
 _COMBINE = {"max_batch_size": max}  # every other numeric stat is a sum over replicas
+_EXPORT_INTERVAL = 1.0  # seconds between gauge refreshes while requests run, as locally
 
 
 @dataclass(eq=False)
@@ -53,6 +61,7 @@ class _Call:
     replica: int = -1  # -1: not placed (or released)
     stream: ray.ObjectRefGenerator | None = None
     tried: set[int] = field(default_factory=set)
+    refused: EngineOverloadedError | None = None  # the last replica's refusal: not admitted
     streamed: bool = False  # an output reached the caller: it can no longer move
     finished: bool = False
     ended: bool = False
@@ -92,6 +101,7 @@ class RayEngine:
         self._generation = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
+        self._stopped = threading.Event()  # set by shutdown, for the gauge refresher
         self._calls: dict[str, _Call] = {}
         self._ids = itertools.count()
         self._actors = [self._new_actor(i) for i in range(num_replicas)]
@@ -107,6 +117,13 @@ class RayEngine:
             routing,
             index_capacity=sum(info["kv_blocks_total"] for info in infos),
         )
+        if metrics.ENABLED:
+            threading.Thread(
+                target=_refresh_gauges,
+                args=(weakref.ref(self), self._stopped),
+                name="paged-backend-ray-metrics",
+                daemon=True,
+            ).start()
 
     def _new_actor(self, slot: int):
         name = f"{self._name}-{slot}-{next(self._generation)}"
@@ -142,7 +159,7 @@ class RayEngine:
     # ---- submitting ------------------------------------------------------------------------
     def _submit(self, prompt, params, request_id, priority, add_special_tokens, timeout) -> _Call:
         """Route and send a request. The replica validates it: a bad request raises at the
-        first output, as a refused one (`EngineOverloadedError`) does."""
+        first output, as `EngineOverloadedError` does once every live replica refused it."""
         check_timeout(timeout)
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -235,10 +252,15 @@ class RayEngine:
         return out
 
     def _fail_over(self, call: _Call, exc: RayError) -> None:
-        """After a Ray error: raise what the caller should see, or (the replica died before
-        anything was streamed) send the request to another replica."""
-        if isinstance(exc, RayTaskError):  # the replica's engine raised: the caller's error
-            raise (exc.cause if isinstance(exc.cause, BaseException) else exc) from None
+        """After a Ray error: raise what the caller should see, or send the request to another
+        replica when its own died or refused it as overloaded before anything was streamed.
+        A refusal reaches the caller (`EngineOverloadedError`, as locally) only when no live
+        replica is left to try."""
+        if isinstance(exc, RayTaskError):  # the replica's engine raised
+            cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+            if not isinstance(cause, EngineOverloadedError) or call.streamed:
+                raise cause from None
+            call.refused = cause
         if self._closed:
             raise EngineShutdownError("the engine was shut down while the request ran") from None
         failed = call.replica
@@ -254,6 +276,11 @@ class RayEngine:
         try:
             self._dispatch(call)
         except NoReplicaError:
+            if call.refused is not None:
+                raise EngineOverloadedError(
+                    f"every live replica refused request {call.request_id!r}; the last one: "
+                    f"{call.refused}"
+                ) from None
             raise RequestFailedError(
                 f"replica {failed} failed before request {call.request_id!r} started, and no "
                 f"other replica is available: {exc}"
@@ -328,6 +355,7 @@ class RayEngine:
                 return
             self._closed = True
             actors = list(self._actors)
+        self._stopped.set()
         if not ray.is_initialized():
             return  # Ray was shut down first, and its actors with it
         for actor in actors:
@@ -346,7 +374,8 @@ class RayEngine:
     def stats(self) -> dict:
         """The replicas' numeric stats summed (`max_batch_size`: the largest), the prefix-cache
         hit rate recomputed from the sums, `replicas` (each one's own, with `alive`) and
-        `routing` (how many requests each rule placed)."""
+        `routing` (how many requests each rule placed). With prometheus-client the totals are
+        exported with `replica=""` and each replica's with its index (see `metrics`)."""
         with self._lock:
             actors, up = list(self._actors), list(self._router.up)
             decisions = dict(self._router.decisions)
@@ -362,6 +391,10 @@ class RayEngine:
                         self._replica_down(slot, exc)
             replicas.append({"replica": slot, "alive": stats is not None, **(stats or {})})
         merged = _merge([r for r in replicas if r["alive"]])
+        metrics.export(merged, self.model_name)
+        for stats in replicas:
+            own = {k: v for k, v in stats.items() if k != "replica"}
+            metrics.export(own, self.model_name, replica=str(stats["replica"]))
         merged["replicas"], merged["routing"] = replicas, decisions
         return merged
 
@@ -394,6 +427,22 @@ class RayRequestStream(Iterator[RequestOutput]):
 
     def __del__(self) -> None:
         self.close()
+
+
+def _refresh_gauges(ref: weakref.ref[RayEngine], stopped: threading.Event) -> None:
+    """Refresh the engine's gauges every second while it has requests in flight, as a local
+    engine's step loop does, and once more when they are done, so that idle replicas do not
+    keep showing their last busy figures. The engine is held weakly: dropping it still drops
+    its actors' handles."""
+    busy = False
+    while not stopped.wait(_EXPORT_INTERVAL):
+        engine = ref()
+        if engine is None or not ray.is_initialized():
+            return
+        was_busy, busy = busy, bool(engine._calls)
+        if busy or was_busy:
+            engine.stats()
+        engine = None  # not held while waiting
 
 
 def _merge(replicas: list[dict]) -> dict:
