@@ -8,7 +8,9 @@ from 16 rows. So nothing is assumed: at engine start each of the model's weight 
 under both kernels at 1-64 rows, and the C GEMM serves a shape up to the largest row count it
 wins at (and every smaller one). The result is cached per CPU, thread count, torch and C-kernel
 build under the cache dir, so later starts read it instead of timing (about a second). Timings
-taken while other work loads the machine can mislead: `EngineConfig.cpu_gemm_max_rows` forces a
+taken while other processes load the machine mislead (a thread of either kernel waits for a
+core): when others used more than `_BUSY_SHARE` of the CPUs meanwhile, the choice serves this
+engine only and is timed again at the next start. `EngineConfig.cpu_gemm_max_rows` forces a
 choice, and deleting `kernel_choice.json` in the cache dir times again.
 """
 
@@ -31,6 +33,7 @@ logger = logging.getLogger(__name__)
 ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # the step sizes timed; GEMM_MAX_ROWS is the largest
 _REPEATS = 7
 _MARGIN = 0.98
+_BUSY_SHARE = 0.15
 _CACHE_FILE = "kernel_choice.json"
 
 
@@ -43,12 +46,44 @@ def gemm_max_rows(shapes: set[tuple[int, int]]) -> dict[tuple[int, int], int]:
     if any(_name(s) not in known for s in shapes):
         with locked(_CACHE_FILE):
             entries = _read(path)  # another process may have timed some meanwhile
-            known = entries.setdefault(key, {})
-            for shape in sorted(s for s in shapes if _name(s) not in known):
-                known[_name(shape)] = rows = _time_shape(*shape)
+            timed = dict(entries.get(key, {}))
+            before = _cpu_seconds()
+            for shape in sorted(s for s in shapes if _name(s) not in timed):
+                timed[_name(shape)] = rows = _time_shape(*shape)
                 logger.info("linear %s: the C GEMM serves steps of up to %d rows", shape, rows)
-            _write(path, entries)
+            others = _others_share(before, _cpu_seconds())
+            if others > _BUSY_SHARE:
+                logger.warning(
+                    "other processes used %.0f%% of the CPUs while the linears were timed: the "
+                    "kernel choice serves this engine only and is timed again at the next start",
+                    100 * others,
+                )
+            else:
+                entries[key] = timed
+                _write(path, entries)
+            known = timed
     return {s: known[_name(s)] for s in shapes}
+
+
+def _cpu_seconds() -> tuple[float, float, float] | None:
+    """(wall clock, CPU seconds every process ran, CPU seconds this process ran), or None
+    where /proc/stat does not exist."""
+    try:
+        fields = [int(f) for f in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and waiting for I/O
+    own = os.times()
+    busy = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    return time.monotonic(), busy, own.user + own.system
+
+
+def _others_share(before, after) -> float:
+    """The share of all CPUs other processes used between two `_cpu_seconds` readings."""
+    if before is None or after is None or after[0] <= before[0]:
+        return 0.0
+    others = (after[1] - before[1]) - (after[2] - before[2])
+    return max(others, 0.0) / ((after[0] - before[0]) * (os.cpu_count() or 1))
 
 
 def _time_shape(n: int, k: int) -> int:

@@ -3,6 +3,8 @@ cache; forced by `cpu_gemm_max_rows`; visible in `stats()`."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -16,8 +18,50 @@ needs_gemm = pytest.mark.skipif(
 
 @pytest.fixture
 def private_cache(tmp_path, monkeypatch):
+    """A cache dir of its own, on a machine nothing else loads (whatever runs beside the tests)."""
     monkeypatch.setenv("PAGED_BACKEND_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernel_choice, "_others_share", lambda before, after: 0.0)
     return tmp_path / "cache"
+
+
+@needs_gemm
+def test_timings_taken_on_a_busy_machine_are_not_kept(private_cache, monkeypatch):
+    timed = []
+    monkeypatch.setattr(kernel_choice, "_time_shape", lambda n, k: timed.append(n) or 8)
+    monkeypatch.setattr(kernel_choice, "_others_share", lambda before, after: 0.5)
+    assert kernel_choice.gemm_max_rows({(64, 96)}) == {(64, 96): 8}
+    assert kernel_choice.gemm_max_rows({(64, 96)}) == {(64, 96): 8}
+    assert timed == [64, 64]  # timed again: nothing was cached
+    monkeypatch.setattr(kernel_choice, "_others_share", lambda before, after: 0.0)
+    kernel_choice.gemm_max_rows({(64, 96)})
+    kernel_choice.gemm_max_rows({(64, 96)})
+    assert timed == [64, 64, 64]
+
+
+def test_the_load_of_other_processes_is_measured():
+    """A process that keeps a core busy beside us shows in the share; our own work does not."""
+    import subprocess
+    import sys
+    import time
+
+    before = kernel_choice._cpu_seconds()
+    if before is None:
+        pytest.skip("no /proc/stat")
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end:  # our own busy loop
+        pass
+    alone = kernel_choice._others_share(before, kernel_choice._cpu_seconds())
+    if alone > 0.5:
+        pytest.skip(f"other processes load the machine already ({alone:.0%})")
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        before = kernel_choice._cpu_seconds()
+        time.sleep(1.0)
+        loaded = kernel_choice._others_share(before, kernel_choice._cpu_seconds())
+    finally:
+        spinner.kill()
+    assert loaded > alone + 0.5 / os.cpu_count()
 
 
 @needs_gemm
