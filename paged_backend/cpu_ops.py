@@ -143,6 +143,13 @@ def load_library() -> ctypes.CDLL | None:
             *(ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_float, ptr, ptr, ptr, c_int),
             *(i64, i64, i64),  # causal: group, offset, window
         ]
+        lib.decode_layers_bf16.argtypes = [
+            *(ptr, ptr, i64, i64, ptr, ptr),  # x, residual, rows, hidden, cos, sin
+            *(i64, ptr, ptr, ptr, i64, ptr),  # layers, weights, caches, head stride, windows
+            *(ptr, i64, ptr, i64),  # block tables, their width, sequence lengths, block size
+            *(i64, i64, i64, i64, ctypes.c_float, ctypes.c_float),  # sizes, eps, scale
+            *(ptr, ptr, i64, c_int),  # work, scores scratch, its row stride, threads
+        ]
     return lib
 
 

@@ -458,6 +458,51 @@ void prefix_attention_bf16(const bf16 *q, int64_t heads, int64_t rows, int64_t d
                          work + omp_get_thread_num() * 6 * padded);
         }
 }
+/* One decode step of a Llama-family decoder (no biases, no q/k norms) through all its layers:
+ * the same ops in the same order as the modules run them (`paged_backend.fused_decode`), so the
+ * same bits, without a Python call per op. `x` [rows][hidden] holds the embeddings and ends with
+ * the last layer's output; `residual` ends with the residual stream before it. `weights` holds,
+ * per layer, the addresses of: input norm, qkv (packed for gemm_bf16), o, post-attention norm,
+ * gate_up, down. `k_caches`/`v_caches`/`windows` (0: global): per layer. `scale`: attention's.
+ * `work` holds rows * (hidden + q + 2 kv + q + 3 * intermediate) bf16 values. */
+void decode_layers_bf16(bf16 *x, bf16 *residual, int64_t rows, int64_t hidden, const bf16 *cos,
+                        const bf16 *sin, int64_t num_layers, const int64_t *weights,
+                        const int64_t *k_caches, const int64_t *v_caches,
+                        int64_t cache_head_stride, const int64_t *windows,
+                        const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
+                        int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t intermediate, float eps, float scale,
+                        bf16 *work, float *scores, int64_t scores_stride, int threads) {
+    int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    int64_t qkv_width = q_size + 2 * kv_size;
+    bf16 *h = work, *qkv = h + rows * hidden, *attn = qkv + rows * qkv_width;
+    bf16 *gate_up = attn + rows * q_size, *act = gate_up + rows * 2 * intermediate;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const int64_t *w = weights + 6 * l;
+        if (l == 0) {
+            rms_norm_bf16(x, NULL, (const bf16 *)w[0], h, NULL, rows, hidden, hidden, eps, threads);
+            memcpy(residual, x, rows * hidden * sizeof(bf16));
+        } else {
+            rms_norm_bf16(x, residual, (const bf16 *)w[0], h, residual, rows, hidden, hidden, eps,
+                          threads);
+        }
+        gemm_bf16(h, rows, hidden, (const bf16 *)w[1], qkv_width, hidden, qkv, 1, threads);
+        rotary_bf16(qkv, cos, sin, rows, num_heads + num_kv_heads, head_dim, qkv_width, threads);
+        decode_attention_bf16(qkv, qkv + q_size, qkv + q_size + kv_size, qkv_width, qkv_width,
+                              qkv_width, (bf16 *)k_caches[l], (bf16 *)v_caches[l],
+                              cache_head_stride, block_tables, max_blocks, seq_lens, block_size,
+                              rows, num_heads, num_kv_heads, head_dim, scale, attn, scores,
+                              scores_stride, threads, NULL, 0, NULL, NULL, 0, windows[l]);
+        gemm_bf16(attn, rows, q_size, (const bf16 *)w[2], hidden, q_size, x, 1, threads);
+        rms_norm_bf16(x, residual, (const bf16 *)w[3], h, residual, rows, hidden, hidden, eps,
+                      threads);
+        gemm_bf16(h, rows, hidden, (const bf16 *)w[4], 2 * intermediate, hidden, gate_up, 1,
+                  threads);
+        silu_and_mul_bf16(gate_up, act, rows, intermediate, threads);
+        gemm_bf16(act, rows, intermediate, (const bf16 *)w[5], hidden, intermediate, x, 1,
+                  threads);
+    }
+}
 #else
 int has_bf16_kernels(void) { return 0; }
 #endif

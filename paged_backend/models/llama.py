@@ -27,6 +27,7 @@ from paged_backend.cpu_linear import (
     replace_linears_,
 )
 from paged_backend.cpu_ops import apply_rotary, torch_rms_norm, torch_silu_and_mul
+from paged_backend.fused_decode import FusedDecode
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.cpu_head: CpuLinear | None = None
+        self.fused_decode: FusedDecode | None = None  # set by `use_cpu_linears_` where it fits
 
     def use_cpu_linears_(
         self,
@@ -208,6 +210,8 @@ class LlamaForCausalLM(nn.Module):
         rows = None if gemm_rows is None else gemm_rows[tuple(weight.shape)]
         self.cpu_head = CpuLinear(weight, None, pack, fp16_copy, gemm_rows=rows)
         self.lm_head = None  # an untied head's weight lives on in `cpu_head`
+        if self.layers[0].input_layernorm.norm is cpu_ops.rms_norm:  # the C ops run the layers
+            self.fused_decode = FusedDecode.build(self)
 
     def linear_shapes(self) -> set[tuple[int, int]]:
         """The weight shapes of the projections and the output head."""
@@ -227,9 +231,13 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, backend, meta)
+        fused = self.fused_decode and self.fused_decode.plan(meta, x.shape[0])
+        if fused:
+            x, residual = self.fused_decode(x, cos, sin, kv_caches, fused, meta.block_size)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, cos, sin, kv_cache, backend, meta)
         x, _ = self.norm(x[logits_indices], residual[logits_indices])
         if self.cpu_head is not None:
             return self.cpu_head(x, out_dtype=torch.float32)

@@ -1,0 +1,120 @@
+"""A decode step through every layer in one C call (`decode_layers_bf16` in `csrc/cpu_ops.c`).
+
+At one row a step of the default model runs ~270 ops (norms, four linears, rotary, attention and
+SiLU per layer), each a Python call of 10-20 us: ~5 ms of overhead beside ~8 ms of weight reads.
+Steps of decodes only, whose linears all run the C GEMM, call the same C ops in the same order
+from C instead, with the same arguments: the outputs are the same bits. Everything else
+(prefill chunks, a shared prefix's cascade, biases, q/k norms, oneDNN-sized steps) runs the
+modules.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paged_backend import cpu_ops
+from paged_backend.attention import AttentionMetadata, _CDecode
+
+
+class FusedDecode:
+    """Built once per model (`build`); `plan` says whether a step can run fused."""
+
+    def __init__(self, model: nn.Module) -> None:
+        config = model.config
+        self.layers = model.layers
+        self.hidden = config.hidden_size
+        self.intermediate = config.intermediate_size
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.eps = config.rms_norm_eps
+        linears = [self._linears(layer) for layer in model.layers]
+        self.max_rows = min(lin.gemm_rows for layer in linears for lin in layer)
+        self.weights = torch.tensor(
+            [
+                [
+                    layer.input_layernorm.weight.data_ptr(),
+                    qkv.gemm.data_ptr(),
+                    o.gemm.data_ptr(),
+                    layer.post_attention_layernorm.weight.data_ptr(),
+                    gate_up.gemm.data_ptr(),
+                    down.gemm.data_ptr(),
+                ]
+                for layer, (qkv, o, gate_up, down) in zip(model.layers, linears, strict=True)
+            ],
+            dtype=torch.int64,
+        )
+        windows = [layer.self_attn.window or 0 for layer in model.layers]
+        self.windows = torch.tensor(windows, dtype=torch.int64)
+        self.caches: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    @staticmethod
+    def _linears(layer: nn.Module) -> tuple:
+        attn, mlp = layer.self_attn, layer.mlp
+        return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+    @classmethod
+    def build(cls, model: nn.Module) -> FusedDecode | None:
+        """For a bf16 model on the C ops whose layer linears all have C GEMM copies and no
+        biases, and whose attention has no q/k norms; else None."""
+        if not cpu_ops.has_bf16_kernels():
+            return None
+        for layer in model.layers:
+            if layer.self_attn.q_norm is not None:
+                return None
+            for linear in cls._linears(layer):
+                if getattr(linear, "gemm", None) is None or linear.bias is not None:
+                    return None
+        return cls(model)
+
+    def plan(self, meta: AttentionMetadata, rows: int) -> _CDecode | None:
+        """The step's decode plan when every layer's is the C decode kernel's (decodes only, no
+        cascade) and the GEMM copies serve this many rows."""
+        if rows > self.max_rows:
+            return None
+        plans = list(meta.prepared.values())
+        if not all(isinstance(p, _CDecode) and p.shared is None for p in plans):
+            return None
+        return plans[0]
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        plan: _CDecode,
+        block_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's output, the residual stream before it) for embeddings `x`
+        [rows, hidden] (bf16, contiguous, overwritten) and the rows' bf16 cos/sin."""
+        rows = x.shape[0]
+        k_ptrs, v_ptrs = self._cache_pointers(kv_caches)
+        q_size = self.num_heads * self.head_dim
+        qkv_width = q_size + 2 * self.num_kv_heads * self.head_dim
+        work = torch.empty(
+            rows * (self.hidden + qkv_width + q_size + 3 * self.intermediate),
+            dtype=torch.bfloat16,
+        )
+        residual = torch.empty_like(x)
+        cos = cos.reshape(rows, -1).contiguous()
+        sin = sin.reshape(rows, -1).contiguous()
+        cpu_ops.load_library().decode_layers_bf16(
+            *(x.data_ptr(), residual.data_ptr(), rows, self.hidden, cos.data_ptr(), sin.data_ptr()),
+            *(len(self.layers), self.weights.data_ptr(), k_ptrs.data_ptr(), v_ptrs.data_ptr()),
+            *(kv_caches[0][0].stride(0), self.windows.data_ptr()),
+            *(plan.block_tables.data_ptr(), plan.block_tables.shape[1], plan.seq_lens.data_ptr()),
+            *(block_size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate),
+            *(self.eps, self.head_dim**-0.5, work.data_ptr()),
+            *(plan.scratch.data_ptr(), plan.scratch.shape[1], plan.scratch.shape[0]),
+        )
+        return x, residual
+
+    def _cache_pointers(self, kv_caches) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each layer's K and V cache addresses, computed once: the caches never move."""
+        key = kv_caches[0][0].data_ptr()
+        if self.caches is None or self.caches[0] != key:
+            k = torch.tensor([kc.data_ptr() for kc, _ in kv_caches], dtype=torch.int64)
+            v = torch.tensor([vc.data_ptr() for _, vc in kv_caches], dtype=torch.int64)
+            self.caches = (key, k, v)
+        return self.caches[1], self.caches[2]
