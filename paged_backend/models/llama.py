@@ -210,7 +210,11 @@ class LlamaForCausalLM(nn.Module):
         rows = None if gemm_rows is None else gemm_rows[tuple(weight.shape)]
         self.cpu_head = CpuLinear(weight, None, pack, fp16_copy, gemm_rows=rows)
         self.lm_head = None  # an untied head's weight lives on in `cpu_head`
-        if self.layers[0].input_layernorm.norm is cpu_ops.rms_norm:  # the C ops run the layers
+        # The fused step runs this class's layers (SiLU MLP, plain norms), on the C ops.
+        if (
+            type(self) is LlamaForCausalLM
+            and self.layers[0].input_layernorm.norm is cpu_ops.rms_norm
+        ):
             self.fused_decode = FusedDecode.build(self)
 
     def linear_shapes(self) -> set[tuple[int, int]]:
