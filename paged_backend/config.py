@@ -17,14 +17,17 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",  # Phi-3, Phi-4: fused qkv and gate_up in the checkpoint, as ours
+    "Gemma3ForCausalLM",  # text-only Gemma 3 (`paged_backend.models.gemma`)
 )
+GEMMA_ARCHITECTURES = ("Gemma3ForCausalLM",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODEL_IMPLS = ("auto", "native", "transformers")
 
 
 @dataclass
 class ModelConfig:
-    """The subset of a Hugging Face `config.json` our Llama-family modules need."""
+    """The subset of a Hugging Face `config.json` our native modules (Llama family, Gemma)
+    need."""
 
     architecture: str
     vocab_size: int
@@ -44,6 +47,9 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()  # per layer: its attention window, None: global
     o_proj_bias: bool = False
     mlp_bias: bool = False
+    query_pre_attn_scalar: float | None = None  # scores scale by its ** -0.5, not head_dim's
+    local_rope_theta: float | None = None  # the sliding layers' rope base, where it differs
+    final_logit_softcap: float | None = None  # logits -> tanh(logits / cap) * cap
     eos_token_ids: list[int] = field(default_factory=list)
     impl: str = "native"  # or "transformers": its modeling code on our cache
 
@@ -133,26 +139,16 @@ class ModelConfig:
 
     @classmethod
     def _native(cls, raw: dict, arch: str, config_file: Path) -> ModelConfig:
-        rope = raw.get("rope_parameters") or {}
-        scaling = raw.get("rope_scaling") or rope
-        rope_type = (
-            scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-        )
-        if rope_type not in ("default", "llama3", "linear"):
-            raise ValueError(f"unsupported rope scaling type {rope_type!r} in {config_file}")
-        partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:
-            raise ValueError(f"unsupported partial rotary factor {partial} in {config_file}")
+        # Llama's rope is read from config.json before transformers reads it, so that a rope
+        # type we lack is named even where transformers cannot read the config.
+        family = None if arch in GEMMA_ARCHITECTURES else _llama_fields(raw, arch, config_file)
         from transformers import AutoConfig
 
         text_config = AutoConfig.from_pretrained(config_file.parent).get_text_config()
+        family = family or _gemma_fields(text_config, config_file)
         eos = raw.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         num_heads = raw["num_attention_heads"]
-        # Llama and Qwen3 put `attention_bias` on q, k, v and o; Qwen2 always has q/k/v biases
-        # and no o bias; Mistral has none. Only Llama reads `mlp_bias`.
-        llama_like = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
-        attention_bias = llama_like and bool(raw.get("attention_bias", False))
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -163,17 +159,67 @@ class ModelConfig:
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0)),
-            rope_scaling=None if rope_type == "default" else dict(scaling, rope_type=rope_type),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            tie_word_embeddings=bool(text_config.tie_word_embeddings),  # the class's default
             layer_windows=layer_windows(text_config, raw["num_hidden_layers"]),
-            o_proj_bias=attention_bias,
-            mlp_bias=arch == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False)),
             eos_token_ids=eos_ids,
+            **family,
         )
+
+
+def _rope_scaling(scaling: dict, partial: float, config_file: Path) -> dict | None:
+    """`scaling` (a `rope_scaling` or `rope_parameters` dict) with its `rope_type` where our
+    modules implement it, None for plain RoPE; else, or for a partial rotary, ValueError."""
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ValueError(f"unsupported rope scaling type {rope_type!r} in {config_file}")
+    if partial != 1.0:
+        raise ValueError(f"unsupported partial rotary factor {partial} in {config_file}")
+    return None if rope_type == "default" else dict(scaling, rope_type=rope_type)
+
+
+def _llama_fields(raw: dict, arch: str, config_file: Path) -> dict:
+    """The Llama family's `ModelConfig` fields, from config.json."""
+    rope = raw.get("rope_parameters") or {}
+    partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    # Llama and Qwen3 put `attention_bias` on q, k, v and o; Qwen2 always has q/k/v biases
+    # and no o bias; Mistral has none. Only Llama reads `mlp_bias`.
+    llama_like = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+    attention_bias = llama_like and bool(raw.get("attention_bias", False))
+    return dict(
+        rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+        rope_scaling=_rope_scaling(raw.get("rope_scaling") or rope, partial, config_file),
+        qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+        qk_norm=arch == "Qwen3ForCausalLM",
+        o_proj_bias=attention_bias,
+        mlp_bias=arch == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False)),
+    )
+
+
+def _gemma_fields(text_config, config_file: Path) -> dict:
+    """Gemma 3's `ModelConfig` fields, from transformers' config (which reads both the old
+    `rope_theta`/`rope_local_base_freq`/`rope_scaling` keys and `rope_parameters` per layer
+    type): global layers take `rope_theta` and its scaling, sliding ones the local base."""
+    activation = text_config.hidden_activation
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"unsupported hidden_activation {activation!r} in {config_file}")
+    if getattr(text_config, "use_bidirectional_attention", False):
+        raise ValueError(f"unsupported bidirectional attention in {config_file}")
+    rope = text_config.rope_parameters
+    glob, local = rope["full_attention"], rope["sliding_attention"]
+    if _rope_scaling(local, local.get("partial_rotary_factor", 1.0), config_file) is not None:
+        raise ValueError(f"unsupported rope scaling on sliding layers in {config_file}")
+    bias = bool(text_config.attention_bias)
+    return dict(
+        rope_theta=float(glob["rope_theta"]),
+        rope_scaling=_rope_scaling(glob, glob.get("partial_rotary_factor", 1.0), config_file),
+        local_rope_theta=float(local["rope_theta"]),
+        qkv_bias=bias,
+        o_proj_bias=bias,
+        qk_norm=True,
+        query_pre_attn_scalar=float(text_config.query_pre_attn_scalar),
+        final_logit_softcap=text_config.final_logit_softcapping,
+    )
 
 
 @dataclass

@@ -12,7 +12,7 @@ from paged_backend.attention import AttentionMetadata, get_backend
 from paged_backend.config import EngineConfig, ModelConfig
 from paged_backend.cpu_linear import GemmRows, can_pack, quantize_linears_int4
 from paged_backend.model_loader import load_safetensors
-from paged_backend.models import LlamaForCausalLM
+from paged_backend.models import LlamaForCausalLM, native_model_class
 from paged_backend.models.transformers_impl import TransformersForCausalLM
 from paged_backend.request import Request
 
@@ -101,10 +101,12 @@ class ModelRunner:
         ops: str,
         bf16_kernels: bool,
     ) -> LlamaForCausalLM:
-        """Our own modules, loaded, cast, and on CPU with the linears of `cpu_linear` (the C
-        GEMM's copies where `bf16_kernels`)."""
+        """Our own modules for the architecture, loaded, cast, and on CPU with the linears of
+        `cpu_linear` (the C GEMM's copies where `bf16_kernels`)."""
         with torch.device(self.device):
-            model = LlamaForCausalLM(model_config, max_model_len, ops=ops)
+            model = native_model_class(model_config.architecture)(
+                model_config, max_model_len, ops=ops
+            )
         pack, fp16_copy = self._cpu_linears(config, model)
         load_safetensors(model, model_path, model.checkpoint_name_map)
         # From the full-precision weights: a Q4 grid survives only until the cast.

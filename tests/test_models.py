@@ -12,7 +12,7 @@ import torch
 from conftest import TOKENIZER_FILES, make_tiny_model
 from safetensors.torch import load_file, save_file
 
-from paged_backend import LLM, SamplingParams
+from paged_backend import LLM, SamplingParams, cpu_ops
 from paged_backend.config import ModelConfig
 from paged_backend.default_model import default_model_file
 from paged_backend.model_loader import resolve_model_path
@@ -31,6 +31,17 @@ LLAMA3_ROPE = {
     # Small, so that the tiny head_dim has low, medium and high frequency bands.
     "original_max_position_embeddings": 64,
 }
+# A sliding layer (on its own rope base) before a global one (with linear rope scaling), and a
+# query scale that is not head_dim ** -0.5. Untied: with a tied head, a tiny random Gemma echoes
+# its last input token (the embedding scale makes a token's own logit win).
+GEMMA3 = {
+    "layer_types": ["sliding_attention", "full_attention"],
+    "sliding_window": 8,
+    "rope_local_base_freq": 1000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+    "query_pre_attn_scalar": 24,
+    "pad_token_id": 0,
+}
 ARCHITECTURES = [
     pytest.param("LlamaForCausalLM", {}, id="llama"),
     pytest.param("LlamaForCausalLM", {"tie_word_embeddings": True}, id="llama-tied"),
@@ -43,6 +54,7 @@ ARCHITECTURES = [
     pytest.param("Qwen2ForCausalLM", {"num_key_value_heads": 1}, id="qwen2-mqa"),
     pytest.param("Qwen3ForCausalLM", {"head_dim": 32}, id="qwen3"),
     pytest.param("Phi3ForCausalLM", {"pad_token_id": 0}, id="phi3"),
+    pytest.param("Gemma3ForCausalLM", GEMMA3, id="gemma3"),
 ]
 
 
@@ -222,3 +234,26 @@ def test_gguf_path_resolves_to_the_default_conversion(default_model_path):
     assert (converted / "config.json").is_file()
     assert (converted / "model.safetensors").is_file()
     assert ModelConfig.from_dir(converted).architecture == "LlamaForCausalLM"
+
+
+@pytest.mark.skipif(not cpu_ops.has_bf16_kernels(), reason="no AVX512-BF16 (or no C compiler)")
+def test_gemma3_in_bf16_runs_the_cpu_fast_paths(tmp_path, default_model_path):
+    """A bf16 Gemma 3 on CPU takes the C rotary, decode and prefix attention and the packed
+    linears with the C GEMM (head_dim 64), and greedy-decodes what the fp32 model does for its
+    first tokens (here all of them)."""
+    from paged_backend.cpu_linear import CpuLinear
+
+    fields = dict(GEMMA3, head_dim=64)
+    path = make_tiny_model(tmp_path, default_model_path, "Gemma3ForCausalLM", **fields)
+    perturb_vectors(path)
+    llm = LLM(model=str(path), dtype="bfloat16", cpu_kernels=True, num_kv_blocks=64)
+    runner = llm.engine.runner
+    attn = runner.model.layers[0].self_attn
+    assert attn.rotary is cpu_ops.rotary_embedding and isinstance(attn.qkv_proj, CpuLinear)
+    assert runner.model.cpu_head is not None and runner.gemm_rows
+    assert runner.backend.c_decode and runner.backend.c_prefix
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    bf16 = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    _, fp32 = our_greedy(path)
+    for got, want in zip(bf16, fp32, strict=True):
+        assert got[:8] == want[:8]

@@ -1,8 +1,8 @@
 """Sliding-window attention done properly: models generating far past their window match
 transformers token for token (fp32), natively and through transformers' modules, with every layer
 windowed (Mistral) or windowed layers interleaved with global ones (Qwen2's `max_window_layers`,
-Gemma 3); with prefix caching on and off, chunked prefill and preemption. Where every layer is
-windowed, a request holds only the blocks its window reaches."""
+Gemma 3 both ways); with prefix caching on and off, chunked prefill and preemption. Where every
+layer is windowed, a request holds only the blocks its window reaches."""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ BLOCK = 4
 SHARED = "Retrieved context: the stone bridge over the Alm was built in 1642 by the masons. "
 PROMPTS = [SHARED + q for q in ("When was it built?", "Who built it?", "Over which river?")]
 NUM_TOKENS = 40  # prompts of ~25 tokens: every sequence ends ~4 windows long
+GEMMA3 = {  # its sliding layer on its own rope base; untied, see test_models.GEMMA3
+    "layer_types": ["sliding_attention", "full_attention"],
+    "rope_local_base_freq": 1000.0,
+    "query_pre_attn_scalar": 24,
+    "pad_token_id": 0,
+}
 # name -> (architecture, its config class, config fields, model_impl, each layer's window)
 MODELS = {
     "mistral": ("MistralForCausalLM", None, {}, "native", (WINDOW, WINDOW)),
@@ -39,15 +45,11 @@ MODELS = {
         "transformers",
         (WINDOW, WINDOW),
     ),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", GEMMA3, "native", (WINDOW, None)),
     "gemma3-through-transformers": (
         "Gemma3ForCausalLM",
         "Gemma3TextConfig",
-        {
-            "tie_word_embeddings": True,
-            "layer_types": ["sliding_attention", "full_attention"],
-            "query_pre_attn_scalar": 24,
-            "pad_token_id": 0,
-        },
+        GEMMA3,
         "transformers",
         (WINDOW, None),
     ),

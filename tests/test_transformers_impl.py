@@ -1,7 +1,7 @@
 """The transformers-modeling path (`model_impl="transformers"`): architectures without a native
-implementation run transformers' own modules on the paged cache, token for token like
-transformers (fp32), with prefix caching on and off and under preemption; a native family gives
-the same tokens through it; what it cannot serve is refused with the reason."""
+implementation (and Gemma 3, forced there) run transformers' own modules on the paged cache, token
+for token like transformers (fp32), with prefix caching on and off and under preemption; a native
+family gives the same tokens through it; what it cannot serve is refused with the reason."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 from conftest import make_tiny_model
 from safetensors.torch import save_file
-from test_models import hf_greedy
+from test_models import GEMMA3, hf_greedy
 
 from paged_backend import LLM, SamplingParams
-from paged_backend.config import ModelConfig
+from paged_backend.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,10 +26,9 @@ NUM_TOKENS = 16
 FALLBACK = {
     "GPTNeoXForCausalLM": ("GPTNeoXConfig", {"rotary_pct": 0.25, "num_key_value_heads": 4}),
     "Phi3ForCausalLM": ("Phi3Config", {}),  # native: here for the entry points
-    "Gemma3ForCausalLM": (
+    "Gemma3ForCausalLM": (  # native too: its fallback parity is forced through transformers
         "Gemma3TextConfig",
         {  # a sliding layer and a global one; a query scale that is not head_dim ** -0.5
-            "tie_word_embeddings": True,
             "sliding_window": 256,
             "layer_types": ["sliding_attention", "full_attention"],
             "query_pre_attn_scalar": 24,
@@ -69,33 +68,46 @@ def ours(path: Path, **engine_args) -> tuple[list[list[int]], list[list[int]], L
 
 
 @pytest.fixture(scope="module", params=sorted(set(FALLBACK) - {"Phi3ForCausalLM"}))
-def fallback_model(request, tmp_path_factory, default_model_path):
+def fallback_model(request, tmp_path_factory, default_model_path) -> tuple[Path, str]:
+    """A model and the `model_impl` that runs it through transformers' modules ("auto" where
+    there is no native path)."""
     path = tmp_path_factory.mktemp(request.param)
-    return make_fallback_model(path, default_model_path, request.param)
+    impl = "transformers" if request.param in SUPPORTED_ARCHITECTURES else "auto"
+    return make_fallback_model(path, default_model_path, request.param), impl
 
 
-def test_an_architecture_without_a_native_path_matches_transformers(fallback_model):
+def test_the_fallback_matches_transformers(fallback_model):
     from transformers import AutoModelForCausalLM
 
-    config = ModelConfig.from_dir(fallback_model)
-    assert config.impl == "transformers"
-    hf = AutoModelForCausalLM.from_pretrained(fallback_model, dtype=torch.float32).eval()
-    prompt_ids, cached, llm = ours(fallback_model, num_kv_blocks=128)
+    path, impl = fallback_model
+    assert ModelConfig.from_dir(path, impl).impl == "transformers"
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt_ids, cached, llm = ours(path, num_kv_blocks=128, model_impl=impl)
     assert llm.stats()["prefix_cache_hits"] > 0  # the shared context came from the cache
     want = [hf_greedy(hf, ids, NUM_TOKENS) for ids in prompt_ids]
     assert cached == want
-    _, uncached, _ = ours(fallback_model, num_kv_blocks=128, enable_prefix_caching=False)
+    _, uncached, _ = ours(path, num_kv_blocks=128, enable_prefix_caching=False, model_impl=impl)
     assert uncached == want
     # Too few blocks for all three at once: some are preempted and recomputed.
-    _, tight, llm = ours(fallback_model, num_kv_blocks=16, block_size=4)
+    _, tight, llm = ours(path, num_kv_blocks=16, block_size=4, model_impl=impl)
     assert llm.stats()["num_preemptions"] > 0 and tight == want
 
 
-def test_a_native_family_gives_the_same_tokens_through_transformers(tmp_path, default_model_path):
-    path = make_tiny_model(tmp_path, default_model_path, "Qwen2ForCausalLM")
-    native = ours(path, num_kv_blocks=128)[1]
+@pytest.mark.parametrize(
+    ("architecture", "overrides"),
+    [("Qwen2ForCausalLM", {}), ("Gemma3ForCausalLM", GEMMA3)],
+    ids=["qwen2", "gemma3"],
+)
+def test_a_native_family_gives_the_same_tokens_through_transformers(
+    tmp_path, default_model_path, architecture, overrides
+):
+    path = make_tiny_model(
+        tmp_path, default_model_path, architecture, vector_noise=0.3, **overrides
+    )
+    native = ours(path, num_kv_blocks=128)
+    assert native[2].engine.model_config.impl == "native"
     through = ours(path, num_kv_blocks=128, model_impl="transformers")
-    assert through[2].engine.model_config.impl == "transformers" and through[1] == native
+    assert through[2].engine.model_config.impl == "transformers" and through[1] == native[1]
 
 
 def test_a_variant_the_native_modules_lack_runs_through_transformers(tmp_path, tiny_model):
@@ -161,7 +173,7 @@ NO_SYSTEM_ROLE = (
 
 @pytest.mark.parametrize("system_role", [True, False], ids=["system-role", "no-system-role"])
 @pytest.mark.parametrize("architecture", ["Gemma3ForCausalLM", "Phi3ForCausalLM"])
-def test_every_entry_point_serves_a_fallback_model(
+def test_every_entry_point_serves_gemma3_and_phi3(
     tmp_path, default_model_path, architecture, system_role
 ):
     """`LLM`, `AsyncEngine`, `ChatPaged` and LlamaIndex's `PagedLLM` give the same greedy

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM) over a flattened batch.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, SmolLM) over a flattened
+batch; its pieces also build Gemma (`paged_backend.models.gemma`).
 
 Every step runs one forward over the concatenated new tokens of all scheduled requests; the
 attention backend reads earlier tokens from the paged KV cache. Projections are fused (qkv,
@@ -34,11 +35,14 @@ from paged_backend.fused_decode import FusedDecode
 class Ops:
     """The elementwise pieces of a layer: torch ops, fused C ops (bf16 on CPU, see
     `paged_backend.cpu_ops`) or fused Triton kernels (GPU). `rms_norm(x, weight, eps, residual)`
-    with a residual returns (normed, x + residual); `rotary` may rotate its input in place."""
+    with a residual returns (normed, x + residual); `rotary` may rotate its input in place;
+    `act_and_mul` is the MLP's gated activation, act(gate) * up. `head_norm` normalizes q and k
+    heads [T, heads, head_dim] (Qwen3, Gemma 3): the fused norms take rows [T, hidden] only."""
 
     rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
     rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    act_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    head_norm: Callable[..., torch.Tensor] = torch_rms_norm
 
 
 def make_ops(kind: str) -> Ops:
@@ -53,15 +57,21 @@ def make_ops(kind: str) -> Ops:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ops: Ops | None = None) -> None:
+    def __init__(self, dim: int, eps: float, norm: Callable = torch_rms_norm) -> None:
+        """`norm`: an `Ops.rms_norm`-like function of (x, weight, eps, residual)."""
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.norm = ops.rms_norm if ops is not None else torch_rms_norm
+        self.norm = norm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with `residual`: (norm(x + residual), x + residual)."""
         return self.norm(x, self.weight, self.eps, residual)
+
+
+def norm_residual(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
+    """(norm(x + residual), x + residual); at the first layer, with no residual yet, of x."""
+    return (norm(x), x) if residual is None else norm(x, residual)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -116,10 +126,14 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops.head_norm)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops.head_norm)
         else:
             self.q_norm = self.k_norm = None
+        # The backends scale scores by head_dim ** -0.5; a model scaling them by
+        # query_pre_attn_scalar ** -0.5 instead (Gemma) gets the ratio on its queries.
+        scalar = config.query_pre_attn_scalar
+        self.q_scale = 1.0 if scalar is None else (config.head_dim / scalar) ** 0.5
 
     def forward(self, x, cos, sin, kv_cache, backend: AttentionBackend, meta) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -137,6 +151,8 @@ class Attention(nn.Module):
                 )
             )
             q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         out = backend.forward(q, k, v, kv_cache, meta, self.window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -144,30 +160,29 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
-        self.silu_and_mul = ops.silu_and_mul
+        self.act_and_mul = ops.act_and_mul
         bias = config.mlp_bias
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, ops: Ops, window: int | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops.rms_norm)
         self.self_attn = Attention(config, ops, window)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, ops.rms_norm
+        )
         self.mlp = MLP(config, ops)
 
     def forward(self, x, residual, cos, sin, kv_cache, backend, meta):
         """(this layer's output, the residual stream before it): the residual add is left to
         the next norm, which fuses it. `residual` is None at the first layer."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = norm_residual(self.input_layernorm, x, residual)
         x = self.self_attn(h, cos, sin, kv_cache, backend, meta)
         h, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(h), residual
@@ -175,16 +190,24 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """`ops` ("torch", "cpu" or "triton", see `make_ops`) picks who runs RMSNorm, rotary and
-    SiLU-and-mul."""
+    SiLU-and-mul. A family built from these pieces (Gemma) sets its `layer_class` and
+    `family_ops`."""
+
+    layer_class: type[DecoderLayer] = DecoderLayer
+
+    @staticmethod
+    def family_ops(ops: Ops) -> Ops:
+        """The family's elementwise ops, from those of the chosen kind."""
+        return ops
 
     def __init__(self, config: ModelConfig, max_len: int, ops: str = "torch") -> None:
         super().__init__()
         self.config = config
-        ops = make_ops(ops)
+        ops = self.family_ops(make_ops(ops))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         windows = config.layer_windows or (None,) * config.num_layers
-        self.layers = nn.ModuleList(DecoderLayer(config, ops, w) for w in windows)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.layers = nn.ModuleList(self.layer_class(config, ops, w) for w in windows)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops.rms_norm)
         self.rotary = RotaryEmbedding(config, max_len)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -243,6 +266,10 @@ class LlamaForCausalLM(nn.Module):
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 x, residual = layer(x, residual, cos, sin, kv_cache, backend, meta)
         x, _ = self.norm(x[logits_indices], residual[logits_indices])
+        return self.logits(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The output head on final hidden rows `x`, in fp32."""
         if self.cpu_head is not None:
             return self.cpu_head(x, out_dtype=torch.float32)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
