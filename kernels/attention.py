@@ -3,7 +3,8 @@
 Prefill chunks, cached prefixes and single-token decodes are the same problem here: each
 sequence has `query_len` new tokens at the end of `seq_len` tokens of context, and query
 token i sees keys `0 .. seq_len - query_len + i` (with a window W > 0, only the last W of
-them). The grid is (query tiles, KV heads), as in vLLM's `triton_unified_attention`: a tile
+them; with a soft-cap C > 0, each scaled score s becomes C * tanh(s / C) before the softmax).
+The grid is (query tiles, KV heads), as in vLLM's `triton_unified_attention`: a tile
 holds BLOCK_Q query positions times the query heads of one KV head (BLOCK_M rows), so each
 K/V tile read from the cache serves the whole GQA group.
 """
@@ -56,6 +57,7 @@ def _unified_attention_kernel(
     BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr,  # keys per inner iteration, independent of BLOCK_SIZE
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP_LOG2: tl.constexpr,  # > 0: the scores' soft-cap * log2(e), in exp2 units as they are
 ):
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -116,6 +118,8 @@ def _unified_attention_kernel(
                     other=0.0).to(tl.float32)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP_LOG2 > 0:  # C * tanh(s / C), as tanh(x) = 1 - 2 / (e^2x + 1)
+            s = SOFTCAP_LOG2 * (1.0 - 2.0 / (tl.exp(2.0 * s / SOFTCAP_LOG2) + 1.0))
         visible = row_mask[:, None] & (key_pos[None, :] <= visible_to[:, None]) \
             & ((window == 0) | (key_pos[None, :] > visible_to[:, None] - window))
         s = tl.where(visible, s, float("-inf"))
@@ -149,6 +153,7 @@ def unified_attention(
     max_query_len: int | None = None,
     tile_n: int = 32,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of every new token over its sequence's paged K/V; writes `out`.
 
@@ -157,7 +162,8 @@ def unified_attention(
     query_start_loc: [num_seqs + 1] int32; seq_lens: [num_seqs] int32 (context + new tokens);
     block_tables: [num_seqs, max_blocks] int32. `max_query_len`, when known, lets decode-only
     batches use small query tiles; `tile_n` is the number of keys per inner iteration. With a
-    `window`, a query sees its last `window` keys only (sliding-window layers).
+    `window`, a query sees its last `window` keys only (sliding-window layers); with a `softcap`
+    (Gemma 2), each scaled score s becomes tanh(s / softcap) * softcap.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -186,6 +192,7 @@ def unified_attention(
         TILE_N=tile_n,
         # fp16/bf16 values are exact in tf32; fp32 inputs need full-precision dots.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SOFTCAP_LOG2=(softcap or 0.0) * LOG2E,
         # The fp32 Q tile and accumulator spill registers at 64 x 128 with 4 warps (ptxas).
         num_warps=8 if block_m * head_dim_pad >= 64 * 128 else 4,
     )

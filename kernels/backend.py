@@ -46,7 +46,7 @@ class TritonAttention:
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-        meta: AttentionMetadata, window: int | None = None,
+        meta: AttentionMetadata, window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         prep: _TritonPrepared = meta.prepared
@@ -55,4 +55,5 @@ class TritonAttention:
         return unified_attention(
             q, k_cache, v_cache, out, prep.query_start_loc, prep.seq_lens, meta.block_tables,
             q.shape[-1] ** -0.5, max_query_len=prep.max_query_len, window=window,
+            softcap=softcap,
         )

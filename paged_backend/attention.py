@@ -60,11 +60,14 @@ class AttentionBackend(Protocol):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Write the new k/v into the cache, then attend: q [T, H, D] -> [T, H, D]. With a
         `window` (one of the backend's `windows`), the token at position p sees the keys at
         positions p - window + 1 .. p only, as transformers' sliding-window layers do; the
-        entries of the block tables before that may be stale (freed blocks) and are not read."""
+        entries of the block tables before that may be stale (freed blocks) and are not read.
+        With a `softcap` (Gemma 2), each scaled score s becomes tanh(s / softcap) * softcap
+        before the softmax."""
 
 
 # ---- torch backend ---------------------------------------------------------------------------
@@ -95,7 +98,8 @@ class _Prefill:
     start: int
     end: int
     blocks: torch.Tensor | None  # blocks from `first_key` on; None: attend to the new k/v only
-    mask: torch.Tensor | None  # [1, 1, q_len * group, keys] additive causal (and window) mask
+    mask: torch.Tensor | None  # [1, 1, q_len * group, keys] additive causal (and window) mask;
+    # without `blocks`, built by the first soft-capped layer (SDPA cannot soft-cap)
     shared_pos: torch.Tensor | None  # positions of this sequence's rows in `_Shared.rows`
     num_keys: int = 0  # tokens from `first_key` to the end of the chunk
     offset: int = 0  # keys before the chunk's first token, from `first_key` (its cached context)
@@ -151,21 +155,39 @@ def _shared_prefix(meta: AttentionMetadata) -> tuple[list[int], int]:
     return (members, num) if num >= _MIN_SHARED_BLOCKS else ([], 0)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float):
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+):
     """Softmax attention of fp32 `q` [B, H, R, D] over `k`, `v` [B, H, L, D] (`mask`: additive,
-    broadcast to [B, H, R, L]) and its log-sum-exp [B, H, R], by which partial results merge.
-    On CPU this is torch's flash kernel: 1.3x (decode) to 2x (prefill) faster than bmm-softmax-bmm
-    over a shared prefix, and it never materialises the scores."""
-    if q.device.type != "cpu":
-        return _attend_matmul(q, k, v, mask, scale)
+    broadcast to [B, H, R, L]; `softcap`: see `AttentionBackend.forward`) and its log-sum-exp
+    [B, H, R], by which partial results merge. On CPU this is torch's flash kernel: 1.3x
+    (decode) to 2x (prefill) faster than bmm-softmax-bmm over a shared prefix, and it never
+    materialises the scores; it cannot soft-cap."""
+    if q.device.type != "cpu" or softcap is not None:
+        return _attend_matmul(q, k, v, mask, scale, softcap)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, attn_mask=mask, scale=scale
     )
 
 
-def _attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float):
-    """`_attend` in plain matmuls, for devices without torch's CPU flash kernel."""
+def _attend_matmul(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+):
+    """`_attend` in plain matmuls, for devices without torch's CPU flash kernel and soft-capped
+    scores."""
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if softcap is not None:
+        scores.div_(softcap).tanh_().mul_(softcap)
     if mask is not None:
         scores += mask
     lse = torch.logsumexp(scores, dim=-1)
@@ -255,7 +277,14 @@ class TorchAttention:
                 self.prefix_kv[k_cache.data_ptr()] = kv
         return kv
 
-    def _c_prefix(self, q: torch.Tensor, kv_cache: KVCache, shared: _Shared, block_size: int):
+    def _c_prefix(
+        self,
+        q: torch.Tensor,
+        kv_cache: KVCache,
+        shared: _Shared,
+        block_size: int,
+        softcap: float | None,
+    ):
         """`cpu_ops.prefix_attention` of the shared rows' bf16 queries over the packed prefix:
         (out [kv_heads, rows * group, dim], lse [kv_heads, rows * group]), rows kv-head-major."""
         kvh, _, d = kv_cache[0].shape
@@ -264,7 +293,7 @@ class TorchAttention:
         )
         q_rows = q.view(q.shape[0], kvh, self.group, d).index_select(0, shared.rows)
         return cpu_ops.prefix_attention(
-            _rows_first(q_rows)[0], packed, len(shared.blocks) * block_size
+            _rows_first(q_rows)[0], packed, len(shared.blocks) * block_size, softcap=softcap
         )
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -355,17 +384,24 @@ class TorchAttention:
         return _TorchPrepared(shared, decodes, prefills, window)
 
     def forward(
-        self, q, k, v, kv_cache: KVCache, meta: AttentionMetadata, window: int | None = None
+        self,
+        q,
+        k,
+        v,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         prep = meta.prepared[window]
         if isinstance(prep, _CDecode):
             prefix = None
             if prep.shared is not None:
-                o, lse = self._c_prefix(q, kv_cache, prep.shared, meta.block_size)
+                o, lse = self._c_prefix(q, kv_cache, prep.shared, meta.block_size, softcap)
                 prefix = (prep.prefix_pos, len(prep.shared.blocks) * meta.block_size, o, lse)
             return cpu_ops.decode_attention(
                 *(q, k, v, kv_cache, prep.block_tables, prep.seq_lens, meta.block_size),
-                *(prep.scratch, prefix, prep.window),
+                *(prep.scratch, prefix, prep.window, softcap),
             )
         k_cache, v_cache = kv_cache
         kvh, _, d = k_cache.shape
@@ -393,13 +429,14 @@ class TorchAttention:
         if prep.shared is not None:
             s = prep.shared
             if self.c_prefix:
-                o, lse = (t[None] for t in self._c_prefix(q, kv_cache, s, bs))
+                o, lse = (t[None] for t in self._c_prefix(q, kv_cache, s, bs, softcap))
             else:
                 keys, vals = self._prefix_copy(
                     k_cache,
                     lambda: (gather(k_cache, s.blocks)[None], gather(v_cache, s.blocks)[None]),
                 )
-                o, lse = _attend(_rows_first(qf.index_select(0, s.rows)), keys, vals, None, scale)
+                q_rows = _rows_first(qf.index_select(0, s.rows))
+                o, lse = _attend(q_rows, keys, vals, None, scale, softcap)
             shared = by_token(o, lse, len(s.rows))
 
         def with_shared(o, lse, pos: torch.Tensor) -> torch.Tensor:
@@ -411,7 +448,7 @@ class TorchAttention:
             nd = dec.mask.shape[0]
             keys = gather(k_cache, dec.blocks).view(kvh, nd, -1, d).transpose(0, 1)
             vals = gather(v_cache, dec.blocks).view(kvh, nd, -1, d).transpose(0, 1)
-            o, lse = _attend(qf[:nd], keys, vals, dec.mask, scale)  # batch = decode sequences
+            o, lse = _attend(qf[:nd], keys, vals, dec.mask, scale, softcap)  # batch: sequences
             if dec.members is not None:
                 sel = dec.members
                 o[sel] = with_shared(o[sel], lse[sel], dec.shared_pos)
@@ -422,9 +459,9 @@ class TorchAttention:
                 packed = cpu_ops.pack_prefix(kv_cache, p.blocks, bs, p.num_keys)
                 q_rows = _rows_first(q[p.start : p.end].view(n, kvh, group, d))[0]
                 causal = (group, p.offset, prep.window or 0)
-                o, lse = cpu_ops.prefix_attention(q_rows, packed, p.num_keys, causal)
+                o, lse = cpu_ops.prefix_attention(q_rows, packed, p.num_keys, causal, softcap)
                 o, lse = by_token(o[None], lse[None], n)
-            elif p.blocks is None:
+            elif p.blocks is None and softcap is None:
                 # 4-D strided views take torch's flash kernel (3-D inputs fall back to math);
                 # fp32 costs no more there than bf16 and keeps bf16 models on the reference.
                 o = F.scaled_dot_product_attention(
@@ -437,16 +474,17 @@ class TorchAttention:
                 out[p.start : p.end] = o[0].transpose(0, 1).reshape(-1, kvh, group, d)
                 continue
             else:
-                o, lse = by_token(
-                    *_attend(
-                        _rows_first(qf[p.start : p.end]),
-                        gather(k_cache, p.blocks).unsqueeze(0),
-                        gather(v_cache, p.blocks).unsqueeze(0),
-                        p.mask,
-                        scale,
-                    ),
-                    n,
-                )
+                if p.blocks is None:  # soft-capped, no context: over the chunk's own k/v
+                    if p.mask is None:
+                        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril_()
+                        p.mask = _additive(causal.repeat_interleave(group, dim=0))[None, None]
+                    keys = k[p.start : p.end].float().transpose(0, 1).unsqueeze(0)
+                    vals = v[p.start : p.end].float().transpose(0, 1).unsqueeze(0)
+                else:
+                    keys = gather(k_cache, p.blocks).unsqueeze(0)
+                    vals = gather(v_cache, p.blocks).unsqueeze(0)
+                q_rows = _rows_first(qf[p.start : p.end])
+                o, lse = by_token(*_attend(q_rows, keys, vals, p.mask, scale, softcap), n)
             out[p.start : p.end] = o if p.shared_pos is None else with_shared(o, lse, p.shared_pos)
         return out.view(num_tokens, num_heads, d).to(q.dtype)
 

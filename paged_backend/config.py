@@ -17,9 +17,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",  # Phi-3, Phi-4: fused qkv and gate_up in the checkpoint, as ours
-    "Gemma3ForCausalLM",  # text-only Gemma 3 (`paged_backend.models.gemma`)
+    "Gemma2ForCausalLM",  # Gemma 2 and text-only Gemma 3: `paged_backend.models.gemma`
+    "Gemma3ForCausalLM",
 )
-GEMMA_ARCHITECTURES = ("Gemma3ForCausalLM",)
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODEL_IMPLS = ("auto", "native", "transformers")
 
@@ -50,6 +51,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # scores scale by its ** -0.5, not head_dim's
     local_rope_theta: float | None = None  # the sliding layers' rope base, where it differs
     final_logit_softcap: float | None = None  # logits -> tanh(logits / cap) * cap
+    attn_logit_softcap: float | None = None  # attention scores, likewise
     eos_token_ids: list[int] = field(default_factory=list)
     impl: str = "native"  # or "transformers": its modeling code on our cache
 
@@ -145,7 +147,7 @@ class ModelConfig:
         from transformers import AutoConfig
 
         text_config = AutoConfig.from_pretrained(config_file.parent).get_text_config()
-        family = family or _gemma_fields(text_config, config_file)
+        family = family or _gemma_fields(text_config, arch, config_file)
         eos = raw.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         num_heads = raw["num_attention_heads"]
@@ -196,29 +198,33 @@ def _llama_fields(raw: dict, arch: str, config_file: Path) -> dict:
     )
 
 
-def _gemma_fields(text_config, config_file: Path) -> dict:
-    """Gemma 3's `ModelConfig` fields, from transformers' config (which reads both the old
-    `rope_theta`/`rope_local_base_freq`/`rope_scaling` keys and `rope_parameters` per layer
-    type): global layers take `rope_theta` and its scaling, sliding ones the local base."""
+def _gemma_fields(text_config, arch: str, config_file: Path) -> dict:
+    """Gemma 2's or Gemma 3's `ModelConfig` fields, from transformers' config. Gemma 3's reads
+    both the old `rope_theta`/`rope_local_base_freq`/`rope_scaling` keys and `rope_parameters`
+    per layer type: its global layers take `rope_theta` and its scaling, the sliding ones the
+    local base. Gemma 2 has one rope, no q/k norms, and soft-caps attention scores (Gemma 3's
+    modules ignore `attn_logit_softcapping`)."""
     activation = text_config.hidden_activation
     if activation != "gelu_pytorch_tanh":
         raise ValueError(f"unsupported hidden_activation {activation!r} in {config_file}")
     if getattr(text_config, "use_bidirectional_attention", False):
         raise ValueError(f"unsupported bidirectional attention in {config_file}")
+    gemma3 = arch == "Gemma3ForCausalLM"
     rope = text_config.rope_parameters
-    glob, local = rope["full_attention"], rope["sliding_attention"]
-    if _rope_scaling(local, local.get("partial_rotary_factor", 1.0), config_file) is not None:
+    glob, local = (rope["full_attention"], rope["sliding_attention"]) if gemma3 else (rope, None)
+    if local and _rope_scaling(local, local.get("partial_rotary_factor", 1.0), config_file):
         raise ValueError(f"unsupported rope scaling on sliding layers in {config_file}")
     bias = bool(text_config.attention_bias)
     return dict(
         rope_theta=float(glob["rope_theta"]),
         rope_scaling=_rope_scaling(glob, glob.get("partial_rotary_factor", 1.0), config_file),
-        local_rope_theta=float(local["rope_theta"]),
+        local_rope_theta=float(local["rope_theta"]) if local else None,
         qkv_bias=bias,
         o_proj_bias=bias,
-        qk_norm=True,
+        qk_norm=gemma3,
         query_pre_attn_scalar=float(text_config.query_pre_attn_scalar),
         final_logit_softcap=text_config.final_logit_softcapping,
+        attn_logit_softcap=None if gemma3 else text_config.attn_logit_softcapping,
     )
 
 

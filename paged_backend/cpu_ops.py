@@ -133,7 +133,7 @@ def load_library() -> ctypes.CDLL | None:
         *(i64, i64, i64, i64, ctypes.c_float, ptr, ptr),  # sizes, scale, out, scratch
         *(i64, c_int),  # scratch row stride, threads
         *(ptr, i64, ptr, ptr, i64),  # a shared prefix's rows, length, out, lse, rows a head
-        i64,  # window
+        *(i64, ctypes.c_float),  # window, soft-cap
     ]
     lib.has_bf16_kernels.restype = c_int
     if lib.has_bf16_kernels():
@@ -142,6 +142,7 @@ def load_library() -> ctypes.CDLL | None:
         lib.prefix_attention_bf16.argtypes = [
             *(ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_float, ptr, ptr, ptr, c_int),
             *(i64, i64, i64),  # causal: group, offset, window
+            ctypes.c_float,  # soft-cap
         ]
         lib.decode_layers_bf16.argtypes = [
             *(ptr, ptr, i64, i64, ptr, ptr),  # x, residual, rows, hidden, cos, sin
@@ -261,6 +262,7 @@ def decode_attention(
     scratch: torch.Tensor,
     prefix: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Write each sequence's new k/v [S, kv_heads, dim] into the head-major bf16 caches
     [kv_heads, slots, dim] and attend its q [S, heads, dim] over its `seq_lens` (int32) tokens
@@ -270,7 +272,8 @@ def decode_attention(
     `prefix` = (pos, length, out, lse) merges a shared prefix's attention (`prefix_attention`'s
     out [kv_heads, rows, dim] and lse): sequence s with pos[s] >= 0 (int32 [S]) attends itself
     only from token `length` on and takes the prefix's result at rows pos[s] * group + g.
-    With a `window` (and no prefix), each new token sees its last `window` positions only."""
+    With a `window` (and no prefix), each new token sees its last `window` positions only. With a
+    `softcap`, a scaled score s becomes tanh(s / softcap) * softcap (Gemma 2)."""
     k_cache, v_cache = kv_cache
     num_seqs, num_heads, dim = q.shape
     q, k, v = _heads_packed(q), _heads_packed(k), _heads_packed(v)
@@ -284,7 +287,7 @@ def decode_attention(
         *(out.data_ptr(), scratch.data_ptr(), scratch.shape[1], scratch.shape[0]),
         *(None if pos is None else pos.data_ptr(), length),
         *(None, None, 0) if p_out is None else (p_out.data_ptr(), p_lse.data_ptr(), p_out.shape[1]),
-        window or 0,
+        *(window or 0, softcap or 0.0),
     )
     return out
 
@@ -326,12 +329,13 @@ def prefix_attention(
     packed: tuple[torch.Tensor, torch.Tensor],
     length: int,
     causal: tuple[int, int, int] | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of bf16 query rows q [kv_heads, rows, dim] (each kv head's queries) over the
     `length` tokens of a `pack_prefix`: (out [kv_heads, rows, dim], log-sum-exp [kv_heads, rows]),
     fp32. No mask, or `causal` = (group, offset, window): row r is the query of token r // group of
     a chunk that starts after key `offset`, and sees the keys up to its own (with a window > 0,
-    the last `window` of them)."""
+    the last `window` of them). `softcap`: as in `decode_attention`."""
     num_kv_heads, rows, dim = q.shape
     kp, vp = packed
     rows4 = -(-rows // 4) * 4
@@ -344,6 +348,7 @@ def prefix_attention(
         *(q.data_ptr(), num_kv_heads, rows4, dim, kp.data_ptr(), vp.data_ptr(), length),
         *(dim**-0.5, out.data_ptr(), lse.data_ptr(), work.data_ptr(), threads),
         *(causal or (0, 0, 0)),
+        softcap or 0.0,
     )
     return out[:, :rows].contiguous(), lse[:, :rows].contiguous()
 

@@ -41,6 +41,7 @@ CONFIG_CLASSES = {  # the native architectures' config classes in transformers
     "Qwen2ForCausalLM": "Qwen2Config",
     "Qwen3ForCausalLM": "Qwen3Config",
     "Phi3ForCausalLM": "Phi3Config",
+    "Gemma2ForCausalLM": "Gemma2Config",
     "Gemma3ForCausalLM": "Gemma3TextConfig",
 }
 

@@ -1,5 +1,6 @@
 """The torch attention backend against dense per-sequence attention, including batches whose
-sequences share cached prefix blocks (the cascade path) and mixed decode/prefill steps."""
+sequences share cached prefix blocks (the cascade path), mixed decode/prefill steps, sliding
+windows and soft-capped scores."""
 
 from __future__ import annotations
 
@@ -19,14 +20,19 @@ from paged_backend.attention import (
 KVH, GROUP, D = 3, 3, 32
 
 
-def dense_reference(q, keys, values, context: int, window: int | None = None) -> torch.Tensor:
+def dense_reference(
+    q, keys, values, context: int, window: int | None = None, softcap: float | None = None
+) -> torch.Tensor:
     """q [n, H, D] at positions context.., keys/values [seq_len, KVH, D]; fp32. With a
-    `window`, as transformers' sliding-window mask: key > query - window."""
+    `window`, as transformers' sliding-window mask: key > query - window; with a `softcap`, as
+    its eager attention: scores -> tanh(scores / softcap) * softcap."""
     n, seq_len = q.shape[0], keys.shape[0]
     q, keys, values = q.float(), keys.float(), values.float()
     k = keys.repeat_interleave(GROUP, dim=1).transpose(0, 1)
     v = values.repeat_interleave(GROUP, dim=1).transpose(0, 1)
     scores = q.transpose(0, 1) @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     k_pos, q_pos = torch.arange(seq_len)[None, :], torch.arange(context, context + n)[:, None]
     allowed = k_pos <= q_pos
     if window is not None:
@@ -35,14 +41,17 @@ def dense_reference(q, keys, values, context: int, window: int | None = None) ->
     return (scores.softmax(-1) @ v).transpose(0, 1)
 
 
-def run_and_check(backend, cache, seqs, tables, bs, gen, tol=(1e-5, 1e-4), window=None):
+def run_and_check(
+    backend, cache, seqs, tables, bs, gen, tol=(1e-5, 1e-4), window=None, softcap=None
+):
     """One step of `seqs` ((context, new tokens), decodes first) over block `tables`: forward,
     then compare every sequence with dense attention over what the cache holds after it, within
     `tol` (atol, rtol). q/k/v take the cache's dtype and head dim.
 
     With a `window`, the backend's tables point the blocks wholly before a sequence's first
     visible key at the cache's last block, filled with NaN, as the engine leaves freed blocks in
-    the table: reading one would spread NaN."""
+    the table: reading one would spread NaN. A `softcap` goes to the backend and the reference
+    alike."""
     k_cache, v_cache = cache
     total, dim, dtype = sum(new for _, new in seqs), k_cache.shape[-1], k_cache.dtype
     q = torch.randn(total, KVH * GROUP, dim, generator=gen).to(dtype)
@@ -73,12 +82,12 @@ def run_and_check(backend, cache, seqs, tables, bs, gen, tol=(1e-5, 1e-4), windo
         block_tables_cpu=padded,
     )
     backend.prepare(meta)
-    out = backend.forward(q, k, v, cache, meta, window)
+    out = backend.forward(q, k, v, cache, meta, window, softcap)
     for i, ((context, new), table) in enumerate(zip(seqs, tables, strict=True)):
         token_slots = [table[p // bs] * bs + p % bs for p in range(context + new)]
         keys = k_cache[:, token_slots].transpose(0, 1)
         values = v_cache[:, token_slots].transpose(0, 1)
-        want = dense_reference(q[qsl[i] : qsl[i + 1]], keys, values, context, window)
+        want = dense_reference(q[qsl[i] : qsl[i + 1]], keys, values, context, window, softcap)
         got = out[qsl[i] : qsl[i + 1]].float()
         torch.testing.assert_close(got, want, atol=tol[0], rtol=tol[1])
     return meta
@@ -155,6 +164,35 @@ def test_sliding_window_layers_see_their_window_only(seed, window, kernels):
         cache = random_cache(gen, num_blocks, bs, dim, dtype)
         run_and_check(backend, cache, seqs, tables, bs, gen, tol)  # a global layer
         run_and_check(backend, cache, seqs, tables, bs, gen, tol, window)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("kernels", ["torch", "c"])
+def test_soft_capped_scores_match_dense(seed, kernels):
+    """A cap of 1.5 on scores of spread ~3 (so that it changes the output) through every path:
+    the torch plans (fresh prefills, chunks after context, decodes, the cascade over a shared
+    prefix) or the C kernels (causal prefix attention, decode steps with and without the shared
+    prefix); global and windowed layers."""
+    if kernels == "c" and not cpu_ops.has_bf16_kernels():
+        pytest.skip("no AVX512-BF16 C kernels")
+    bs, num_blocks, window, softcap = 4, 300, 9, 1.5
+    c = kernels == "c"
+    backend = TorchAttention(KVH * GROUP, KVH, c, c, windows=(None, window))
+    dtype, dim, tol = (torch.bfloat16, 64, (2e-2, 2e-2)) if c else (torch.float32, D, (1e-5, 1e-4))
+    gen = torch.Generator().manual_seed(seed)
+    for decodes_only in (False, True):
+        seqs, tables = random_step(seed, 5, bs, num_blocks - 1, decodes_only)
+        cache = tuple(3 * t for t in random_cache(gen, num_blocks, bs, dim, dtype))
+        for layer_window in (None, window):
+            meta = run_and_check(
+                *(backend, cache, seqs, tables, bs, gen, tol, layer_window, softcap)
+            )
+        if decodes_only:
+            assert (type(meta.prepared[None]).__name__ == "_CDecode") == c
+        assert meta.prepared[None].shared is not None  # the cascade is under test too
+    q, keys = 3 * torch.randn(4, KVH * GROUP, D), 3 * torch.randn(40, KVH, D)
+    capped = dense_reference(q, keys, keys, 36, softcap=softcap)
+    assert (capped - dense_reference(q, keys, keys, 36)).abs().max() > 0.1  # the cap matters
 
 
 @pytest.mark.parametrize("masked", [False, True])

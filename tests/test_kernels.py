@@ -65,11 +65,14 @@ class PagedBatch:
         dtype: torch.dtype,
         seed: int,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         """With a `window`, the table entries wholly before a sequence's first visible key
-        point at the spare block (NaN), as the engine leaves freed blocks."""
+        point at the spare block (NaN), as the engine leaves freed blocks. A `softcap` caps the
+        scores (Gemma 2); the queries are then 3x larger, so that it changes the output."""
         gen = torch.Generator().manual_seed(seed)
         self.window = window
+        self.softcap = softcap
         kvh, d, bs = num_kv_heads, head_dim, block_size
         self.seqs = seqs
         blocks_per_seq = [-(-(c + q) // bs) for c, q in seqs]
@@ -99,7 +102,8 @@ class PagedBatch:
         self.v = torch.cat([v[c:] for v, (c, _) in zip(self.values, seqs, strict=True)])
         self.slot_mapping = torch.cat(slots)
         num_tokens = self.k.shape[0]
-        self.q = torch.randn(num_tokens, kvh * group, d, generator=gen).to(dtype)
+        q_std = 1.0 if softcap is None else 3.0
+        self.q = (q_std * torch.randn(num_tokens, kvh * group, d, generator=gen)).to(dtype)
         query_lens = [q for _, q in seqs]
         self.query_start_loc = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
         self.seq_lens = [c + q for c, q in seqs]
@@ -116,6 +120,8 @@ class PagedBatch:
             k = self.keys[i].float().repeat_interleave(group, 1).transpose(0, 1)
             v = self.values[i].float().repeat_interleave(group, 1).transpose(0, 1)
             scores = q @ k.transpose(1, 2) / q.shape[-1] ** 0.5
+            if self.softcap is not None:
+                scores = torch.tanh(scores / self.softcap) * self.softcap
             k_pos = torch.arange(context + query_len)[None, :]
             q_pos = context + torch.arange(query_len)[:, None]
             visible = k_pos <= q_pos
@@ -140,6 +146,7 @@ class PagedBatch:
             max_query_len=max_query_len,
             tile_n=tile_n,
             window=self.window,
+            softcap=self.softcap,
         )
         return out.float().cpu()
 
@@ -210,6 +217,28 @@ def test_unified_attention_with_a_sliding_window(window, tile_n):
     )
     out = batch.attend(max_query_len=50, tile_n=tile_n)
     torch.testing.assert_close(out, batch.reference(), atol=ATOL[torch.float32], rtol=1e-2)
+
+
+@pytest.mark.parametrize(("window", "dtype"), [(None, torch.float32), (40, torch.bfloat16)])
+def test_unified_attention_with_a_softcap(window, dtype):
+    """Scores capped at 2 (Gemma 2's attention soft-cap, smaller here so that it bites): decodes,
+    prefills and chunks after context, with and without a window."""
+    batch = PagedBatch(
+        [(150, 1), (0, 50), (60, 30)],
+        num_kv_heads=2,
+        group=2,
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+        seed=5,
+        window=window,
+        softcap=2.0,
+    )
+    out = batch.attend(max_query_len=50, tile_n=32)
+    want = batch.reference()
+    torch.testing.assert_close(out, want, atol=ATOL[dtype], rtol=1e-2)
+    batch.softcap = None
+    assert (batch.reference() - want).abs().max() > 0.1  # the cap matters
 
 
 def test_unified_attention_without_max_query_len():
@@ -359,17 +388,19 @@ def check(kernel, pointers, constexprs, floats=()):
     src = ASTSource(kernel, signature, constexprs)
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
-def attn(dtype, group, head_dim, block_size, block_m, dot_precision):
+def attn(dtype, group, head_dim, block_size, block_m, dot_precision, softcap_log2=0.0):
     data = dict.fromkeys(["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"], dtype)
     ints = dict.fromkeys(["query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr"], "*i32")
     check(attention._unified_attention_kernel, data | ints, dict(
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim,
         BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE_N=32, DOT_PRECISION=dot_precision,
+        SOFTCAP_LOG2=softcap_log2,
     ), floats=("scale_log2",))
 
 attn("*bf16", 3, 64, 16, 16, "tf32")  # decode tile of SmolLM2's GQA
 attn("*fp16", 4, 128, 48, 64, "tf32")
 attn("*fp32", 1, 64, 32, 64, "ieee")
+attn("*bf16", 2, 256, 16, 16, "tf32", softcap_log2=50.0 * 1.4426950408889634)  # Gemma 2
 bf16 = "*bf16"
 check(cache._reshape_and_cache_kernel, dict.fromkeys(
     ["k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"], bf16) | {"slot_mapping_ptr": "*i64"},

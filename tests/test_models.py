@@ -42,6 +42,14 @@ GEMMA3 = {
     "query_pre_attn_scalar": 24,
     "pad_token_id": 0,
 }
+# Gemma 2's layers alternate sliding and global on one rope; attention scores capped at 2, low
+# enough to change the tokens here (its default 50 does not bite on a tiny model).
+GEMMA2 = {
+    "sliding_window": 8,
+    "query_pre_attn_scalar": 24,
+    "attn_logit_softcapping": 2.0,
+    "pad_token_id": 0,
+}
 ARCHITECTURES = [
     pytest.param("LlamaForCausalLM", {}, id="llama"),
     pytest.param("LlamaForCausalLM", {"tie_word_embeddings": True}, id="llama-tied"),
@@ -55,6 +63,7 @@ ARCHITECTURES = [
     pytest.param("Qwen3ForCausalLM", {"head_dim": 32}, id="qwen3"),
     pytest.param("Phi3ForCausalLM", {"pad_token_id": 0}, id="phi3"),
     pytest.param("Gemma3ForCausalLM", GEMMA3, id="gemma3"),
+    pytest.param("Gemma2ForCausalLM", GEMMA2, id="gemma2"),
 ]
 
 
@@ -237,14 +246,21 @@ def test_gguf_path_resolves_to_the_default_conversion(default_model_path):
 
 
 @pytest.mark.skipif(not cpu_ops.has_bf16_kernels(), reason="no AVX512-BF16 (or no C compiler)")
-def test_gemma3_in_bf16_runs_the_cpu_fast_paths(tmp_path, default_model_path):
-    """A bf16 Gemma 3 on CPU takes the C rotary, decode and prefix attention and the packed
-    linears with the C GEMM (head_dim 64), and greedy-decodes what the fp32 model does for its
-    first tokens (here all of them)."""
+@pytest.mark.parametrize(
+    ("architecture", "overrides"),
+    [("Gemma3ForCausalLM", GEMMA3), ("Gemma2ForCausalLM", GEMMA2)],
+    ids=["gemma3", "gemma2"],
+)
+def test_gemma_in_bf16_runs_the_cpu_fast_paths(
+    tmp_path, default_model_path, architecture, overrides
+):
+    """A bf16 Gemma on CPU takes the C rotary, decode and prefix attention (soft-capped for
+    Gemma 2) and the packed linears with the C GEMM (head_dim 64), and greedy-decodes what the
+    fp32 model does for its first tokens."""
     from paged_backend.cpu_linear import CpuLinear
 
-    fields = dict(GEMMA3, head_dim=64)
-    path = make_tiny_model(tmp_path, default_model_path, "Gemma3ForCausalLM", **fields)
+    fields = dict(overrides, head_dim=64)
+    path = make_tiny_model(tmp_path, default_model_path, architecture, **fields)
     perturb_vectors(path)
     llm = LLM(model=str(path), dtype="bfloat16", cpu_kernels=True, num_kv_blocks=64)
     runner = llm.engine.runner

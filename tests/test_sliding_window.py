@@ -1,8 +1,9 @@
 """Sliding-window attention done properly: models generating far past their window match
 transformers token for token (fp32), natively and through transformers' modules, with every layer
 windowed (Mistral) or windowed layers interleaved with global ones (Qwen2's `max_window_layers`,
-Gemma 3 both ways); with prefix caching on and off, chunked prefill and preemption. Where every
-layer is windowed, a request holds only the blocks its window reaches."""
+Gemma 2 and 3 both ways, Gemma 2 with soft-capped scores); with prefix caching on and off, chunked
+prefill and preemption. Where every layer is windowed, a request holds only the blocks its window
+reaches."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ GEMMA3 = {  # its sliding layer on its own rope base; untied, see test_models.GE
     "query_pre_attn_scalar": 24,
     "pad_token_id": 0,
 }
+GEMMA2 = {"query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0, "pad_token_id": 0}
 # name -> (architecture, its config class, config fields, model_impl, each layer's window)
 MODELS = {
     "mistral": ("MistralForCausalLM", None, {}, "native", (WINDOW, WINDOW)),
@@ -50,6 +52,14 @@ MODELS = {
         "Gemma3ForCausalLM",
         "Gemma3TextConfig",
         GEMMA3,
+        "transformers",
+        (WINDOW, None),
+    ),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", GEMMA2, "native", (WINDOW, None)),
+    "gemma2-through-transformers": (
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        GEMMA2,
         "transformers",
         (WINDOW, None),
     ),

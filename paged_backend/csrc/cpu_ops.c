@@ -156,7 +156,8 @@ static inline float dot_bf16(const bf16 *q, const bf16 *k, int64_t dim) {
  * `prefix_lse` [kv_heads][prefix_rows] (fp32), at rows prefix_pos[s] * group + g.
  *
  * With `window` > 0 (sliding-window layers, no cascade) the new token sees its last `window`
- * positions only; the table's entries before them are not read. */
+ * positions only; the table's entries before them are not read. With `softcap` > 0 (Gemma 2) a
+ * scaled score s becomes tanh(s / softcap) * softcap. */
 void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t q_stride,
                            int64_t k_stride, int64_t v_stride,
                            bf16 *k_cache, bf16 *v_cache, int64_t cache_head_stride,
@@ -165,7 +166,8 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
                            int64_t num_heads, int64_t num_kv_heads, int64_t dim, float scale,
                            bf16 *out, float *scores, int64_t scores_stride, int threads,
                            const int32_t *prefix_pos, int64_t prefix_len, const float *prefix_out,
-                           const float *prefix_lse, int64_t prefix_rows, int64_t window) {
+                           const float *prefix_lse, int64_t prefix_rows, int64_t window,
+                           float softcap) {
     int64_t group = num_heads / num_kv_heads;
 #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if (threads > 1)
     for (int64_t s = 0; s < num_seqs; s++) {
@@ -186,8 +188,10 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
             for (int64_t t = 0; t < n; t++) {
                 int64_t key = first + t;
                 const bf16 *kr = kc + ((int64_t)table[key / block_size] * block_size + key % block_size) * dim;
-                for (int64_t g = 0; g < group; g++)
-                    sc[g * n + t] = dot_bf16(qh + g * dim, kr, dim) * scale;
+                for (int64_t g = 0; g < group; g++) {
+                    float x = dot_bf16(qh + g * dim, kr, dim) * scale;
+                    sc[g * n + t] = softcap > 0.0f ? tanhf(x / softcap) * softcap : x;
+                }
             }
             for (int64_t g = 0; g < group; g++) {
                 float *sg = sc + g * n, m = sg[0], part[16] = {0};
@@ -350,11 +354,12 @@ void pack_prefix_bf16(const bf16 *k_cache, const bf16 *v_cache, int64_t cache_he
 /* Attention of 4 query rows (bf16 [4][dim]) over packed keys/values (`packed` keys a head,
  * padded to 32), row i over keys lows[i] .. limits[i] - 1: out [4][dim] fp32 and log-sum-exp [4].
  * QK^T and PV run on AVX512-BF16 dot products (exact bf16 products, fp32 sums); softmax in fp32;
- * the probabilities enter PV rounded to bf16, as flash attention on bf16 does. `work`: 4 * packed
- * floats plus 4 * packed bf16. */
+ * the probabilities enter PV rounded to bf16, as flash attention on bf16 does; with `softcap` > 0
+ * a scaled score s is tanh(s / softcap) * softcap. `work`: 4 * packed floats plus 4 * packed
+ * bf16. */
 static void prefix_rows4(const bf16 *q, const bf16 *kp, const bf16 *vp, int64_t packed,
                          const int64_t *lows, const int64_t *limits, int64_t dim, float scale,
-                         float *out, float *lse, float *work) {
+                         float softcap, float *out, float *lse, float *work) {
     int64_t len = limits[0], pairs = dim / 2;
     for (int i = 1; i < 4; i++) len = limits[i] > len ? limits[i] : len;
     int64_t padded = (len + 31) / 32 * 32;
@@ -380,9 +385,12 @@ static void prefix_rows4(const bf16 *q, const bf16 *kp, const bf16 *vp, int64_t 
         }
     }
     float total[4], top[4];
-    const __m512 vscale = _mm512_set1_ps(scale);
+    const __m512 vscale = _mm512_set1_ps(softcap > 0.0f ? 1.0f : scale); /* else scaled here */
     for (int i = 0; i < 4; i++) {
         float *si = s + i * padded;
+        if (softcap > 0.0f) /* before the mask: tanh would bring -inf back to -softcap */
+            for (int64_t t = lows[i]; t < limits[i]; t++)
+                si[t] = tanhf(si[t] * scale / softcap) * softcap;
         for (int64_t t = 0; t < lows[i]; t++) si[t] = -INFINITY;
         for (int64_t t = limits[i]; t < padded; t++) si[t] = -INFINITY;
         __m512 vmax = _mm512_set1_ps(-INFINITY);
@@ -436,12 +444,13 @@ static void prefix_rows4(const bf16 *q, const bf16 *kp, const bf16 *vp, int64_t 
  * over its `len` packed keys/values (`pack_prefix_bf16`): out [heads][rows][dim] fp32 and
  * log-sum-exp [heads][rows]. Without mask (`causal_group` 0), or causal: row r is token
  * r / causal_group of a chunk whose first token follows key `causal_offset`, and sees the keys up
- * to its own (with `window` > 0, its last `window` keys only). `threads` threads share the blocks
- * of 4 rows; `work` holds 6 * padded floats for each. */
+ * to its own (with `window` > 0, its last `window` keys only). `softcap` > 0: scores are
+ * soft-capped (`prefix_rows4`). `threads` threads share the blocks of 4 rows; `work` holds
+ * 6 * padded floats for each. */
 void prefix_attention_bf16(const bf16 *q, int64_t heads, int64_t rows, int64_t dim,
                            const bf16 *kp, const bf16 *vp, int64_t len, float scale, float *out,
                            float *lse, float *work, int threads, int64_t causal_group,
-                           int64_t causal_offset, int64_t window) {
+                           int64_t causal_offset, int64_t window, float softcap) {
     int64_t padded = (len + 31) / 32 * 32;
 #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if (threads > 1)
     for (int64_t h = 0; h < heads; h++)
@@ -453,7 +462,7 @@ void prefix_attention_bf16(const bf16 *q, int64_t heads, int64_t rows, int64_t d
                 lows[i] = window > 0 && limit - window > 0 ? limit - window : 0;
             }
             prefix_rows4(q + (h * rows + r) * dim, kp + h * padded * dim, vp + h * padded * dim,
-                         padded, lows, limits, dim, scale,
+                         padded, lows, limits, dim, scale, softcap,
                          out + (h * rows + r) * dim, lse + h * rows + r,
                          work + omp_get_thread_num() * 6 * padded);
         }
@@ -492,7 +501,7 @@ void decode_layers_bf16(bf16 *x, bf16 *residual, int64_t rows, int64_t hidden, c
                               qkv_width, (bf16 *)k_caches[l], (bf16 *)v_caches[l],
                               cache_head_stride, block_tables, max_blocks, seq_lens, block_size,
                               rows, num_heads, num_kv_heads, head_dim, scale, attn, scores,
-                              scores_stride, threads, NULL, 0, NULL, NULL, 0, windows[l]);
+                              scores_stride, threads, NULL, 0, NULL, NULL, 0, windows[l], 0.0f);
         gemm_bf16(attn, rows, q_size, (const bf16 *)w[2], hidden, q_size, x, 1, threads);
         rms_norm_bf16(x, residual, (const bf16 *)w[3], h, residual, rows, hidden, hidden, eps,
                       threads);

@@ -1,16 +1,16 @@
-"""Gemma 3 (text) decoder over a flattened batch: the Llama layer of `paged_backend.models.llama`
-(fused qkv and gate/up projections, the attention backends, the CPU linears) with Gemma's
-differences, after transformers' `modeling_gemma3`:
+"""Gemma 2 and Gemma 3 (text) decoders over a flattened batch: the Llama layer of
+`paged_backend.models.llama` (fused qkv and gate/up projections, the attention backends, the CPU
+linears) with Gemma's differences, after transformers' `modeling_gemma2` and `modeling_gemma3`:
 
 - embeddings scaled by sqrt(hidden_size), that factor rounded to the model dtype first;
 - RMSNorm times (1 + weight), computed in fp32 and rounded once (`gemma_rms_norm`), also on the
-  q and k heads;
+  q and k heads (Gemma 3);
 - a sandwich of four norms per layer: each sublayer's output is normed again before its residual
   add (`GemmaDecoderLayer`);
 - GeGLU (gelu, tanh approximation) in the MLP;
 - scores scaled by `query_pre_attn_scalar ** -0.5` (`Attention.q_scale`);
-- sliding-window layers interleaved with global ones, the sliding ones on their own rope base;
-- an optional final logit soft-cap.
+- sliding-window layers interleaved with global ones, in Gemma 3 on their own rope base;
+- soft-capped attention scores (Gemma 2, applied by the attention backends) and final logits.
 
 Norm and GeGLU run as torch ops on every kind of `Ops`: the fused C and Triton ones implement
 Llama's norm and SiLU; rotary, attention and the linears take the fast paths.
@@ -77,8 +77,8 @@ class GemmaDecoderLayer(DecoderLayer):
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
-    """Gemma 3 text models (`Gemma3ForCausalLM`); loads, packs and runs its linears as
-    `LlamaForCausalLM` does."""
+    """Gemma 2 (`Gemma2ForCausalLM`) and Gemma 3 text models (`Gemma3ForCausalLM`); loads,
+    packs and runs its linears as `LlamaForCausalLM` does."""
 
     layer_class = GemmaDecoderLayer
 

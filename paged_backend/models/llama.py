@@ -134,6 +134,7 @@ class Attention(nn.Module):
         # query_pre_attn_scalar ** -0.5 instead (Gemma) gets the ratio on its queries.
         scalar = config.query_pre_attn_scalar
         self.q_scale = 1.0 if scalar is None else (config.head_dim / scalar) ** 0.5
+        self.softcap = config.attn_logit_softcap  # Gemma 2: the backend caps the scores
 
     def forward(self, x, cos, sin, kv_cache, backend: AttentionBackend, meta) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -153,7 +154,7 @@ class Attention(nn.Module):
             q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        out = backend.forward(q, k, v, kv_cache, meta, self.window)
+        out = backend.forward(q, k, v, kv_cache, meta, self.window, self.softcap)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -8,10 +8,10 @@ caching, chunked prefill and preemption work unchanged. transformers builds no a
 the mask function registered with it returns none, and the backend masks by sequence.
 
 Served: models whose transformers class takes the attention interface
-(`_supports_attention_backend`) and that attend with plain softmax. Refused with the reason:
-encoder-decoders, models without attention there (recurrent state), and attention logit
-soft-capping (Gemma 2), which the backend does not apply. Sliding-window layers pass their
-window to the backend, as the native models do (`ModelConfig.layer_windows` must agree).
+(`_supports_attention_backend`). Refused with the reason: encoder-decoders and models without
+attention there (recurrent state). Sliding-window layers pass their window to the backend, as
+the native models do (`ModelConfig.layer_windows` must agree), and soft-capped layers (Gemma 2)
+their cap.
 """
 
 from __future__ import annotations
@@ -22,16 +22,26 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from paged_backend.models.gemma import softcap
+
 _STEP: contextvars.ContextVar[tuple] = contextvars.ContextVar("paged_step")
 ATTENTION = "paged"
 
 
 def _paged_attention(
-    module, query, key, value, attention_mask, scaling=None, sliding_window=None, **kwargs
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    sliding_window=None,
+    softcap=None,
+    **kwargs,
 ):
     """transformers' attention call for one layer: q [1, heads, T, d], k and v [1, kv_heads,
     T, d] of this step's tokens; returns [1, T, heads, d]. A sliding-window layer passes its
-    window, which the backend applies."""
+    window and a soft-capped one its cap, which the backend applies."""
     kv_caches, backend, meta = _STEP.get()
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     head_dim = q.shape[-1]
@@ -39,7 +49,7 @@ def _paged_attention(
         q = q * (scaling * head_dim**0.5)
     out = backend.forward(
         *(q.contiguous(), k.contiguous(), v.contiguous(), kv_caches[module.layer_idx], meta),
-        sliding_window,
+        *(sliding_window, softcap),
     )
     return out.view(1, *out.shape[-3:]), None
 
@@ -61,7 +71,6 @@ def check_servable(hf_config, architecture: str) -> None:
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    text = hf_config.get_text_config()
     reason = None
     model_class = getattr(transformers, architecture, None)
     if getattr(hf_config, "is_encoder_decoder", False):
@@ -70,8 +79,6 @@ def check_servable(hf_config, architecture: str) -> None:
         reason = "it is not a causal language model that transformers can build"
     elif not getattr(model_class, "_supports_attention_backend", False):
         reason = "its transformers class does not take a pluggable attention (recurrent state?)"
-    elif getattr(text, "attn_logit_softcapping", None):
-        reason = "it soft-caps attention logits, which the paged attention does not apply"
     if reason:
         raise ValueError(f"cannot serve architecture {architecture}: {reason}")
 
@@ -88,7 +95,7 @@ class TransformersForCausalLM(nn.Module):
             path, dtype=dtype, attn_implementation=ATTENTION
         ).to(device)
         text = self.model.config.get_text_config()
-        self.logit_softcap = getattr(text, "final_logit_softcapping", None)  # Gemma 2
+        self.logit_softcap = getattr(text, "final_logit_softcapping", None)  # Gemma
 
     def forward(self, input_ids, positions, kv_caches, backend, meta, logits_indices):
         """Logits (fp32) for the rows of `logits_indices` only."""
@@ -100,5 +107,4 @@ class TransformersForCausalLM(nn.Module):
         finally:
             _STEP.reset(token)
         logits = self.model.get_output_embeddings()(hidden[logits_indices]).float()
-        cap = self.logit_softcap
-        return torch.tanh(logits / cap) * cap if cap else logits
+        return softcap(logits, self.logit_softcap)
