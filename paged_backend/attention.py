@@ -265,7 +265,7 @@ class TorchAttention:
             kept = None
         self.prefix_blocks = blocks if kept is None else kept
 
-    def _prefix_copy(self, k_cache: torch.Tensor, make) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefix_copy(self, k_cache: torch.Tensor, make) -> tuple[torch.Tensor, torch.Tensor]:
         """The shared prefix's K/V copy for this layer (fp32, or packed for
         `cpu_ops.prefix_attention`), from the kept copies when there are some, else `make()`."""
         kv = self.prefix_kv.get(k_cache.data_ptr())
@@ -288,7 +288,7 @@ class TorchAttention:
         """`cpu_ops.prefix_attention` of the shared rows' bf16 queries over the packed prefix:
         (out [kv_heads, rows * group, dim], lse [kv_heads, rows * group]), rows kv-head-major."""
         kvh, _, d = kv_cache[0].shape
-        packed = self._prefix_copy(
+        packed = self.prefix_copy(
             kv_cache[0], lambda: cpu_ops.pack_prefix(kv_cache, shared.blocks, block_size)
         )
         q_rows = q.view(q.shape[0], kvh, self.group, d).index_select(0, shared.rows)
@@ -431,7 +431,7 @@ class TorchAttention:
             if self.c_prefix:
                 o, lse = (t[None] for t in self._c_prefix(q, kv_cache, s, bs, softcap))
             else:
-                keys, vals = self._prefix_copy(
+                keys, vals = self.prefix_copy(
                     k_cache,
                     lambda: (gather(k_cache, s.blocks)[None], gather(v_cache, s.blocks)[None]),
                 )

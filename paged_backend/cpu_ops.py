@@ -150,6 +150,7 @@ def load_library() -> ctypes.CDLL | None:
             *(ptr, i64, ptr, i64),  # block tables, their width, sequence lengths, block size
             *(i64, i64, i64, i64, ctypes.c_float, ctypes.c_float),  # sizes, eps, scale
             *(ptr, ptr, i64, c_int),  # work, scores scratch, its row stride, threads
+            *(ptr, ptr, i64, ptr, i64, ptr, ptr),  # the cascade's packs, rows, pos, work
         ]
     return lib
 
@@ -297,7 +298,8 @@ def has_bf16_kernels() -> bool:
     return lib is not None and bool(lib.has_bf16_kernels())
 
 
-def _padded(length: int) -> int:
+def padded_length(length: int) -> int:
+    """Tokens rounded up to the 32 that `pack_prefix` and `prefix_attention` work in."""
     return -(-length // 32) * 32
 
 
@@ -314,7 +316,7 @@ def pack_prefix(
     num_kv_heads, _, dim = k_cache.shape
     length = len(blocks) * block_size if length is None else length
     blocks = blocks.to(torch.int32).contiguous()
-    kp = torch.empty(num_kv_heads, _padded(length) * dim, dtype=torch.bfloat16)
+    kp = torch.empty(num_kv_heads, padded_length(length) * dim, dtype=torch.bfloat16)
     vp = torch.empty_like(kp)
     load_library().pack_prefix_bf16(
         *(k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), blocks.data_ptr()),
@@ -343,7 +345,7 @@ def prefix_attention(
     out = torch.empty(num_kv_heads, rows4, dim)
     lse = torch.empty(num_kv_heads, rows4)
     threads = torch.get_num_threads()
-    work = torch.empty(threads, 6 * _padded(length))  # 4 rows of fp32 scores and bf16 copies
+    work = torch.empty(threads, 6 * padded_length(length))  # 4 rows of fp32 scores and bf16 copies
     load_library().prefix_attention_bf16(
         *(q.data_ptr(), num_kv_heads, rows4, dim, kp.data_ptr(), vp.data_ptr(), length),
         *(dim**-0.5, out.data_ptr(), lse.data_ptr(), work.data_ptr(), threads),

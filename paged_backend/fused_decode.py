@@ -3,8 +3,9 @@
 At one row a step of the default model runs ~270 ops (norms, four linears, rotary, attention and
 SiLU per layer), each a Python call of 10-20 us: ~5 ms of overhead beside ~8 ms of weight reads.
 Steps of decodes only, whose linears all run the C GEMM, call the same C ops in the same order
-from C instead, with the same arguments: the outputs are the same bits. Everything else
-(prefill chunks, a shared prefix's cascade, biases, q/k norms, oneDNN-sized steps) runs the
+from C instead, with the same arguments: the outputs are the same bits. A shared prefix's
+cascade runs as `TorchAttention` runs it (its packed K/V copies come from the backend, kept
+across steps). Everything else (prefill chunks, biases, q/k norms, oneDNN-sized steps) runs the
 modules.
 """
 
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from paged_backend import cpu_ops
-from paged_backend.attention import AttentionMetadata, _CDecode
+from paged_backend.attention import AttentionMetadata, TorchAttention, _CDecode
 
 
 class FusedDecode:
@@ -68,14 +69,14 @@ class FusedDecode:
         return cls(model)
 
     def plan(self, meta: AttentionMetadata, rows: int) -> _CDecode | None:
-        """The step's decode plan when every layer's is the C decode kernel's (decodes only, no
-        cascade) and the GEMM copies serve this many rows."""
+        """The step's decode plan when every layer's is the C decode kernel's (decodes only)
+        and the GEMM copies serve this many rows: the global layers' (which holds the shared
+        prefix, if any) where there are some."""
         if rows > self.max_rows:
             return None
-        plans = list(meta.prepared.values())
-        if not all(isinstance(p, _CDecode) and p.shared is None for p in plans):
+        if not all(isinstance(p, _CDecode) for p in meta.prepared.values()):
             return None
-        return plans[0]
+        return meta.prepared.get(None) or next(iter(meta.prepared.values()))
 
     def __call__(
         self,
@@ -84,11 +85,13 @@ class FusedDecode:
         sin: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         plan: _CDecode,
+        backend: TorchAttention,
         block_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's output, the residual stream before it) for embeddings `x`
         [rows, hidden] (bf16, contiguous, overwritten) and the rows' bf16 cos/sin."""
         rows = x.shape[0]
+        cascade = self._cascade(plan, backend, kv_caches, block_size)
         k_ptrs, v_ptrs = self._cache_pointers(kv_caches)
         q_size = self.num_heads * self.head_dim
         qkv_width = q_size + 2 * self.num_kv_heads * self.head_dim
@@ -107,8 +110,38 @@ class FusedDecode:
             *(block_size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate),
             *(self.eps, self.head_dim**-0.5, work.data_ptr()),
             *(plan.scratch.data_ptr(), plan.scratch.shape[1], plan.scratch.shape[0]),
+            *cascade[0],
         )
         return x, residual
+
+    def _cascade(self, plan: _CDecode, backend, kv_caches, block_size: int) -> tuple:
+        """The cascade's arguments for `decode_layers_bf16` (and the tensors they point into,
+        kept alive by the caller): each global layer's packed prefix from the backend's kept
+        copies, the shared rows, and work space; nothing without a shared prefix."""
+        shared = plan.shared
+        if shared is None:
+            return (None, None, 0, None, 0, None, None), ()
+        packs = [
+            None
+            if layer.self_attn.window
+            else backend.prefix_copy(
+                kv[0], lambda kv=kv: cpu_ops.pack_prefix(kv, shared.blocks, block_size)
+            )
+            for layer, kv in zip(self.layers, kv_caches, strict=True)
+        ]
+        k = torch.tensor([0 if p is None else p[0].data_ptr() for p in packs], dtype=torch.int64)
+        v = torch.tensor([0 if p is None else p[1].data_ptr() for p in packs], dtype=torch.int64)
+        length = len(shared.blocks) * block_size
+        num_shared = len(shared.rows)
+        rows4 = -(-num_shared * (self.num_heads // self.num_kv_heads) // 4) * 4
+        per_head = rows4 * self.head_dim
+        floats = self.num_kv_heads * (per_head + rows4 + per_head // 2)  # q rows as bf16 pairs
+        floats += torch.get_num_threads() * 6 * cpu_ops.padded_length(length)
+        work = torch.empty(floats)
+        rows = shared.rows.to(torch.int64).contiguous()
+        args = (k.data_ptr(), v.data_ptr(), length, rows.data_ptr(), num_shared)
+        args += (plan.prefix_pos.data_ptr(), work.data_ptr())
+        return args, (packs, k, v, rows, work)
 
     def _cache_pointers(self, kv_caches) -> tuple[torch.Tensor, torch.Tensor]:
         """Each layer's K and V cache addresses, computed once: the caches never move."""

@@ -17,23 +17,25 @@ pytestmark = [
 PROMPTS = [[1, 5, 17, 923, 4, 88, 1024, 7, 3], [1, 400, 33, 2048], [1, 9, 9, 9, 12, 14]]
 
 
-def generate_counting(llm: LLM, monkeypatch, max_tokens: list[int]) -> tuple[list, list[int]]:
-    """The outputs (token ids and log-probabilities) of `PROMPTS`, each to its `max_tokens`, and
-    the row counts of the fused steps."""
-    fused_rows = []
+def generate_counting(
+    llm: LLM, monkeypatch, max_tokens: list[int], prompts: list[list[int]] = PROMPTS
+) -> tuple[list, list[tuple[int, bool]]]:
+    """The outputs (token ids and log-probabilities) of `prompts`, each to its `max_tokens`, and
+    each fused step's (rows, whether it had a shared prefix)."""
+    fused = []
     real = FusedDecode.__call__
 
-    def counting(self, x, *args):
-        fused_rows.append(x.shape[0])
-        return real(self, x, *args)
+    def counting(self, x, cos, sin, kv_caches, plan, *args):
+        fused.append((x.shape[0], plan.shared is not None))
+        return real(self, x, cos, sin, kv_caches, plan, *args)
 
     monkeypatch.setattr(FusedDecode, "__call__", counting)
     params = [
         SamplingParams(temperature=0, ignore_eos=True, logprobs=5, max_tokens=n) for n in max_tokens
     ]
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     monkeypatch.setattr(FusedDecode, "__call__", real)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], fused_rows
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], fused
 
 
 @pytest.mark.parametrize("window", [None, 6])
@@ -43,18 +45,37 @@ def test_fused_steps_give_the_modules_bits(tmp_path, default_model_path, monkeyp
     llm = LLM(model=str(path), dtype="bfloat16", enable_prefix_caching=False, cpu_gemm_max_rows=64)
     model = llm.engine.runner.model
     assert model.fused_decode is not None
-    fused, rows = generate_counting(llm, monkeypatch, [20, 12, 16])
-    assert rows and set(rows) <= {1, 2, 3}  # the decodes; every prefill ran the modules
+    fused, steps = generate_counting(llm, monkeypatch, [20, 12, 16])
+    assert steps and {rows for rows, _ in steps} <= {1, 2, 3}  # the prefills ran the modules
     model.fused_decode = None
     plain, none = generate_counting(llm, monkeypatch, [20, 12, 16])
     assert not none
     assert fused == plain
 
 
+def test_a_shared_prefix_runs_fused_with_the_modules_bits(
+    tmp_path, default_model_path, monkeypatch
+):
+    """RAG-shaped prompts: their shared prefix is attended once (the cascade) inside the fused
+    step, with the backend's kept packed copy, and gives the modules' bits."""
+    path = make_tiny_model(tmp_path, default_model_path, head_dim=64)  # the C prefix kernel's
+    shared = list(range(100, 140))
+    prompts = [[*shared, 7, 8 + i, 9] for i in range(4)]
+    outputs = []
+    for fuse in (True, False):  # two engines: the prefix cache shares the prefix's blocks
+        llm = LLM(model=str(path), dtype="bfloat16", cpu_gemm_max_rows=64)
+        if not fuse:
+            llm.engine.runner.model.fused_decode = None
+        out, steps = generate_counting(llm, monkeypatch, [12, 16, 20, 24], prompts)
+        assert any(cascade for _, cascade in steps) == fuse
+        outputs.append(out)
+    assert outputs[0] == outputs[1]
+
+
 def test_steps_beyond_the_gemm_rows_run_the_modules(tiny_model, monkeypatch):
     llm = LLM(model=str(tiny_model), dtype="bfloat16", cpu_gemm_max_rows=2)
-    _, rows = generate_counting(llm, monkeypatch, [4, 8, 12])
-    assert set(rows) == {2, 1}  # three sequences at first, fused once they are two
+    _, steps = generate_counting(llm, monkeypatch, [4, 8, 12])
+    assert {rows for rows, _ in steps} == {2, 1}  # three sequences at first, then fused
     assert llm.engine.runner.model.fused_decode.max_rows == 2
 
 

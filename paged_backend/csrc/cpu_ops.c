@@ -473,7 +473,15 @@ void prefix_attention_bf16(const bf16 *q, int64_t heads, int64_t rows, int64_t d
  * the last layer's output; `residual` ends with the residual stream before it. `weights` holds,
  * per layer, the addresses of: input norm, qkv (packed for gemm_bf16), o, post-attention norm,
  * gate_up, down. `k_caches`/`v_caches`/`windows` (0: global): per layer. `scale`: attention's.
- * `work` holds rows * (hidden + q + 2 kv + q + 3 * intermediate) bf16 values. */
+ * `work` holds rows * (hidden + q + 2 kv + q + 3 * intermediate) bf16 values.
+ *
+ * Cascade (a shared prefix, as `TorchAttention` runs it): where `prefix_k[l]` is not 0, layer l
+ * attends the `num_shared` rows `shared_rows` over its packed prefix (`pack_prefix_bf16`,
+ * `prefix_len` tokens; `prefix_k`/`prefix_v` hold the packs' addresses) with
+ * prefix_attention_bf16, and the decode kernel merges that result (`prefix_pos`). `prefix_work`
+ * holds kv_heads * rows4 * dim bf16 queries, then kv_heads * rows4 * (dim + 1) floats of output
+ * and log-sum-exp, then threads * 6 * padded(prefix_len) floats (rows4: num_shared * group
+ * rounded up to 4). */
 void decode_layers_bf16(bf16 *x, bf16 *residual, int64_t rows, int64_t hidden, const bf16 *cos,
                         const bf16 *sin, int64_t num_layers, const int64_t *weights,
                         const int64_t *k_caches, const int64_t *v_caches,
@@ -481,11 +489,20 @@ void decode_layers_bf16(bf16 *x, bf16 *residual, int64_t rows, int64_t hidden, c
                         const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
                         int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t intermediate, float eps, float scale,
-                        bf16 *work, float *scores, int64_t scores_stride, int threads) {
+                        bf16 *work, float *scores, int64_t scores_stride, int threads,
+                        const int64_t *prefix_k, const int64_t *prefix_v, int64_t prefix_len,
+                        const int64_t *shared_rows, int64_t num_shared,
+                        const int32_t *prefix_pos, void *prefix_work) {
     int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-    int64_t qkv_width = q_size + 2 * kv_size;
+    int64_t qkv_width = q_size + 2 * kv_size, group = num_heads / num_kv_heads;
     bf16 *h = work, *qkv = h + rows * hidden, *attn = qkv + rows * qkv_width;
     bf16 *gate_up = attn + rows * q_size, *act = gate_up + rows * 2 * intermediate;
+    int64_t rows4 = (num_shared * group + 3) / 4 * 4;
+    bf16 *q_rows = prefix_work; /* [kv_heads][rows4][dim], each kv head's shared queries */
+    float *p_out = (float *)(q_rows + num_kv_heads * rows4 * head_dim);
+    float *p_lse = p_out + num_kv_heads * rows4 * head_dim;
+    float *p_scratch = p_lse + num_kv_heads * rows4;
+    if (num_shared) memset(q_rows, 0, num_kv_heads * rows4 * head_dim * sizeof(bf16));
     for (int64_t l = 0; l < num_layers; l++) {
         const int64_t *w = weights + 6 * l;
         if (l == 0) {
@@ -497,11 +514,23 @@ void decode_layers_bf16(bf16 *x, bf16 *residual, int64_t rows, int64_t hidden, c
         }
         gemm_bf16(h, rows, hidden, (const bf16 *)w[1], qkv_width, hidden, qkv, 1, threads);
         rotary_bf16(qkv, cos, sin, rows, num_heads + num_kv_heads, head_dim, qkv_width, threads);
+        int cascade = num_shared && prefix_k[l];
+        if (cascade) {
+            for (int64_t kh = 0; kh < num_kv_heads; kh++)
+                for (int64_t m = 0; m < num_shared; m++)
+                    memcpy(q_rows + (kh * rows4 + m * group) * head_dim,
+                           qkv + shared_rows[m] * qkv_width + kh * group * head_dim,
+                           group * head_dim * sizeof(bf16));
+            prefix_attention_bf16(q_rows, num_kv_heads, rows4, head_dim, (const bf16 *)prefix_k[l],
+                                  (const bf16 *)prefix_v[l], prefix_len, scale, p_out, p_lse,
+                                  p_scratch, threads, 0, 0, 0, 0.0f);
+        }
         decode_attention_bf16(qkv, qkv + q_size, qkv + q_size + kv_size, qkv_width, qkv_width,
                               qkv_width, (bf16 *)k_caches[l], (bf16 *)v_caches[l],
                               cache_head_stride, block_tables, max_blocks, seq_lens, block_size,
                               rows, num_heads, num_kv_heads, head_dim, scale, attn, scores,
-                              scores_stride, threads, NULL, 0, NULL, NULL, 0, windows[l], 0.0f);
+                              scores_stride, threads, cascade ? prefix_pos : NULL,
+                              cascade ? prefix_len : 0, p_out, p_lse, rows4, windows[l], 0.0f);
         gemm_bf16(attn, rows, q_size, (const bf16 *)w[2], hidden, q_size, x, 1, threads);
         rms_norm_bf16(x, residual, (const bf16 *)w[3], h, residual, rows, hidden, hidden, eps,
                       threads);

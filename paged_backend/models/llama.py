@@ -261,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         fused = self.fused_decode and self.fused_decode.plan(meta, x.shape[0])
         if fused:
-            x, residual = self.fused_decode(x, cos, sin, kv_caches, fused, meta.block_size)
+            x, residual = self.fused_decode(x, cos, sin, kv_caches, fused, backend, meta.block_size)
         else:
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
