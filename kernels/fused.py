@@ -108,13 +108,18 @@ def _rotary_kernel(
 def rotary_embedding(q_or_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary embedding of x [T, heads, head_dim] (a new tensor).
 
-    cos, sin: the tables at each token's position, [T, head_dim] (or [T, 1, head_dim]).
+    cos, sin: the tables at each token's position, [T, rotary_dim] (or [T, 1, rotary_dim]); a
+    partial rotary (rotary_dim < head_dim) rotates each head's first rotary_dim dims only.
     """
     num_tokens, num_heads, head_dim = q_or_k.shape
-    cos = cos.reshape(num_tokens, head_dim)
-    sin = sin.reshape(num_tokens, head_dim)
-    out = torch.empty_like(q_or_k, memory_format=torch.contiguous_format)
-    half = head_dim // 2
+    rotary_dim = cos.shape[-1]
+    cos = cos.reshape(num_tokens, rotary_dim)
+    sin = sin.reshape(num_tokens, rotary_dim)
+    if rotary_dim < head_dim:  # the kernel writes the rotated dims over a copy
+        out = q_or_k.clone(memory_format=torch.contiguous_format)
+    else:
+        out = torch.empty_like(q_or_k, memory_format=torch.contiguous_format)
+    half = rotary_dim // 2
     _rotary_kernel[(num_tokens,)](
         q_or_k, cos, sin, out,
         num_heads,
@@ -129,12 +134,13 @@ def rotary_embedding(q_or_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 def rotary_embedding_ref(
     q_or_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 ) -> torch.Tensor:
-    num_tokens, _, head_dim = q_or_k.shape
-    cos = cos.reshape(num_tokens, 1, head_dim)
-    sin = sin.reshape(num_tokens, 1, head_dim)
-    half = head_dim // 2
-    rotated = torch.cat((-q_or_k[..., half:], q_or_k[..., :half]), dim=-1)
-    return q_or_k * cos + rotated * sin
+    num_tokens, rotary_dim = q_or_k.shape[0], cos.shape[-1]
+    cos = cos.reshape(num_tokens, 1, rotary_dim)
+    sin = sin.reshape(num_tokens, 1, rotary_dim)
+    x, rest = q_or_k[..., :rotary_dim], q_or_k[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.cat((x * cos + rotated * sin, rest), dim=-1)
 
 
 @triton.jit

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 BlockHash = bytes
 # Kinds of extra keys a block hash may carry, each with its own tag byte: a value of one kind
 # can never be read as another (later kinds: LoRA adapters, multimodal inputs).
-EXTRA_KEY_TAGS = {"cache_salt": 1}
+EXTRA_KEY_TAGS = {"cache_salt": 1, "rope": 2}
 _ROOT = bytes(32)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,12 +53,43 @@ class ModelConfig:
     local_rope_theta: float | None = None  # the sliding layers' rope base, where it differs
     final_logit_softcap: float | None = None  # logits -> tanh(logits / cap) * cap
     attn_logit_softcap: float | None = None  # attention scores, likewise
+    partial_rotary_factor: float = 1.0  # the share of each head's dims that rotary rotates
     eos_token_ids: list[int] = field(default_factory=list)
     impl: str = "native"  # or "transformers": its modeling code on our cache
+
+    def __post_init__(self) -> None:
+        if self.rotary_dim % 2:  # rotate-half pairs dim i with dim i + rotary_dim / 2
+            raise ValueError(
+                f"partial rotary factor {self.partial_rotary_factor} of head_dim {self.head_dim} "
+                f"rotates an odd number of dims ({self.rotary_dim})"
+            )
 
     @property
     def max_len(self) -> int:
         return self.max_position_embeddings
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each q/k head rotary rotates (all but for Phi-4-mini's
+        partial rotary)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def long_rope_from(self) -> int | None:
+        """LongRoPE's original context length: the long factors apply from this position on,
+        and at every position of a prompt longer than it (`long_rope`); None without LongRoPE."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling["rope_type"] != "longrope":
+            return None
+        return scaling["original_max_position_embeddings"]
+
+    def long_rope(self, prompt_len: int) -> bool:
+        """Whether a prompt of this length runs LongRoPE's long factors from its first position:
+        transformers picks the factors per forward call by its sequence length, so a prompt longer
+        than the original length is prefilled with the long ones throughout, while a shorter one
+        keeps its short-factor keys and switches (for the new tokens only) once it grows past."""
+        start = self.long_rope_from
+        return start is not None and prompt_len > start
 
     @property
     def kv_window(self) -> int | None:
@@ -151,6 +183,10 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         num_heads = raw["num_attention_heads"]
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
+        if family["rope_scaling"] is not None and family["rope_scaling"]["rope_type"] == "longrope":
+            rotary_dim = int(head_dim * family["partial_rotary_factor"])
+            family["rope_scaling"] = _longrope(text_config, rotary_dim, config_file)
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -159,7 +195,7 @@ class ModelConfig:
             num_layers=raw["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(text_config.tie_word_embeddings),  # the class's default
@@ -169,32 +205,63 @@ class ModelConfig:
         )
 
 
-def _rope_scaling(scaling: dict, partial: float, config_file: Path) -> dict | None:
-    """`scaling` (a `rope_scaling` or `rope_parameters` dict) with its `rope_type` where our
-    modules implement it, None for plain RoPE; else, or for a partial rotary, ValueError."""
+def _rope_scaling(scaling: dict, config_file: Path, types: tuple[str, ...]) -> dict | None:
+    """`scaling` (a `rope_scaling` or `rope_parameters` dict) with its `rope_type` where it is
+    one of `types`, the scalings our modules implement for the family; None for plain RoPE;
+    else ValueError."""
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in ("default", "llama3", "linear"):
+    if rope_type != "default" and rope_type not in types:
         raise ValueError(f"unsupported rope scaling type {rope_type!r} in {config_file}")
-    if partial != 1.0:
-        raise ValueError(f"unsupported partial rotary factor {partial} in {config_file}")
     return None if rope_type == "default" else dict(scaling, rope_type=rope_type)
 
 
 def _llama_fields(raw: dict, arch: str, config_file: Path) -> dict:
-    """The Llama family's `ModelConfig` fields, from config.json."""
+    """The Llama family's `ModelConfig` fields, from config.json (LongRoPE's are resolved from
+    transformers' config afterwards, `_longrope`)."""
     rope = raw.get("rope_parameters") or {}
-    partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    scaling = raw.get("rope_scaling") or rope
+    partial = scaling.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    # Of the family only Phi-3's transformers modules rotate a partial head (Phi-4-mini).
+    if partial != 1.0 and arch != "Phi3ForCausalLM":
+        raise ValueError(f"unsupported partial rotary factor {partial} in {config_file}")
     # Llama and Qwen3 put `attention_bias` on q, k, v and o; Qwen2 always has q/k/v biases
     # and no o bias; Mistral has none. Only Llama reads `mlp_bias`.
     llama_like = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM")
     attention_bias = llama_like and bool(raw.get("attention_bias", False))
     return dict(
         rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0)),
-        rope_scaling=_rope_scaling(raw.get("rope_scaling") or rope, partial, config_file),
+        rope_scaling=_rope_scaling(scaling, config_file, ("llama3", "linear", "longrope")),
+        partial_rotary_factor=float(partial),
         qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
         qk_norm=arch == "Qwen3ForCausalLM",
         o_proj_bias=attention_bias,
         mlp_bias=arch == "LlamaForCausalLM" and bool(raw.get("mlp_bias", False)),
+    )
+
+
+def _longrope(text_config, rotary_dim: int, config_file: Path) -> dict:
+    """LongRoPE's factors, original length and attention factor as transformers resolves them
+    (`_compute_longrope_parameters`): Phi-3 keeps its original length outside the rope dict,
+    the factor defaults to the ratio of the lengths and the attention factor to
+    sqrt(1 + ln(factor) / ln(original length)); from transformers' config, which also reads the
+    old `rope_scaling` keys."""
+    rope = text_config.rope_parameters
+    original = getattr(text_config, "original_max_position_embeddings", None) or rope.get(
+        "original_max_position_embeddings", text_config.max_position_embeddings
+    )
+    factor = rope.get("factor") or text_config.max_position_embeddings / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    for name in ("short_factor", "long_factor"):
+        if len(rope.get(name) or ()) != rotary_dim // 2:
+            raise ValueError(f"LongRoPE's {name} needs {rotary_dim // 2} values in {config_file}")
+    return dict(
+        rope_type="longrope",
+        short_factor=list(rope["short_factor"]),
+        long_factor=list(rope["long_factor"]),
+        original_max_position_embeddings=int(original),
+        attention_factor=float(attention),
     )
 
 
@@ -212,12 +279,14 @@ def _gemma_fields(text_config, arch: str, config_file: Path) -> dict:
     gemma3 = arch == "Gemma3ForCausalLM"
     rope = text_config.rope_parameters
     glob, local = (rope["full_attention"], rope["sliding_attention"]) if gemma3 else (rope, None)
-    if local and _rope_scaling(local, local.get("partial_rotary_factor", 1.0), config_file):
+    if local and _rope_scaling(local, config_file, ()) is not None:
         raise ValueError(f"unsupported rope scaling on sliding layers in {config_file}")
+    if any(r.get("partial_rotary_factor", 1.0) != 1.0 for r in (glob, local) if r):
+        raise ValueError(f"unsupported partial rotary factor in {config_file}")
     bias = bool(text_config.attention_bias)
     return dict(
         rope_theta=float(glob["rope_theta"]),
-        rope_scaling=_rope_scaling(glob, glob.get("partial_rotary_factor", 1.0), config_file),
+        rope_scaling=_rope_scaling(glob, config_file, ("llama3", "linear")),
         local_rope_theta=float(local["rope_theta"]) if local else None,
         qkv_bias=bias,
         o_proj_bias=bias,

@@ -68,8 +68,12 @@ def torch_rms_norm(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding of x [T, heads, head_dim]; cos, sin [T, 1, head_dim]."""
-    half = x.shape[-1] // 2
+    """Rotate-half rotary embedding of x [T, heads, head_dim]; cos, sin [T, 1, rotary_dim]. A
+    partial rotary (rotary_dim < head_dim) rotates each head's first rotary_dim dims only."""
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
+    half = dim // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
@@ -124,7 +128,7 @@ def load_library() -> ctypes.CDLL | None:
         return None
     ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.rms_norm_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_float, c_int]
-    lib.rotary_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, c_int]
+    lib.rotary_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, c_int]
     lib.silu_and_mul_bf16.argtypes = [ptr, ptr, i64, i64, c_int]
     lib.decode_attention_bf16.argtypes = [
         *(ptr, ptr, ptr, i64, i64, i64),  # q, k, v and their row strides
@@ -148,7 +152,8 @@ def load_library() -> ctypes.CDLL | None:
             *(ptr, ptr, i64, i64, ptr, ptr),  # x, residual, rows, hidden, cos, sin
             *(i64, ptr, ptr, ptr, i64, ptr),  # layers, weights, caches, head stride, windows
             *(ptr, i64, ptr, i64),  # block tables, their width, sequence lengths, block size
-            *(i64, i64, i64, i64, ctypes.c_float, ctypes.c_float),  # sizes, eps, scale
+            *(i64, i64, i64, i64, i64),  # heads, kv heads, head_dim, rotary_dim, intermediate
+            *(ctypes.c_float, ctypes.c_float),  # eps, scale
             *(ptr, ptr, i64, c_int),  # work, scores scratch, its row stride, threads
             *(ptr, ptr, i64, ptr, i64, ptr, ptr),  # the cascade's packs, rows, pos, work
         ]
@@ -213,7 +218,7 @@ def rms_norm(
 
 def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`apply_rotary` in place on bf16 x [T, heads, head_dim] (heads packed within a token's
-    row) and returned; cos, sin: bf16 tables at each token's position, [T, 1, head_dim]."""
+    row) and returned; cos, sin: bf16 tables at each token's position, [T, 1, rotary_dim]."""
     tokens, heads, dim = x.shape
     if (
         x.dtype != torch.bfloat16
@@ -222,9 +227,10 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
         or cos.dtype != torch.bfloat16
     ):
         return apply_rotary(x, cos, sin)
-    cos, sin = cos.reshape(tokens, dim).contiguous(), sin.reshape(tokens, dim).contiguous()
+    rot = cos.shape[-1]
+    cos, sin = cos.reshape(tokens, rot).contiguous(), sin.reshape(tokens, rot).contiguous()
     load_library().rotary_bf16(
-        *(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, dim, x.stride(0)),
+        *(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, dim, rot, x.stride(0)),
         torch.get_num_threads(),
     )
     return x

@@ -219,6 +219,7 @@ class LLMEngine:
                     detokenizer=detokenizer,
                     grammar=self._new_grammar(params),
                     budget_guard=self._new_budget_guard(params),
+                    long_rope=self.model_config.long_rope(len(ids)),
                 )
             )
         self.parents[request_id] = _Parent(

@@ -27,7 +27,7 @@ class FusedDecode:
         self.hidden = config.hidden_size
         self.intermediate = config.intermediate_size
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
+        self.head_dim, self.rotary_dim = config.head_dim, config.rotary_dim
         self.eps = config.rms_norm_eps
         linears = [self._linears(layer) for layer in model.layers]
         self.max_rows = min(lin.gemm_rows for layer in linears for lin in layer)
@@ -107,7 +107,8 @@ class FusedDecode:
             *(len(self.layers), self.weights.data_ptr(), k_ptrs.data_ptr(), v_ptrs.data_ptr()),
             *(kv_caches[0][0].stride(0), self.windows.data_ptr()),
             *(plan.block_tables.data_ptr(), plan.block_tables.shape[1], plan.seq_lens.data_ptr()),
-            *(block_size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate),
+            *(block_size, self.num_heads, self.num_kv_heads, self.head_dim, self.rotary_dim),
+            self.intermediate,
             *(self.eps, self.head_dim**-0.5, work.data_ptr()),
             *(plan.scratch.data_ptr(), plan.scratch.shape[1], plan.scratch.shape[0]),
             *cascade[0],

@@ -207,6 +207,10 @@ class ModelRunner:
                 logit_rows.append(qsl[-1] - 1)
                 sampling.append(i)
         pos = np.concatenate(positions)
+        rope_rows = pos
+        if any(request.long_rope for request, _ in scheduled):
+            long = np.repeat([scheduled[i][0].long_rope for i in order], np.diff(qsl))
+            rope_rows = self.model.rotary.rows(pos, long)
         tables_t = torch.from_numpy(tables)
         flat_rows = torch.from_numpy(
             tables[np.repeat(np.arange(len(order)), np.diff(qsl)), pos // bs]
@@ -225,7 +229,7 @@ class ModelRunner:
         self.backend.prepare(meta)
         logits = self.model(
             torch.tensor(ids, device=self.device),
-            torch.from_numpy(pos).to(self.device),
+            torch.from_numpy(rope_rows).to(self.device),
             self.kv_caches,
             self.backend,
             meta,

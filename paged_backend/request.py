@@ -43,7 +43,10 @@ class Request:
         detokenizer=None,
         grammar: GrammarMatcher | None = None,
         budget_guard: BudgetGuard | None = None,
+        long_rope: bool = False,
     ) -> None:
+        """`long_rope`: the sequence runs LongRoPE's long factors from its first token
+        (`ModelConfig.long_rope`)."""
         self.request_id = request_id
         self.parent_id = parent_id or request_id
         self.index = index
@@ -72,6 +75,7 @@ class Request:
         # guard keeps a completion within the tokens left (`completion`).
         self.grammar = grammar
         self.budget_guard = budget_guard
+        self.long_rope = long_rope
 
     @property
     def num_tokens(self) -> int:
@@ -96,12 +100,15 @@ class Request:
 
     def update_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Chained hashes of every full block: hash(i) = H(hash(i-1), tokens of block i), with
-        the cache salt in the first block's, so that it separates every later one too."""
+        the cache salt in the first block's, so that it separates every later one too; so does
+        LongRoPE's long mode, whose keys differ from those of the same tokens in short mode."""
         tokens = self.all_token_ids
         salt = self.params.cache_salt
+        first = (("cache_salt", salt),) if salt is not None else ()
+        first += (("rope", "long"),) if self.long_rope else ()
         for i in range(len(self.block_hashes), len(tokens) // block_size):
             parent = self.block_hashes[-1] if self.block_hashes else None
-            extra = (("cache_salt", salt),) if salt is not None and i == 0 else ()
+            extra = first if i == 0 else ()
             block = tokens[i * block_size : (i + 1) * block_size]
             self.block_hashes.append(hash_block_tokens(parent, block, extra))
         return self.block_hashes

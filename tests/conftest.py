@@ -93,6 +93,19 @@ def make_tiny_model(
     return path
 
 
+def longrope(rotary_dim: int, original: int = 16) -> dict:
+    """Phi-3 config fields for LongRoPE on heads that rotate `rotary_dim` dims: a short and a long
+    factor per frequency (the long ones far apart, so that the wrong set changes the tokens) and a
+    tiny original length, so that short prompts generate past it."""
+    n = rotary_dim // 2
+    scaling = {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.1 * i for i in range(n)],
+        "long_factor": [1.0 + 2.0 * i for i in range(n)],
+    }
+    return {"rope_scaling": scaling, "original_max_position_embeddings": original}
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory, default_model_path) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), default_model_path)

@@ -53,13 +53,16 @@ def test_silu_and_mul_gives_the_torch_values(rows):
 
 
 @needs_ops
+@pytest.mark.parametrize("rotary_dim", [64, 48], ids=["full", "partial"])
 @pytest.mark.parametrize("tokens", [1, 5, 100])
-def test_rotary_gives_the_torch_values_in_place(tokens):
-    """On the q/k heads of a fused qkv row (a strided view), as the model calls it."""
+def test_rotary_gives_the_torch_values_in_place(tokens, rotary_dim):
+    """On the q/k heads of a fused qkv row (a strided view), as the model calls it; a partial
+    rotary (Phi-4-mini) rotates each head's first `rotary_dim` dims and leaves the others."""
     torch.manual_seed(tokens)
     qkv = torch.randn(tokens, 12 * 64 + 3 * 64).to(BF16)
     positions = torch.randint(0, 4000, (tokens,))
-    freqs = torch.outer(positions.float(), 1.0 / 10000 ** (torch.arange(0, 64, 2) / 64))
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2) / rotary_dim)
+    freqs = torch.outer(positions.float(), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(BF16)[:, None], emb.sin().to(BF16)[:, None]
     qk = qkv[:, : 12 * 64].view(tokens, 12, 64)

@@ -5,7 +5,7 @@ sliding-window layers; other steps, and models it does not fit, run the modules.
 from __future__ import annotations
 
 import pytest
-from conftest import make_tiny_model
+from conftest import longrope, make_tiny_model
 
 from paged_backend import LLM, SamplingParams, cpu_ops
 from paged_backend.fused_decode import FusedDecode
@@ -38,10 +38,20 @@ def generate_counting(
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], fused
 
 
-@pytest.mark.parametrize("window", [None, 6])
-def test_fused_steps_give_the_modules_bits(tmp_path, default_model_path, monkeypatch, window):
-    architecture = "LlamaForCausalLM" if window is None else "MistralForCausalLM"
-    path = make_tiny_model(tmp_path, default_model_path, architecture, sliding_window=window)
+@pytest.mark.parametrize(
+    ("architecture", "overrides"),
+    [
+        ("LlamaForCausalLM", {}),
+        ("MistralForCausalLM", {"sliding_window": 6}),
+        # Phi-4-mini: a partial rotary, and LongRoPE tables past the original length (16).
+        ("Phi3ForCausalLM", {"partial_rotary_factor": 0.75, "pad_token_id": 0, **longrope(12)}),
+    ],
+    ids=["llama", "mistral-window", "phi4-mini"],
+)
+def test_fused_steps_give_the_modules_bits(
+    tmp_path, default_model_path, monkeypatch, architecture, overrides
+):
+    path = make_tiny_model(tmp_path, default_model_path, architecture, **overrides)
     llm = LLM(model=str(path), dtype="bfloat16", enable_prefix_caching=False, cpu_gemm_max_rows=64)
     model = llm.engine.runner.model
     assert model.fused_decode is not None

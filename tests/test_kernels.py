@@ -340,22 +340,21 @@ def test_rms_norm(dtype, with_residual):
         torch.testing.assert_close(got, want, **tol)
 
 
+@pytest.mark.parametrize("rotary_dim", [64, 48], ids=["full", "partial"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_rotary_embedding(dtype):
+def test_rotary_embedding(dtype, rotary_dim):
+    """A partial rotary (Phi-4-mini) rotates each head's first `rotary_dim` dims only."""
     gen = torch.Generator().manual_seed(0)
     head_dim = 64
-    inv_freq = 1.0 / 100000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    inv_freq = 1.0 / 100000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
     positions = torch.randint(0, 8192, (6,), generator=gen)
     freqs = torch.outer(positions.float(), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(DEVICE, dtype), emb.sin().to(DEVICE, dtype)
     x = torch.randn(6, 9, head_dim, generator=gen).to(DEVICE, dtype)
-    torch.testing.assert_close(
-        rotary_embedding(x, cos, sin),
-        rotary_embedding_ref(x, cos, sin),
-        atol=ATOL[dtype],
-        rtol=1e-2,
-    )
+    out = rotary_embedding(x, cos, sin)
+    torch.testing.assert_close(out, rotary_embedding_ref(x, cos, sin), atol=ATOL[dtype], rtol=1e-2)
+    assert torch.equal(out[..., rotary_dim:], x[..., rotary_dim:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)

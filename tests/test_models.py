@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TOKENIZER_FILES, make_tiny_model
+from conftest import TOKENIZER_FILES, longrope, make_tiny_model
 from safetensors.torch import load_file, save_file
 
 from paged_backend import LLM, SamplingParams, cpu_ops
@@ -50,6 +50,11 @@ GEMMA2 = {
     "attn_logit_softcapping": 2.0,
     "pad_token_id": 0,
 }
+# LongRoPE from an original length of 16: the second prompt (27 tokens) is longer, so it runs on
+# the long factors throughout, as transformers prefills it; the others (5 and 13 tokens) start on
+# the short factors and switch as they generate past 16. Phi-4-mini rotates 3/4 of each head.
+PHI3_LONGROPE = {"pad_token_id": 0, **longrope(16)}
+PHI4_MINI = {"pad_token_id": 0, "partial_rotary_factor": 0.75, **longrope(12)}
 ARCHITECTURES = [
     pytest.param("LlamaForCausalLM", {}, id="llama"),
     pytest.param("LlamaForCausalLM", {"tie_word_embeddings": True}, id="llama-tied"),
@@ -62,6 +67,11 @@ ARCHITECTURES = [
     pytest.param("Qwen2ForCausalLM", {"num_key_value_heads": 1}, id="qwen2-mqa"),
     pytest.param("Qwen3ForCausalLM", {"head_dim": 32}, id="qwen3"),
     pytest.param("Phi3ForCausalLM", {"pad_token_id": 0}, id="phi3"),
+    pytest.param("Phi3ForCausalLM", PHI3_LONGROPE, id="phi3-longrope"),
+    pytest.param(
+        "Phi3ForCausalLM", {"pad_token_id": 0, "partial_rotary_factor": 0.75}, id="phi3-partial"
+    ),
+    pytest.param("Phi3ForCausalLM", PHI4_MINI, id="phi4-mini"),
     pytest.param("Gemma3ForCausalLM", GEMMA3, id="gemma3"),
     pytest.param("Gemma2ForCausalLM", GEMMA2, id="gemma2"),
 ]
@@ -124,13 +134,67 @@ def test_greedy_matches_transformers(tmp_path, default_model_path, architecture,
     path = make_tiny_model(tmp_path, default_model_path, architecture, **overrides)
     perturb_vectors(path)
     config = ModelConfig.from_dir(path)
-    assert config.architecture == architecture
+    assert config.architecture == architecture and config.impl == "native"
     if "rope_scaling" in overrides:
         assert config.rope_scaling["rope_type"] == overrides["rope_scaling"]["rope_type"]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompt_ids, ours = our_greedy(path)
     for ids, tokens in zip(prompt_ids, ours, strict=True):
         assert tokens == hf_greedy(hf, ids, NUM_TOKENS)
+
+
+def test_phi3_rope_fields_in_the_checkpoints_layout(tmp_path, default_model_path):
+    """Phi-3.5/Phi-4-mini config.json as the hub checkpoints write it (`rope_scaling` by `type`,
+    the original length and the partial rotary factor at the top level) reads as transformers'
+    own layout does."""
+    path = make_tiny_model(tmp_path / "new", default_model_path, "Phi3ForCausalLM", **PHI4_MINI)
+    new = ModelConfig.from_dir(path, "native")
+    assert new.rotary_dim == 12 and new.long_rope_from == 16
+    raw = json.loads((path / "config.json").read_text())
+    rope = raw.pop("rope_parameters")
+    old = dict(
+        raw,
+        rope_theta=rope["rope_theta"],
+        partial_rotary_factor=0.75,
+        original_max_position_embeddings=16,
+        rope_scaling={
+            "type": "longrope",
+            "short_factor": rope["short_factor"],
+            "long_factor": rope["long_factor"],
+        },
+    )
+    path = clone_dir(path, tmp_path / "old")
+    (path / "config.json").write_text(json.dumps(old))
+    assert ModelConfig.from_dir(path, "native") == new
+
+
+def test_longrope_modes_hold_under_chunking_prefix_caching_and_preemption(
+    tmp_path, default_model_path
+):
+    """A prompt longer than LongRoPE's original length stays on the long factors when its prefill
+    is chunked and when a shorter prompt (on the short factors) has cached its first blocks: it
+    neither hits those blocks nor leaves its own to short prompts, and hits them itself when
+    asked again. Prompts of both kinds batched and preempted (recomputed past the original
+    length) keep theirs too. transformers' tokens every time."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(tmp_path, default_model_path, "Phi3ForCausalLM", **PHI3_LONGROPE)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    chunked = dict(model=str(path), dtype="float32", block_size=4, max_num_batched_tokens=8)
+    llm = LLM(num_kv_blocks=64, **chunked)
+    long_ids = llm.engine.tokenize(PROMPTS[1])
+    short_ids = long_ids[:12]
+    assert len(long_ids) > 16 >= len(short_ids)
+    for ids, cached in [(short_ids, 0), (long_ids, 0), (long_ids, 24), (short_ids, 8)]:
+        out = llm.generate(ids, params, use_tqdm=False)[0]
+        assert out.num_cached_tokens == cached
+        assert out.outputs[0].token_ids == hf_greedy(hf, ids, NUM_TOKENS)
+    tight = LLM(num_kv_blocks=20, **chunked)  # a sequence ends on 13 blocks: not three at once
+    outs = tight.generate(PROMPTS, params, use_tqdm=False)
+    assert tight.stats()["num_preemptions"] > 0
+    for out in outs:
+        assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, NUM_TOKENS)
 
 
 def test_sharded_checkpoint_loads_the_same(tmp_path, default_model_path):
@@ -171,6 +235,15 @@ def test_unsupported_rope_scaling_is_named(tmp_path, tiny_model):
         LLM(model=str(path), dtype="float32", num_kv_blocks=8, model_impl="native")
     with pytest.raises(ValueError, match=r"transformers cannot read .*factor"):
         LLM(model=str(path), dtype="float32", num_kv_blocks=8)  # yarn needs its factor
+
+
+def test_longrope_factors_of_the_wrong_length_are_refused(tmp_path, tiny_model):
+    """One factor per rotated frequency (head_dim 16: 8): transformers' Llama only warns."""
+    scaling = dict(longrope(16)["rope_scaling"], original_max_position_embeddings=16)
+    scaling["short_factor"] = scaling["short_factor"][:-1]
+    path = clone_dir(tiny_model, tmp_path / "m", config={"rope_scaling": scaling})
+    with pytest.raises(ValueError, match="short_factor needs 8 values"):
+        ModelConfig.from_dir(path, "native")
 
 
 @pytest.mark.parametrize("damage", ["truncated", "bad-header", "empty"])

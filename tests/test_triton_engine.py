@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import longrope, make_tiny_model
 
 from paged_backend import LLM, SamplingParams
 
@@ -28,8 +29,19 @@ def test_triton_backend_engine_matches_torch(tiny_model):
     assert runs["triton"] == runs["torch"]
 
 
-def test_fused_kernels_give_the_torch_ops_logits(tiny_model):
-    """RMSNorm, rotary and SiLU-and-mul as Triton kernels (what a GPU runs) match torch ops."""
+@pytest.mark.parametrize(
+    ("architecture", "overrides"),
+    [
+        ("LlamaForCausalLM", {}),
+        ("Phi3ForCausalLM", {"partial_rotary_factor": 0.75, "pad_token_id": 0, **longrope(12)}),
+    ],
+    ids=["llama", "phi4-mini"],
+)
+def test_fused_kernels_give_the_torch_ops_logits(
+    tmp_path, default_model_path, architecture, overrides
+):
+    """RMSNorm, rotary and SiLU-and-mul as Triton kernels (what a GPU runs) match torch ops, on
+    whole heads and on Phi-4-mini's partial rotary."""
     import torch
 
     from paged_backend.attention import AttentionMetadata, TorchAttention
@@ -37,6 +49,7 @@ def test_fused_kernels_give_the_torch_ops_logits(tiny_model):
     from paged_backend.model_loader import load_safetensors
     from paged_backend.models import LlamaForCausalLM
 
+    tiny_model = make_tiny_model(tmp_path, default_model_path, architecture, **overrides)
     config = ModelConfig.from_dir(tiny_model)
     tokens = torch.tensor([5, 17, 923, 4, 88, 1024, 7, 3])
     logits = []

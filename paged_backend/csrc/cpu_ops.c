@@ -69,14 +69,15 @@ void rms_norm_bf16(const bf16 *x, const bf16 *residual, const bf16 *weight, bf16
     }
 }
 
-/* Rotate-half rotary embedding, in place on `heads` heads of `dim` per token row:
- * x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), cos/sin [tokens, dim] in bf16. */
+/* Rotate-half rotary embedding, in place on the first `rot_dim` dims of `heads` heads of `dim`
+ * per token row (all of them but for a partial rotary), the rest left as they are:
+ * x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), cos/sin [tokens, rot_dim] in bf16. */
 void rotary_bf16(bf16 *x, const bf16 *cos, const bf16 *sin, int64_t tokens, int64_t heads,
-                 int64_t dim, int64_t x_stride, int threads) {
-    int64_t half = dim / 2;
+                 int64_t dim, int64_t rot_dim, int64_t x_stride, int threads) {
+    int64_t half = rot_dim / 2;
 #pragma omp parallel for num_threads(threads) if (tokens * heads * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t t = 0; t < tokens; t++) {
-        const bf16 *c = cos + t * dim, *s = sin + t * dim;
+        const bf16 *c = cos + t * rot_dim, *s = sin + t * rot_dim;
         for (int64_t h = 0; h < heads; h++) {
             bf16 *v = x + t * x_stride + h * dim;
             for (int64_t i = 0; i < half; i++) {
@@ -488,10 +489,10 @@ void decode_layers_bf16(bf16 *x, bf16 *residual, int64_t rows, int64_t hidden, c
                         int64_t cache_head_stride, const int64_t *windows,
                         const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
                         int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
-                        int64_t head_dim, int64_t intermediate, float eps, float scale,
-                        bf16 *work, float *scores, int64_t scores_stride, int threads,
-                        const int64_t *prefix_k, const int64_t *prefix_v, int64_t prefix_len,
-                        const int64_t *shared_rows, int64_t num_shared,
+                        int64_t head_dim, int64_t rot_dim, int64_t intermediate, float eps,
+                        float scale, bf16 *work, float *scores, int64_t scores_stride,
+                        int threads, const int64_t *prefix_k, const int64_t *prefix_v,
+                        int64_t prefix_len, const int64_t *shared_rows, int64_t num_shared,
                         const int32_t *prefix_pos, void *prefix_work) {
     int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     int64_t qkv_width = q_size + 2 * kv_size, group = num_heads / num_kv_heads;
@@ -513,7 +514,8 @@ void decode_layers_bf16(bf16 *x, bf16 *residual, int64_t rows, int64_t hidden, c
                           threads);
         }
         gemm_bf16(h, rows, hidden, (const bf16 *)w[1], qkv_width, hidden, qkv, 1, threads);
-        rotary_bf16(qkv, cos, sin, rows, num_heads + num_kv_heads, head_dim, qkv_width, threads);
+        rotary_bf16(qkv, cos, sin, rows, num_heads + num_kv_heads, head_dim, rot_dim, qkv_width,
+                    threads);
         int cascade = num_shared && prefix_k[l];
         if (cascade) {
             for (int64_t kh = 0; kh < num_kv_heads; kh++)

@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,7 +36,8 @@ from paged_backend.fused_decode import FusedDecode
 class Ops:
     """The elementwise pieces of a layer: torch ops, fused C ops (bf16 on CPU, see
     `paged_backend.cpu_ops`) or fused Triton kernels (GPU). `rms_norm(x, weight, eps, residual)`
-    with a residual returns (normed, x + residual); `rotary` may rotate its input in place;
+    with a residual returns (normed, x + residual); `rotary` rotates the first
+    `cos.shape[-1]` dims of each head (all but for a partial rotary), maybe in place;
     `act_and_mul` is the MLP's gated activation, act(gate) * up. `head_norm` normalizes q and k
     heads [T, heads, head_dim] (Qwen3, Gemma 3): the fused norms take rows [T, hidden] only."""
 
@@ -74,12 +76,16 @@ def norm_residual(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None)
     return (norm(x), x) if residual is None else norm(x, residual)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    )
+def rope_inv_freq(config: ModelConfig, long: bool = False) -> torch.Tensor:
+    """The rotated dims' inverse frequencies, scaled as `config.rope_scaling` says; LongRoPE's
+    divided by its short factors (its `long` ones)."""
+    dim = config.rotary_dim
+    powers = config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     scaling = config.rope_scaling
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        factors = scaling["long_factor" if long else "short_factor"]
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * powers)
+    inv_freq = 1.0 / powers
     if scaling is None:
         return inv_freq
     if scaling["rope_type"] == "linear":
@@ -97,18 +103,42 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, computed once; a step indexes them by position."""
+    """cos/sin tables of the rotated dims, a row for every position, computed once; a step
+    indexes them by each token's row (`rows`).
+
+    LongRoPE, as transformers runs it (its factors picked per forward call by the sequence
+    length, scaled by the attention factor): rows below the original length take the short
+    factors, later ones the long factors, so a sequence whose prompt fits switches for the tokens
+    past that length only, its earlier keys staying as they were cached. A sequence whose prompt
+    is longer (`ModelConfig.long_rope`) takes the long factors from its first token: its
+    positions before the original length read the extra rows after `max_len`."""
 
     def __init__(self, config: ModelConfig, max_len: int) -> None:
         super().__init__()
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(config))
+        self.max_len = max_len
+        self.long_from = config.long_rope_from
+        positions = torch.arange(max_len, dtype=torch.float32)
+        freqs = torch.outer(positions, rope_inv_freq(config))
+        scale = 1.0
+        if self.long_from is not None:
+            long = torch.outer(positions, rope_inv_freq(config, long=True))
+            past = (positions >= self.long_from)[:, None]
+            freqs = torch.cat((torch.where(past, long, freqs), long[: self.long_from]))
+            scale = config.rope_scaling["attention_factor"]
         emb = torch.cat((freqs, freqs), dim=-1)
         # Plain attributes, not buffers: `model.to(bf16)` must not round the tables.
-        self.cos, self.sin = emb.cos(), emb.sin()
+        self.cos, self.sin = emb.cos() * scale, emb.sin() * scale
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # [T, 1, head_dim] so they broadcast over heads.
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def rows(self, positions: np.ndarray, long: np.ndarray) -> np.ndarray:
+        """The table rows of tokens at `positions`, `long` where their sequence runs LongRoPE's
+        long factors throughout."""
+        if self.long_from is None:
+            return positions
+        return np.where(long & (positions < self.long_from), positions + self.max_len, positions)
+
+    def forward(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # [T, 1, rotary_dim] so they broadcast over heads.
+        return self.cos[rows].unsqueeze(1), self.sin[rows].unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -255,7 +285,8 @@ class LlamaForCausalLM(nn.Module):
         meta,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits (fp32) for the rows of `logits_indices` only: the rest are never sampled."""
+        """Logits (fp32) for the rows of `logits_indices` only: the rest are never sampled.
+        `positions`: each token's row in the rotary tables (`RotaryEmbedding.rows`)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
