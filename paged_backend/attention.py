@@ -227,7 +227,10 @@ class TorchAttention:
         self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device
     ) -> list[KVCache]:
         shape = (num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim)
-        cache = torch.zeros(shape, dtype=dtype, device=device)
+        if torch.device(device).type == "cpu":
+            cache = cpu_ops.zeros_on_huge_pages(shape, dtype)
+        else:
+            cache = torch.zeros(shape, dtype=dtype, device=device)
         return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]
 
     def __init__(

@@ -9,6 +9,8 @@ built."""
 from __future__ import annotations
 
 import platform
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -348,3 +350,22 @@ def test_capped_at_avx2_the_engine_runs_as_on_an_older_cpu(llm_fp32):
     assert not capped["bf16_kernels"] and capped["dtype"] == "torch.float32"
     params = SamplingParams(temperature=0, max_tokens=24)
     assert capped["texts"] == [o.outputs[0].text for o in llm_fp32.generate(prompts, params)]
+
+
+def _anon_huge_kb() -> int:
+    text = Path("/proc/self/smaps_rollup").read_text()
+    return int(re.search(r"AnonHugePages:\s+(\d+)", text)[1])
+
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(
+    not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here"
+)
+def test_the_kv_cache_lies_on_huge_pages():
+    """64 MiB of cache, zeroed, almost all of it on 2 MiB pages (its ends may not be aligned)."""
+    before = _anon_huge_kb()
+    cache = cpu_ops.zeros_on_huge_pages((32, 1024, 1024), torch.bfloat16)
+    assert not cache.any()
+    assert _anon_huge_kb() - before >= 60 * 1024
