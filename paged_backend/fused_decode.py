@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from paged_backend import cpu_ops
-from paged_backend.attention import AttentionMetadata, TorchAttention, _CDecode
+from paged_backend.attention import AttentionMetadata
+from paged_backend.torch_attention import CDecodePlan, TorchAttention
 
 
 class FusedDecode:
@@ -68,13 +69,13 @@ class FusedDecode:
                     return None
         return cls(model)
 
-    def plan(self, meta: AttentionMetadata, rows: int) -> _CDecode | None:
+    def plan(self, meta: AttentionMetadata, rows: int) -> CDecodePlan | None:
         """The step's decode plan when every layer's is the C decode kernel's (decodes only)
         and the GEMM copies serve this many rows: the global layers' (which holds the shared
         prefix, if any) where there are some."""
         if rows > self.max_rows:
             return None
-        if not all(isinstance(p, _CDecode) for p in meta.prepared.values()):
+        if not all(isinstance(p, CDecodePlan) for p in meta.prepared.values()):
             return None
         return meta.prepared.get(None) or next(iter(meta.prepared.values()))
 
@@ -84,7 +85,7 @@ class FusedDecode:
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        plan: _CDecode,
+        plan: CDecodePlan,
         backend: TorchAttention,
         block_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +116,7 @@ class FusedDecode:
         )
         return x, residual
 
-    def _cascade(self, plan: _CDecode, backend, kv_caches, block_size: int) -> tuple:
+    def _cascade(self, plan: CDecodePlan, backend, kv_caches, block_size: int) -> tuple:
         """The cascade's arguments for `decode_layers_bf16` (and the tensors they point into,
         kept alive by the caller): each global layer's packed prefix from the backend's kept
         copies, the shared rows, and work space; nothing without a shared prefix."""

@@ -9,13 +9,8 @@ import pytest
 import torch
 
 from paged_backend import cpu_ops
-from paged_backend.attention import (
-    AttentionMetadata,
-    TorchAttention,
-    _attend,
-    _attend_matmul,
-    _merge,
-)
+from paged_backend.attention import AttentionMetadata
+from paged_backend.torch_attention import TorchAttention, _attend, _attend_matmul, _merge
 
 KVH, GROUP, D = 3, 3, 32
 
@@ -142,7 +137,7 @@ def test_c_kernels_match_dense(seed, shared_blocks, decodes_only):
     cache = random_cache(gen, 300, 4, 64, torch.bfloat16)
     backend = TorchAttention(KVH * GROUP, KVH, c_decode=True, c_prefix=True)
     meta = run_and_check(backend, cache, seqs, tables, 4, gen, tol=(2e-2, 2e-2))
-    assert (type(meta.prepared[None]).__name__ == "_CDecode") == decodes_only
+    assert (type(meta.prepared[None]).__name__ == "CDecodePlan") == decodes_only
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -188,7 +183,7 @@ def test_soft_capped_scores_match_dense(seed, kernels):
                 *(backend, cache, seqs, tables, bs, gen, tol, layer_window, softcap)
             )
         if decodes_only:
-            assert (type(meta.prepared[None]).__name__ == "_CDecode") == c
+            assert (type(meta.prepared[None]).__name__ == "CDecodePlan") == c
         assert meta.prepared[None].shared is not None  # the cascade is under test too
     q, keys = 3 * torch.randn(4, KVH * GROUP, D), 3 * torch.randn(40, KVH, D)
     capped = dense_reference(q, keys, keys, 36, softcap=softcap)

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from paged_backend import LLM, SamplingParams, cpu_ops
-from paged_backend.attention import AttentionMetadata, TorchAttention, _CDecode
+from paged_backend.attention import AttentionMetadata
+from paged_backend.torch_attention import CDecodePlan, TorchAttention
 
 needs_ops = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
 BF16 = torch.bfloat16
@@ -148,7 +149,7 @@ def test_decode_attention_gives_the_torch_backends_output_and_cache(
         q, k, v, cache, meta = _decode_step(lens, bs, num_kv_heads, group, dim, packed_qkv, 0)
         backend = TorchAttention(num_kv_heads * group, num_kv_heads, c_decode=c_decode)
         backend.prepare(meta)
-        assert isinstance(meta.prepared[None], _CDecode) == c_decode
+        assert isinstance(meta.prepared[None], CDecodePlan) == c_decode
         outs.append(backend.forward(q, k, v, cache, meta))
         caches.append(cache)
     got, want = outs
@@ -166,16 +167,16 @@ def test_decode_attention_takes_every_step_of_decodes_only():
     for lens in ([5000, 4000], [10] * 40):
         *_, meta = _decode_step(lens, 16, 3, 3, 64, True, 0)
         TorchAttention(9, 3, c_decode=True).prepare(meta)
-        assert isinstance(meta.prepared[None], _CDecode) and meta.prepared[None].shared is None
+        assert isinstance(meta.prepared[None], CDecodePlan) and meta.prepared[None].shared is None
     for c_prefix in (False, True):
         *_, meta = _decode_step([20, 30], 4, 3, 3, 64, True, 0, shared_blocks=2)
         TorchAttention(9, 3, c_decode=True, c_prefix=c_prefix).prepare(meta)
         assert meta.prepared[None].shared is not None
-        assert isinstance(meta.prepared[None], _CDecode) == c_prefix
+        assert isinstance(meta.prepared[None], CDecodePlan) == c_prefix
     *_, meta = _decode_step([20, 30], 4, 3, 3, 64, True, 0)
     meta.num_decodes = 1  # the second sequence is a 1-token prefill chunk
     TorchAttention(9, 3, c_decode=True).prepare(meta)
-    assert not isinstance(meta.prepared[None], _CDecode)
+    assert not isinstance(meta.prepared[None], CDecodePlan)
 
 
 needs_prefix_attention = pytest.mark.skipif(
@@ -211,7 +212,7 @@ def test_prefix_attention_gives_the_torch_cascade_and_keeps_its_packing(
         backend = TorchAttention(2 * group, 2, c_decode=c_decode and c_prefix, c_prefix=c_prefix)
         step = _decode_step(lens, 4, 2, group, dim, True, 0, shared_blocks=8, sharing=sharing)
         outs.append(_cascade(backend, *step))
-        assert isinstance(step[-1].prepared[None], _CDecode) == (c_decode and c_prefix)
+        assert isinstance(step[-1].prepared[None], CDecodePlan) == (c_decode and c_prefix)
         copies = dict(backend.prefix_kv)
         again = _cascade(backend, *step)  # the same step again: same k/v, and the kept copy
         assert all(backend.prefix_kv[key] is kv for key, kv in copies.items())

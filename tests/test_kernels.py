@@ -30,7 +30,7 @@ if DEVICE == "cpu" and TRITON_IMPORTED_EARLIER:
         allow_module_level=True,
     )
 
-from paged_backend.attention import AttentionMetadata, TorchAttention  # noqa: E402
+from paged_backend.attention import AttentionMetadata  # noqa: E402
 from paged_backend.kernels.attention import unified_attention  # noqa: E402
 from paged_backend.kernels.backend import TritonAttention  # noqa: E402
 from paged_backend.kernels.cache import reshape_and_cache  # noqa: E402
@@ -42,6 +42,7 @@ from paged_backend.kernels.fused import (  # noqa: E402
     silu_and_mul,
     silu_and_mul_ref,
 )
+from paged_backend.torch_attention import TorchAttention  # noqa: E402
 
 ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
