@@ -139,6 +139,7 @@ def _decode_step(
         ([37, 5, 130], 4, 3, 3, 64, True),
         ([300, 17], 16, 2, 1, 128, False),
         ([64] * 4, 4, 1, 4, 16, True),
+        ([90, 15, 33], 4, 1, 8, 64, False),  # more query heads a kv head than PV keeps at once
     ],
 )
 def test_decode_attention_gives_the_torch_backends_output_and_cache(

@@ -142,6 +142,69 @@ static inline float dot_bf16(const bf16 *q, const bf16 *k, int64_t dim) {
     return sum;
 }
 
+#ifdef __AVX512BF16__
+/* The sums of 16 vectors' lanes, as one vector (lane j: the sum of a[j]), in 15 adds. */
+static inline __m512 hsum16(__m512 *a) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
+                         _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
+}
+
+/* acc[g][dim] = sum over the n keys t of p[g][t] * v_t (`p` = scores [group][n], V rows through
+ * the block table from key `first`), 64 dims and up to 6 query heads at a time in registers. */
+static void pv_avx512(const float *p, int64_t n, int64_t group, const bf16 *vc,
+                      const int32_t *table, int64_t first, int64_t block_size, int64_t dim,
+                      float *acc) {
+    for (int64_t c = 0; c < dim; c += 64)
+        for (int64_t g0 = 0; g0 < group; g0 += 6) {
+            int64_t gn = group - g0 < 6 ? group - g0 : 6;
+            __m512 a[6][4];
+            for (int g = 0; g < 6; g++)
+                for (int j = 0; j < 4; j++) a[g][j] = _mm512_setzero_ps();
+            for (int64_t t = 0; t < n; t++) {
+                int64_t key = first + t;
+                const bf16 *vr = vc + ((int64_t)table[key / block_size] * block_size + key % block_size) * dim + c;
+                __m512 v[4];
+                for (int j = 0; j < 4; j++)
+                    v[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + 16 * j))), 16));
+                for (int g = 0; g < 6; g++)
+                    if (g < gn) {
+                        __m512 w = _mm512_set1_ps(p[(g0 + g) * n + t]);
+                        for (int j = 0; j < 4; j++) a[g][j] = _mm512_fmadd_ps(w, v[j], a[g][j]);
+                    }
+            }
+            for (int g = 0; g < 6; g++)
+                if (g < gn)
+                    for (int j = 0; j < 4; j++)
+                        _mm512_storeu_ps(acc + (g0 + g) * dim + c + 16 * j, a[g][j]);
+        }
+}
+
+/* q . k for 16 keys at once (`dim` a multiple of 32, bf16 products, fp32 sums). */
+static inline __m512 dot16_bf16(const bf16 *q, const bf16 *const *k, int64_t dim) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dim; i += 32) {
+        __m512bh qv = (__m512bh)_mm512_loadu_si512(q + i);
+        for (int j = 0; j < 16; j++)
+            acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_loadu_si512(k[j] + i));
+    }
+    return hsum16(acc);
+}
+#endif
+
 /* One decode step of paged attention: for each sequence, write its new token's k/v into the
  * head-major caches [kv_heads, slots, dim] (slot = block * block_size + offset), then attend its
  * query heads over its `seq_lens[s]` tokens (fp32 scores and softmax, exact two-pass), out in
@@ -186,14 +249,33 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
             memcpy(kc + slot * dim, k + s * k_stride + h * dim, dim * sizeof(bf16));
             memcpy(vc + slot * dim, v + s * v_stride + h * dim, dim * sizeof(bf16));
             const bf16 *qh = q + s * q_stride + h * group * dim;
-            for (int64_t t = 0; t < n; t++) {
+            int64_t t0 = 0;
+#ifdef __AVX512BF16__
+            for (; dim % 32 == 0 && t0 + 16 <= n; t0 += 16) { /* 16 keys a vector of scores */
+                const bf16 *kr[16];
+                for (int j = 0; j < 16; j++) {
+                    int64_t key = first + t0 + j;
+                    int64_t at = ((int64_t)table[key / block_size] * block_size + key % block_size) * dim;
+                    kr[j] = kc + at;
+                    for (int64_t i = 0; i < dim; i += 32) _mm_prefetch((const char *)(vc + at + i), _MM_HINT_T0);
+                    int64_t next = key + 16; /* the next 16 keys' K rows, read next */
+                    if (next < len) {
+                        const bf16 *kn = kc + ((int64_t)table[next / block_size] * block_size + next % block_size) * dim;
+                        for (int64_t i = 0; i < dim; i += 32) _mm_prefetch((const char *)(kn + i), _MM_HINT_T0);
+                    }
+                }
+                for (int64_t g = 0; g < group; g++)
+                    _mm512_storeu_ps(sc + g * n + t0, _mm512_mul_ps(dot16_bf16(qh + g * dim, kr, dim),
+                                                                    _mm512_set1_ps(scale)));
+            }
+#endif
+            for (int64_t t = t0; t < n; t++) {
                 int64_t key = first + t;
                 const bf16 *kr = kc + ((int64_t)table[key / block_size] * block_size + key % block_size) * dim;
-                for (int64_t g = 0; g < group; g++) {
-                    float x = dot_bf16(qh + g * dim, kr, dim) * scale;
-                    sc[g * n + t] = softcap > 0.0f ? tanhf(x / softcap) * softcap : x;
-                }
+                for (int64_t g = 0; g < group; g++) sc[g * n + t] = dot_bf16(qh + g * dim, kr, dim) * scale;
             }
+            if (softcap > 0.0f)
+                for (int64_t i = 0; i < group * n; i++) sc[i] = tanhf(sc[i] / softcap) * softcap;
             for (int64_t g = 0; g < group; g++) {
                 float *sg = sc + g * n, m = sg[0], part[16] = {0};
                 for (int64_t t = 1; t < n; t++) m = sg[t] > m ? sg[t] : m;
@@ -204,6 +286,11 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
                 top[g] = m;
             }
             memset(acc, 0, sizeof acc);
+#ifdef __AVX512BF16__
+            if (dim % 64 == 0) {
+                pv_avx512(sc, n, group, vc, table, first, block_size, dim, acc);
+            } else
+#endif
             for (int64_t t = 0; t < n; t++) {
                 int64_t key = first + t;
                 const bf16 *vr = vc + ((int64_t)table[key / block_size] * block_size + key % block_size) * dim;
