@@ -99,11 +99,15 @@ class KVCacheManager:
         return max(num_computed - self.window + 1, 0) // self.block_size
 
     def _free_leading(self, table: list[KVCacheBlock | None], dead: int) -> None:
-        """Free the table's first `dead` blocks (those still held), last first."""
-        n = min(dead, len(table))
-        freed = [b for b in table[:n] if b is not None]
-        if freed:
-            table[:n] = [None] * n
+        """Free the table's first `dead` blocks (those still held), last first. Freed entries
+        always form a prefix of the table, so only the ones freed now are visited."""
+        end = min(dead, len(table))
+        start = end
+        while start > 0 and table[start - 1] is not None:
+            start -= 1
+        if start < end:
+            freed = table[start:end]
+            table[start:end] = [None] * (end - start)
             self.pool.free(reversed(freed))
 
     def free(self, request: Request) -> list[KVCacheBlock]:
