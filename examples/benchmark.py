@@ -2,7 +2,7 @@
 
 Workloads (default model, greedy, EOS ignored so every request makes the same number of tokens):
   rag       32 requests arriving together, sharing a ~900-token system prompt + retrieved context
-  distinct  32 requests arriving together, no shared prefix
+  distinct  32 requests arriving together, ~250-token prompts with no shared prefix
   single    one request at a time (decode speed of a single stream)
   chat      a many-turn chat: each turn's prompt extends the previous turn's prompt and answer
 Engines: ours; transformers one request at a time (what HuggingFacePipeline does; slow, so it
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import resource
 import statistics
@@ -103,15 +104,36 @@ def rag_prompts(tokenizer, n: int, context_tokens: int = 900) -> list[list[int]]
     ]
 
 
-def distinct_prompts(tokenizer, n: int) -> list[list[int]]:
-    # The user turn comes first so that no two prompts share a full block.
-    return [
-        tokenizer(
+NOTES = [
+    "Mention one fact a reader could check in a library.",
+    "Keep the sentences short and the tone friendly.",
+    "Explain one technical word the way a teacher would.",
+    "Give a date or a number where it helps the reader.",
+    "End with a question that invites the reader to learn more.",
+    "Avoid lists; write connected prose.",
+    "Compare the subject with something from everyday life.",
+    "Name one person or place linked to the subject.",
+    "Say why the subject matters to people today.",
+    "Do not repeat the title in the first sentence.",
+]
+
+
+def distinct_prompts(tokenizer, n: int, tokens: int = 250) -> list[list[int]]:
+    """`n` prompts of about `tokens` tokens each that share no block: the request's own header
+    comes first, then editor's notes in an order and with numbers of its own."""
+    prompts = []
+    for k in range(n):
+        text = (
             f"Request {k}: write a short paragraph about {TOPICS[k % len(TOPICS)]}, "
-            f"number {k}, for a school magazine.\nAnswer:"
-        ).input_ids
-        for k in range(n)
-    ]
+            f"number {k}, for a school magazine.\n"
+        )
+        order = random.Random(k).sample(range(len(NOTES)), len(NOTES))
+        j = 0
+        while len(tokenizer(text).input_ids) < tokens - 8:
+            text += f"Note {k}.{j}: {NOTES[order[j % len(NOTES)]]}\n"
+            j += 1
+        prompts.append(tokenizer(text + "Answer:").input_ids)
+    return prompts
 
 
 CHAT_TURNS = [
@@ -472,6 +494,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(
+        "--distinct-tokens", type=int, default=250, help="prompt length of the distinct workload"
+    )
+    parser.add_argument(
         "--hf-requests",
         type=int,
         default=3,
@@ -526,8 +551,8 @@ def main() -> None:
     run_chat.tokenizer = tok
     prompts = {
         "rag": rag_prompts(tok, args.requests),
-        "distinct": distinct_prompts(tok, args.requests),
-        "single": distinct_prompts(tok, 2),
+        "distinct": distinct_prompts(tok, args.requests, args.distinct_tokens),
+        "single": distinct_prompts(tok, 2, tokens=0),
         "chat": None,
     }
     peak = matmul_peak_gflops(ours.engine.runner.dtype)

@@ -148,6 +148,11 @@ def load_library() -> ctypes.CDLL | None:
             *(i64, i64, i64),  # causal: group, offset, window
             ctypes.c_float,  # soft-cap
         ]
+        lib.prefill_attention_bf16.argtypes = [
+            *(ptr, i64, i64, i64, i64, i64),  # q, its row stride, tokens, kv heads, group, dim
+            *(ptr, ptr, i64, ctypes.c_float, ptr, i64, ptr, c_int),  # packs ... threads
+            *(i64, i64, ctypes.c_float),  # offset, window, soft-cap
+        ]
         lib.decode_layers_bf16.argtypes = [
             *(ptr, ptr, i64, i64, ptr, ptr),  # x, residual, rows, hidden, cos, sin
             *(i64, ptr, ptr, ptr, i64, ptr),  # layers, weights, caches, head stride, windows
@@ -380,6 +385,35 @@ def prefix_attention(
         softcap or 0.0,
     )
     return out[:, :rows].contiguous(), lse[:, :rows].contiguous()
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    packed: tuple[torch.Tensor, torch.Tensor],
+    length: int,
+    offset: int,
+    out: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> None:
+    """Causal attention of a prefill chunk's bf16 queries q [tokens, heads, dim] (heads packed in
+    a row) over the `length` tokens of a `pack_prefix` (its context, then the chunk: token t sees
+    keys up to `offset + t`, with a `window` its last `window` of them), written in bf16 to `out`
+    [tokens, heads, dim] (heads packed in a row). `prefix_attention` with `causal` gives the
+    same values in fp32, with the queries regrouped by kv head first."""
+    tokens, heads, dim = q.shape
+    kp, vp = packed
+    num_kv_heads = kp.shape[0]
+    q = _heads_packed(q)
+    if out.stride(2) != 1 or out.stride(1) != dim:
+        raise ValueError("out must have each token's heads side by side")
+    threads = torch.get_num_threads()
+    work = torch.empty(threads, 6 * padded_length(length))
+    load_library().prefill_attention_bf16(
+        *(q.data_ptr(), q.stride(0), tokens, num_kv_heads, heads // num_kv_heads, dim),
+        *(kp.data_ptr(), vp.data_ptr(), length, dim**-0.5, out.data_ptr(), out.stride(0)),
+        *(work.data_ptr(), threads, offset, window or 0, softcap or 0.0),
+    )
 
 
 GEMM_MAX_ROWS = 64  # the most rows `gemm` takes (`kernel_choice` times it against oneDNN)

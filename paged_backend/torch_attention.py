@@ -361,7 +361,7 @@ class TorchAttention:
         # fp32 queries for the torch paths; with `c_prefix` only the decodes take one (the C
         # kernels read bf16), so a prefill's rows are not cast for nothing
         qf = (q[: meta.num_decodes] if self.c_prefix else q).float().view(-1, kvh, group, d)
-        out = torch.empty(num_tokens, kvh, group, d)
+        out = torch.empty(num_tokens, kvh, group, d, dtype=q.dtype)  # fp32 results round here
 
         def gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
             picked = cache.view(kvh, -1, bs, d).index_select(1, blocks)
@@ -404,6 +404,12 @@ class TorchAttention:
             n = p.end - p.start
             if self.c_prefix:  # bf16 queries over the chunk's packed keys, causal
                 packed = cpu_ops.pack_prefix(kv_cache, p.blocks, bs, p.num_keys)
+                if p.shared_pos is None:  # nothing to merge: straight into `out`, in bf16
+                    chunk = out[p.start : p.end].view(n, num_heads, d)
+                    chunk_q = q[p.start : p.end]
+                    args = (packed, p.num_keys, p.offset, chunk, prep.window, softcap)
+                    cpu_ops.prefill_attention(chunk_q, *args)
+                    continue
                 q_rows = _rows_first(q[p.start : p.end].view(n, kvh, group, d))[0]
                 causal = (group, p.offset, prep.window or 0)
                 o, lse = cpu_ops.prefix_attention(q_rows, packed, p.num_keys, causal, softcap)
@@ -433,4 +439,4 @@ class TorchAttention:
                 q_rows = _rows_first(qf[p.start : p.end])
                 o, lse = by_token(*_attend(q_rows, keys, vals, p.mask, scale, softcap), n)
             out[p.start : p.end] = o if p.shared_pos is None else with_shared(o, lse, p.shared_pos)
-        return out.view(num_tokens, num_heads, d).to(q.dtype)
+        return out.view(num_tokens, num_heads, d)

@@ -243,6 +243,40 @@ def test_prefix_attention_over_padded_keys_and_rows():
         torch.testing.assert_close(out, scores.softmax(-1) @ values, atol=1e-2, rtol=1e-2)
 
 
+@needs_prefix_attention
+@pytest.mark.parametrize(
+    ("tokens", "context", "group", "window", "softcap"),
+    [
+        (1, 0, 3, None, None),
+        (7, 0, 3, None, None),
+        (13, 22, 2, None, None),
+        (50, 30, 3, 16, None),
+        (9, 5, 4, None, 1.5),
+    ],
+)
+def test_prefill_attention_writes_prefix_attentions_values_token_major(
+    tokens, context, group, window, softcap
+):
+    """The token-major prefill kernel against `prefix_attention` (causal) over the same packed
+    keys, its rows regrouped by kv head and its fp32 output cast: the same bf16 values, for
+    chunks with and without cached context, off the 4-row tiles, windowed and soft-capped."""
+    gen = torch.Generator().manual_seed(tokens)
+    kv_heads, dim, length = 2, 64, context + tokens
+    k_cache, v_cache = (torch.randn(kv_heads, 256, dim, generator=gen).to(BF16) for _ in range(2))
+    blocks = torch.randperm(64, generator=gen)[: -(-length // 4)].int()
+    packed = cpu_ops.pack_prefix((k_cache, v_cache), blocks, 4, length)
+    # q as the model passes it: a view into wider rows (qkv), each token's heads side by side
+    rows = torch.randn(tokens, (kv_heads * group + 2) * dim, generator=gen).to(BF16)
+    q = rows[:, : kv_heads * group * dim].view(tokens, kv_heads * group, dim)
+    out = torch.full((tokens, kv_heads * group, dim), float("nan"), dtype=BF16)
+    cpu_ops.prefill_attention(q, packed, length, context, out, window, softcap)
+    by_head = q.reshape(tokens, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)
+    causal = (group, context, window or 0)
+    want, _ = cpu_ops.prefix_attention(by_head, packed, length, causal, softcap)
+    want = want.view(kv_heads, tokens, group, dim).permute(1, 0, 2, 3).reshape(out.shape)
+    assert torch.equal(out, want.to(BF16))
+
+
 def _ops_of(engine) -> tuple:
     layer = engine.runner.model.layers[0]
     return layer.input_layernorm.norm, layer.self_attn.rotary

@@ -60,8 +60,10 @@ void rms_norm_bf16(const bf16 *x, const bf16 *residual, const bf16 *weight, bf16
             }
         }
         float acc[16] = {0};
-        for (int64_t i = 0; i < dim; i += 16)
-            for (int k = 0; k < 16 && i + k < dim; k++) acc[k] += h[i + k] * h[i + k];
+        int64_t full = dim / 16 * 16; /* whole vectors first: a loop without branches vectorises */
+        for (int64_t i = 0; i < full; i += 16)
+            for (int k = 0; k < 16; k++) acc[k] += h[i + k] * h[i + k];
+        for (int64_t i = full; i < dim; i++) acc[i - full] += h[i] * h[i];
         float sum = 0.0f;
         for (int k = 0; k < 16; k++) sum += acc[k];
         float inv = 1.0f / sqrtf(sum / (float)dim + eps);
@@ -555,6 +557,40 @@ void prefix_attention_bf16(const bf16 *q, int64_t heads, int64_t rows, int64_t d
                          work + omp_get_thread_num() * 6 * padded);
         }
 }
+/* A prefill chunk's causal attention, token-major on both sides: the queries of `tokens` tokens,
+ * each token's `kv_heads * group` heads packed in a row of q (rows `q_stride` apart), over the
+ * `len` packed keys/values of its context then itself (`pack_prefix_bf16`), token t seeing keys
+ * up to `offset + t` (with `window` > 0, its last `window` of them); out in bf16, rows
+ * `out_stride` apart. The same arithmetic as prefix_attention_bf16 over `_rows_first` rows and a
+ * cast of its output to bf16, without those copies. `work` as for prefix_attention_bf16. */
+void prefill_attention_bf16(const bf16 *q, int64_t q_stride, int64_t tokens, int64_t kv_heads,
+                            int64_t group, int64_t dim, const bf16 *kp, const bf16 *vp,
+                            int64_t len, float scale, bf16 *out, int64_t out_stride, float *work,
+                            int threads, int64_t offset, int64_t window, float softcap) {
+    int64_t padded = (len + 31) / 32 * 32, rows = tokens * group;
+#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if (threads > 1)
+    for (int64_t h = 0; h < kv_heads; h++)
+        for (int64_t r = 0; r < rows; r += 4) {
+            bf16 qb[4 * dim]; /* rows r .. r + 3 of this kv head (the last repeated past the end) */
+            float ob[4 * dim], lb[4];
+            int64_t lows[4], limits[4], at[4];
+            for (int i = 0; i < 4; i++) {
+                int64_t row = r + i < rows ? r + i : rows - 1, t = row / group;
+                int64_t limit = offset + t + 1;
+                limits[i] = limit < len ? limit : len;
+                lows[i] = window > 0 && limit - window > 0 ? limit - window : 0;
+                at[i] = h * group + row % group; /* the row's query head */
+                memcpy(qb + i * dim, q + t * q_stride + at[i] * dim, dim * sizeof(bf16));
+            }
+            prefix_rows4(qb, kp + h * padded * dim, vp + h * padded * dim, padded, lows, limits,
+                         dim, scale, softcap, ob, lb, work + omp_get_thread_num() * 6 * padded);
+            for (int i = 0; i < 4 && r + i < rows; i++) {
+                bf16 *o = out + (r + i) / group * out_stride + at[i] * dim;
+                for (int64_t d = 0; d < dim; d++) o[d] = to_bf16(ob[i * dim + d]);
+            }
+        }
+}
+
 /* One decode step of a Llama-family decoder (no biases, no q/k norms) through all its layers:
  * the same ops in the same order as the modules run them (`paged_backend.fused_decode`), so the
  * same bits, without a Python call per op. `x` [rows][hidden] holds the embeddings and ends with
