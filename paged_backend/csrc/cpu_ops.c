@@ -349,21 +349,22 @@ static inline __m512 exp_nonpositive16(__m512 x) {
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), res);
 }
 
-/* out[m][n] = x[m] . w[n] for `ROWS` (<= 8) rows of x and the `NB` (1 or 2) blocks of 16 outputs
- * from block `nb`: up to 16 accumulators, each weight load feeding ROWS dot products. */
+/* out[m][n] = x[m] . w[n] for `ROWS` (<= 8) rows of x and the `NB` (1 to 3) blocks of 16 outputs
+ * from block `nb`: up to 24 accumulators, each weight load feeding ROWS dot products and each
+ * broadcast of x feeding NB (three blocks: a third fewer broadcasts a product than two). */
 static inline void gemm_tile(const bf16 *x, int64_t x_stride, const bf16 *wp, int64_t pairs,
                              int64_t n, int64_t nb, void *out, int out_bf16, const int ROWS,
                              const int NB) {
-    __m512 acc[8][2];
-    for (int i = 0; i < ROWS; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    const bf16 *w0 = wp + nb * pairs * 32, *w1 = w0 + pairs * 32;
+    __m512 acc[8][3];
+    for (int i = 0; i < ROWS; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+    const bf16 *w = wp + nb * pairs * 32;
     for (int64_t p = 0; p < pairs; p++) {
-        __m512bh wv0 = (__m512bh)_mm512_loadu_si512(w0 + p * 32);
-        __m512bh wv1 = NB > 1 ? (__m512bh)_mm512_loadu_si512(w1 + p * 32) : wv0;
+        __m512bh wv[3];
+        for (int j = 0; j < NB; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + (j * pairs + p) * 32);
         for (int i = 0; i < ROWS; i++) {
             __m512bh xb = (__m512bh)_mm512_set1_epi32(((const uint32_t *)(x + i * x_stride))[p]);
-            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xb, wv0);
-            if (NB > 1) acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xb, wv1);
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, wv[j]);
         }
     }
     for (int i = 0; i < ROWS; i++)
@@ -391,7 +392,7 @@ static inline void gemm_tile(const bf16 *x, int64_t x_stride, const bf16 *wp, in
 /* x [rows][k] (bf16, rows `x_stride` apart) times a weight [n][k] packed as [n/16][k/2][16][2]
  * (n a multiple of 16, k even): out [rows][n] in bf16 (`out_bf16`, rounded once) or fp32. Exact
  * bf16 products, fp32 sums, as oneDNN's bf16 linear. `threads` threads split the outputs; each
- * takes 32 at a time through all rows, 8 rows at a time, so the weight streams from memory
+ * takes 48 at a time through all rows, 8 rows at a time, so the weight streams from memory
  * once (at a few rows the step is a read of the weight at the memory's rate). */
 void gemm_bf16(const bf16 *x, int64_t rows, int64_t x_stride, const bf16 *wp, int64_t n,
                int64_t k, void *out, int out_bf16, int threads) {
@@ -400,11 +401,13 @@ void gemm_bf16(const bf16 *x, int64_t rows, int64_t x_stride, const bf16 *wp, in
     {
         int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();
         int64_t nb0 = blocks * t / parts, nb1 = blocks * (t + 1) / parts;
-        for (int64_t nb = nb0; nb < nb1; nb += 2)
+        for (int64_t nb = nb0; nb < nb1; nb += 3)
             for (int64_t r = 0; r < rows; r += 8) {
                 const bf16 *xr = x + r * x_stride;
                 void *o = (char *)out + r * n * elem;
-                if (nb + 1 < nb1) {
+                if (nb + 2 < nb1) {
+                    GEMM_TILE_ROWS(3)
+                } else if (nb + 1 < nb1) {
                     GEMM_TILE_ROWS(2)
                 } else {
                     GEMM_TILE_ROWS(1)
