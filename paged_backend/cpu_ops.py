@@ -130,6 +130,7 @@ def load_library() -> ctypes.CDLL | None:
     lib.rms_norm_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_float, c_int]
     lib.rotary_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, c_int]
     lib.silu_and_mul_bf16.argtypes = [ptr, ptr, i64, i64, c_int]
+    lib.store_kv_bf16.argtypes = [*(ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, c_int)]
     lib.decode_attention_bf16.argtypes = [
         *(ptr, ptr, ptr, i64, i64, i64),  # q, k, v and their row strides
         *(ptr, ptr, i64),  # the caches and their head stride
@@ -255,6 +256,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     threads = torch.get_num_threads()
     load_library().silu_and_mul_bf16(x.data_ptr(), out.data_ptr(), rows, dim, threads)
     return out
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    slots: torch.Tensor,
+) -> None:
+    """`cache.index_copy_(1, slots, x.transpose(0, 1))` for k and v [T, kv_heads, dim] into the
+    head-major bf16 caches [kv_heads, slots, dim], in one call (slots: int64, one a token)."""
+    k_cache, v_cache = kv_cache
+    k, v, slots = _heads_packed(k), _heads_packed(v), slots.contiguous()
+    tokens, kv_heads, dim = k.shape
+    load_library().store_kv_bf16(
+        *(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(), tokens),
+        *(kv_heads, dim, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0)),
+        torch.get_num_threads(),
+    )
 
 
 _HUGE_PAGE = 2 << 20

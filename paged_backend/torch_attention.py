@@ -353,8 +353,11 @@ class TorchAttention:
         k_cache, v_cache = kv_cache
         kvh, _, d = k_cache.shape
         bs = meta.block_size
-        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        if self.c_decode or self.c_prefix:  # bf16 caches, the C ops loaded
+            cpu_ops.store_kv(k, v, kv_cache, meta.slot_mapping)
+        else:
+            k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+            v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         num_tokens, num_heads, _ = q.shape
         group = num_heads // kvh
         scale = d**-0.5

@@ -180,6 +180,24 @@ def test_decode_attention_takes_every_step_of_decodes_only():
     assert not isinstance(meta.prepared[None], CDecodePlan)
 
 
+@needs_ops
+def test_store_kv_writes_what_index_copy_writes():
+    """A prefill chunk's k/v (views into qkv rows, as the model passes them) land in the
+    head-major caches at their slots exactly as two `index_copy_` calls put them."""
+    gen = torch.Generator().manual_seed(0)
+    tokens, kv_heads, dim = 37, 3, 64
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * dim, generator=gen).to(BF16)
+    k = qkv[:, 9 * dim : (9 + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (9 + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    slots = torch.randperm(200, generator=gen)[:tokens]
+    got = tuple(torch.randn(kv_heads, 200, dim, generator=gen).to(BF16) for _ in range(2))
+    want = tuple(c.clone() for c in got)
+    cpu_ops.store_kv(k, v, got, slots)
+    want[0].index_copy_(1, slots, k.transpose(0, 1))
+    want[1].index_copy_(1, slots, v.transpose(0, 1))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 needs_prefix_attention = pytest.mark.skipif(
     not cpu_ops.has_bf16_kernels(), reason="no AVX512-BF16 (or no C compiler)"
 )

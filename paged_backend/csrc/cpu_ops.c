@@ -112,6 +112,21 @@ static inline float exp_nonpositive(float x) {
     return y * two_n;
 }
 
+/* Write `tokens` tokens' keys and values (each token's `kv_heads` heads of `dim` side by side,
+ * rows `k_stride`/`v_stride` apart) into the head-major caches [kv_heads][slots][dim] (heads
+ * `cache_head_stride` apart) at `slots`: a prefill chunk's k/v in one pass. */
+void store_kv_bf16(const bf16 *k, const bf16 *v, int64_t k_stride, int64_t v_stride,
+                   const int64_t *slots, int64_t tokens, int64_t kv_heads, int64_t dim,
+                   bf16 *k_cache, bf16 *v_cache, int64_t cache_head_stride, int threads) {
+#pragma omp parallel for num_threads(threads) if (tokens * kv_heads * dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < kv_heads; h++) {
+            int64_t at = h * cache_head_stride + slots[t] * dim;
+            memcpy(k_cache + at, k + t * k_stride + h * dim, dim * sizeof(bf16));
+            memcpy(v_cache + at, v + t * v_stride + h * dim, dim * sizeof(bf16));
+        }
+}
+
 /* out = bf16(bf16(silu(gate)) * up) for rows [gate | up] of 2 * dim (as F.silu then *). */
 void silu_and_mul_bf16(const bf16 *x, bf16 *out, int64_t rows, int64_t dim, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows * dim >= PARALLEL_MIN_ELEMENTS)
