@@ -127,12 +127,63 @@ void store_kv_bf16(const bf16 *k, const bf16 *v, int64_t k_stride, int64_t v_str
         }
 }
 
-/* out = bf16(bf16(silu(gate)) * up) for rows [gate | up] of 2 * dim (as F.silu then *). */
+#ifdef __AVX512BF16__
+/* exp_nonpositive on 16 lanes: the same operations in the same order, so the same bits. */
+static inline __m512 exp_clamped16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), magic), magic);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+static inline __m512 load_bf16x16(const bf16 *p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* to_bf16 on 16 lanes, each result in the low half of its 32-bit lane: round to nearest even
+ * with denormals kept and NaN made 0x7fc0, as c10::BFloat16 (vcvtneps2bf16 flushes denormals). */
+static inline __m512i bf16_bits16(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+
+static inline __m512 round_bf16x16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(x), 16));
+}
+#endif
+
+/* out = bf16(bf16(silu(gate)) * up) for rows [gate | up] of 2 * dim (as F.silu then *); 16 lanes
+ * at a time where AVX-512 is there (the same arithmetic in the same order: the same bits). */
 void silu_and_mul_bf16(const bf16 *x, bf16 *out, int64_t rows, int64_t dim, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const bf16 *gate = x + r * 2 * dim, *up = gate + dim;
-        for (int64_t i = 0; i < dim; i++) {
+        int64_t i = 0;
+#ifdef __AVX512BF16__
+        const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+        for (; i + 16 <= dim; i += 16) {
+            __m512 g = load_bf16x16(gate + i);
+            __m512 e = exp_clamped16(_mm512_or_ps(g, sign)); /* exp(-|g|) */
+            __mmask16 positive = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+            __m512 sigmoid = _mm512_div_ps(_mm512_mask_blend_ps(positive, e, one), _mm512_add_ps(one, e));
+            __m512 y = _mm512_mul_ps(round_bf16x16(_mm512_mul_ps(g, sigmoid)), load_bf16x16(up + i));
+            _mm256_storeu_si256((__m256i *)(out + r * dim + i), _mm512_cvtepi32_epi16(bf16_bits16(y)));
+        }
+#endif
+        for (; i < dim; i++) {
             float g = to_f32(gate[i]), e = exp_nonpositive(-fabsf(g));
             float sigmoid = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
             out[r * dim + i] = to_bf16(round_bf16(g * sigmoid) * to_f32(up[i]));
@@ -346,20 +397,7 @@ int has_bf16_kernels(void) { return 1; }
 
 /* exp_nonpositive on 16 lanes (-inf gives 0). */
 static inline __m512 exp_nonpositive16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 magic = _mm512_set1_ps(12582912.0f);
-    __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504f), magic), magic);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    __m512 res = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+    __m512 res = exp_clamped16(x);
     /* exp(-87) is tiny but not 0: padding keys (-inf) must weigh exactly nothing */
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), res);
 }
