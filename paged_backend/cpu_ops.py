@@ -130,6 +130,7 @@ def load_library() -> ctypes.CDLL | None:
     lib.rms_norm_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_float, c_int]
     lib.rotary_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, c_int]
     lib.silu_and_mul_bf16.argtypes = [ptr, ptr, i64, i64, c_int]
+    lib.argmax_rows_f32.argtypes = [ptr, i64, i64, i64, ptr, c_int]
     lib.store_kv_bf16.argtypes = [*(ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, c_int)]
     lib.decode_attention_bf16.argtypes = [
         *(ptr, ptr, ptr, i64, i64, i64),  # q, k, v and their row strides
@@ -255,6 +256,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dim, dtype=x.dtype)
     threads = torch.get_num_threads()
     load_library().silu_and_mul_bf16(x.data_ptr(), out.data_ptr(), rows, dim, threads)
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` (int64) for fp32 CPU rows x [rows, n] with unit stride within a row
+    (torch's otherwise), vectorised and over the threads (`argmax_rows_f32`)."""
+    lib = load_library() if x.device.type == "cpu" else None
+    if lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or not x.numel():
+        return x.argmax(dim=-1)
+    rows, n = x.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    lib.argmax_rows_f32(x.data_ptr(), rows, n, x.stride(0), out.data_ptr(), torch.get_num_threads())
     return out
 
 

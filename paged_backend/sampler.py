@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_backend import cpu_ops
 from paged_backend.outputs import Logprob
 from paged_backend.request import Request
 from paged_backend.structured_output import GrammarCache, apply_grammar_bitmask
@@ -48,7 +49,7 @@ class Sampler:
             forced = [self._forced_token(requests[i]) for i in constrained]
             apply_grammar_bitmask(logits, constrained, matchers, forced)
         logits = self._adjust(logits, requests)
-        tokens = logits.argmax(dim=-1)
+        tokens = cpu_ops.argmax(logits)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
             tokens[random_rows] = self._sample(

@@ -182,6 +182,24 @@ def test_decode_attention_takes_every_step_of_decodes_only():
 
 
 @needs_ops
+@pytest.mark.parametrize(("rows", "n"), [(32, 49152), (1, 49152), (3, 7), (5, 16), (4, 17)])
+@pytest.mark.parametrize("kind", ["normal", "ties", "nan", "all -inf"])
+def test_argmax_gives_torchs_index(rows, n, kind):
+    """The sampler's greedy pick: torch.argmax's index, the first among equal values and the
+    first NaN where a row has one, over whole 16-lane vectors, a tail, and a row stride."""
+    gen = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, n + 3, generator=gen)[:, :n]  # rows 3 floats apart from their ends
+    if kind == "ties":
+        x = torch.randint(0, 3, (rows, n), generator=gen).float()
+    elif kind == "nan":
+        x[:, n // 2] = float("nan")
+        x[0, n - 1] = float("nan")
+    elif kind == "all -inf":
+        x = torch.full((rows, n), float("-inf"))
+    assert torch.equal(cpu_ops.argmax(x), x.argmax(dim=-1))
+
+
+@needs_ops
 def test_store_kv_writes_what_index_copy_writes():
     """A prefill chunk's k/v (views into qkv rows, as the model passes them) land in the
     head-major caches at their slots exactly as two `index_copy_` calls put them."""
