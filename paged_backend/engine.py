@@ -93,6 +93,7 @@ class LLMEngine:
             self.eos_token_ids,
             config.seed,
             self.grammars,
+            c_argmax=self.runner.c_ops,
         )
         self.parents: dict[str, _Parent] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside a step (aborts)

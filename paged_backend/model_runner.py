@@ -45,12 +45,13 @@ class ModelRunner:
         self.block_size = config.block_size
         backend = config.resolve_backend(self.device)
         ops = self._ops(config, backend)
-        bf16_kernels = ops == "cpu" and cpu_ops.has_bf16_kernels()
+        self.c_ops = ops == "cpu"  # the layers' elementwise ops and decode attention run in C
+        bf16_kernels = self.c_ops and cpu_ops.has_bf16_kernels()
         self.backend = get_backend(
             backend,
             model_config.num_heads,
             model_config.num_kv_heads,
-            c_decode=ops == "cpu" and model_config.head_dim % 16 == 0,
+            c_decode=self.c_ops and model_config.head_dim % 16 == 0,
             c_prefix=bf16_kernels and model_config.head_dim % 64 == 0,
             windows=model_config.layer_windows or (None,),
         )

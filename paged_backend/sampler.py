@@ -33,8 +33,12 @@ class Sampler:
         eos_token_ids: list[int],
         seed: int,
         grammars: GrammarCache | None = None,
+        c_argmax: bool = False,
     ) -> None:
+        """`c_argmax`: greedy picks through `cpu_ops.argmax` (where the engine runs the C ops:
+        torch's CPU argmax is a scalar loop on one thread)."""
         self.vocab_size = vocab_size
+        self.argmax = cpu_ops.argmax if c_argmax else lambda logits: logits.argmax(dim=-1)
         self.eos_token_ids = eos_token_ids
         self.grammars = grammars  # needed by requests with structured output only
         self.generator = torch.Generator().manual_seed(seed)
@@ -49,7 +53,7 @@ class Sampler:
             forced = [self._forced_token(requests[i]) for i in constrained]
             apply_grammar_bitmask(logits, constrained, matchers, forced)
         logits = self._adjust(logits, requests)
-        tokens = cpu_ops.argmax(logits)
+        tokens = self.argmax(logits)
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
             tokens[random_rows] = self._sample(

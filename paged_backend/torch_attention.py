@@ -408,10 +408,15 @@ class TorchAttention:
             if self.c_prefix:  # bf16 queries over the chunk's packed keys, causal
                 packed = cpu_ops.pack_prefix(kv_cache, p.blocks, bs, p.num_keys)
                 if p.shared_pos is None:  # nothing to merge: straight into `out`, in bf16
-                    chunk = out[p.start : p.end].view(n, num_heads, d)
-                    chunk_q = q[p.start : p.end]
-                    args = (packed, p.num_keys, p.offset, chunk, prep.window, softcap)
-                    cpu_ops.prefill_attention(chunk_q, *args)
+                    cpu_ops.prefill_attention(
+                        q[p.start : p.end],
+                        packed,
+                        p.num_keys,
+                        p.offset,
+                        out[p.start : p.end].view(n, num_heads, d),
+                        prep.window,
+                        softcap,
+                    )
                     continue
                 q_rows = _rows_first(q[p.start : p.end].view(n, kvh, group, d))[0]
                 causal = (group, p.offset, prep.window or 0)

@@ -328,6 +328,8 @@ def test_bf16_engines_use_the_ops_and_match_torch_ops(tiny_model, one_thread):
     assert _ops_of(fused.engine) == (cpu_ops.rms_norm, cpu_ops.rotary_embedding)
     assert _ops_of(plain.engine) == (cpu_ops.torch_rms_norm, cpu_ops.apply_rotary)
     assert fused.engine.runner.backend.c_decode and not plain.engine.runner.backend.c_decode
+    assert fused.engine.sampler.argmax is cpu_ops.argmax  # greedy picks too, only with the ops
+    assert plain.engine.sampler.argmax is not cpu_ops.argmax
     params = SamplingParams(temperature=0, max_tokens=2, logprobs=5)
     prompts = [[1, 5, 17, 923, 4, 88, 1024, 7, 3], [1, 400, 33, 2048]]
     for got, want in zip(
