@@ -360,11 +360,22 @@ def test_without_a_compiler_engines_keep_torch_ops(tiny_model, one_thread, tmp_p
         cpu_ops.load_library.cache_clear()
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 baseline build")
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 builds")
+@pytest.mark.parametrize(
+    ("arch", "needs"),
+    [
+        ("x86-64", set()),
+        # AVX-512 without its bf16 dot products (Skylake-X, Ice Lake): the AVX-512 paths of the
+        # elementwise ops build, the bf16 kernels do not
+        ("skylake-avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}),
+    ],
+)
 def test_a_build_without_avx512_bf16_has_the_other_ops_but_not_prefix_attention(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, arch, needs
 ):
-    monkeypatch.setattr(cpu_ops, "FLAGS", ["-O3", "-march=x86-64", "-shared", "-fPIC"])
+    if not needs <= set(cpu_ops._cpu_flags().split()):
+        pytest.skip(f"this CPU cannot run a {arch} build")
+    monkeypatch.setattr(cpu_ops, "FLAGS", ["-O3", f"-march={arch}", "-shared", "-fPIC"])
     monkeypatch.setenv("PAGED_BACKEND_CACHE", str(tmp_path))
     cpu_ops.load_library.cache_clear()
     try:
@@ -372,6 +383,8 @@ def test_a_build_without_avx512_bf16_has_the_other_ops_but_not_prefix_attention(
         x, weight = torch.randn(3, 64).to(BF16), torch.rand(64).to(BF16)
         got, want = cpu_ops.rms_norm(x, weight, 1e-6), cpu_ops.torch_rms_norm(x, weight, 1e-6)
         assert _bf16_ulps(got, want).max() <= 1
+        logits = torch.randn(4, 1000)
+        assert torch.equal(cpu_ops.argmax(logits), logits.argmax(dim=-1))
     finally:
         cpu_ops.load_library.cache_clear()
 

@@ -10,7 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#ifdef __AVX512BF16__
+#ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 #ifdef _OPENMP
@@ -274,6 +274,40 @@ static inline __m512 hsum16(__m512 *a) {
                          _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
 }
 
+/* acc[g][c .. c + 63] += sum over the n keys t of p[g][t] * v_t[c .. c + 63] for GN (1 to 6) query
+ * heads. Each 32-bit lane of a V load holds dims 2i (low half) and 2i + 1 (high half), each a
+ * bf16 whose fp32 value is those 16 bits shifted up: a shift and a mask make the even and odd
+ * dims' vectors, which the accumulators keep apart until the end. */
+static inline void pv_rows(const float *p, int64_t n, const bf16 *vc, const int32_t *table,
+                           int64_t first, int64_t block_size, int64_t dim, int64_t c, float *acc,
+                           const int GN) {
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 a[6][4];
+    for (int g = 0; g < GN; g++)
+        for (int j = 0; j < 4; j++) a[g][j] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t++) {
+        int64_t key = first + t;
+        const bf16 *vr = vc + ((int64_t)table[key / block_size] * block_size + key % block_size) * dim + c;
+        __m512i lo = _mm512_loadu_si512(vr), hi = _mm512_loadu_si512(vr + 32);
+        __m512 v[4] = {_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)),
+                       _mm512_castsi512_ps(_mm512_and_si512(lo, high)),
+                       _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)),
+                       _mm512_castsi512_ps(_mm512_and_si512(hi, high))};
+        for (int g = 0; g < GN; g++) {
+            __m512 w = _mm512_set1_ps(p[g * n + t]);
+            for (int j = 0; j < 4; j++) a[g][j] = _mm512_fmadd_ps(w, v[j], a[g][j]);
+        }
+    }
+    const __m512i first16 = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i last16 = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int g = 0; g < GN; g++)
+        for (int h = 0; h < 2; h++) { /* even and odd dims back in order */
+            float *o = acc + g * dim + c + 32 * h;
+            _mm512_storeu_ps(o, _mm512_permutex2var_ps(a[g][2 * h], first16, a[g][2 * h + 1]));
+            _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(a[g][2 * h], last16, a[g][2 * h + 1]));
+        }
+}
+
 /* acc[g][dim] = sum over the n keys t of p[g][t] * v_t (`p` = scores [group][n], V rows through
  * the block table from key `first`), 64 dims and up to 6 query heads at a time in registers. */
 static void pv_avx512(const float *p, int64_t n, int64_t group, const bf16 *vc,
@@ -281,27 +315,16 @@ static void pv_avx512(const float *p, int64_t n, int64_t group, const bf16 *vc,
                       float *acc) {
     for (int64_t c = 0; c < dim; c += 64)
         for (int64_t g0 = 0; g0 < group; g0 += 6) {
-            int64_t gn = group - g0 < 6 ? group - g0 : 6;
-            __m512 a[6][4];
-            for (int g = 0; g < 6; g++)
-                for (int j = 0; j < 4; j++) a[g][j] = _mm512_setzero_ps();
-            for (int64_t t = 0; t < n; t++) {
-                int64_t key = first + t;
-                const bf16 *vr = vc + ((int64_t)table[key / block_size] * block_size + key % block_size) * dim + c;
-                __m512 v[4];
-                for (int j = 0; j < 4; j++)
-                    v[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + 16 * j))), 16));
-                for (int g = 0; g < 6; g++)
-                    if (g < gn) {
-                        __m512 w = _mm512_set1_ps(p[(g0 + g) * n + t]);
-                        for (int j = 0; j < 4; j++) a[g][j] = _mm512_fmadd_ps(w, v[j], a[g][j]);
-                    }
+            const float *pg = p + g0 * n;
+            float *ag = acc + g0 * dim;
+            switch (group - g0 < 6 ? group - g0 : 6) {
+            case 1: pv_rows(pg, n, vc, table, first, block_size, dim, c, ag, 1); break;
+            case 2: pv_rows(pg, n, vc, table, first, block_size, dim, c, ag, 2); break;
+            case 3: pv_rows(pg, n, vc, table, first, block_size, dim, c, ag, 3); break;
+            case 4: pv_rows(pg, n, vc, table, first, block_size, dim, c, ag, 4); break;
+            case 5: pv_rows(pg, n, vc, table, first, block_size, dim, c, ag, 5); break;
+            default: pv_rows(pg, n, vc, table, first, block_size, dim, c, ag, 6); break;
             }
-            for (int g = 0; g < 6; g++)
-                if (g < gn)
-                    for (int j = 0; j < 4; j++)
-                        _mm512_storeu_ps(acc + (g0 + g) * dim + c + 16 * j, a[g][j]);
         }
 }
 
@@ -317,6 +340,38 @@ static inline __m512 dot16_bf16(const bf16 *q, const bf16 *const *k, int64_t dim
     return hsum16(acc);
 }
 #endif
+
+/* The largest of x[0..n-1] as the loop m = x[t] > m ? x[t] : m from m = x[0] finds it (NaN only
+ * where x[0] is NaN), 16 lanes at a time: that loop's chain of compares ran at one a cycle. */
+static inline float max_scores(const float *x, int64_t n) {
+    float m = x[0];
+    int64_t t = 1;
+#ifdef __AVX512F__
+    if (n >= 17) {
+        __m512 mv = _mm512_set1_ps(m);
+        for (; t + 16 <= n; t += 16) {
+            __m512 v = _mm512_loadu_ps(x + t);
+            mv = _mm512_mask_mov_ps(mv, _mm512_cmp_ps_mask(v, mv, _CMP_GT_OQ), v);
+        }
+        float lanes[16];
+        _mm512_storeu_ps(lanes, mv);
+        for (int j = 0; j < 16; j++) m = lanes[j] > m ? lanes[j] : m;
+    }
+#endif
+    for (; t < n; t++) m = x[t] > m ? x[t] : m;
+    return m;
+}
+
+/* part[j] += the sum of x[t] over t = j mod 16, t < n, in the order of t: 16 lanes at a time. */
+static inline void sum_lanes16(const float *x, int64_t n, float *part) {
+    int64_t t = 0;
+#ifdef __AVX512F__
+    __m512 acc = _mm512_loadu_ps(part);
+    for (; t + 16 <= n; t += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + t));
+    _mm512_storeu_ps(part, acc);
+#endif
+    for (; t < n; t++) part[t & 15] += x[t];
+}
 
 /* One decode step of paged attention: for each sequence, write its new token's k/v into the
  * head-major caches [kv_heads, slots, dim] (slot = block * block_size + offset), then attend its
@@ -390,10 +445,9 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
             if (softcap > 0.0f)
                 for (int64_t i = 0; i < group * n; i++) sc[i] = tanhf(sc[i] / softcap) * softcap;
             for (int64_t g = 0; g < group; g++) {
-                float *sg = sc + g * n, m = sg[0], part[16] = {0};
-                for (int64_t t = 1; t < n; t++) m = sg[t] > m ? sg[t] : m;
+                float *sg = sc + g * n, m = max_scores(sg, n), part[16] = {0};
                 for (int64_t t = 0; t < n; t++) sg[t] = exp_nonpositive(sg[t] - m);
-                for (int64_t t = 0; t < n; t++) part[t & 15] += sg[t];
+                sum_lanes16(sg, n, part);
                 total[g] = 0.0f;
                 for (int j = 0; j < 16; j++) total[g] += part[j];
                 top[g] = m;
