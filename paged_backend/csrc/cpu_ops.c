@@ -38,6 +38,25 @@ static inline bf16 to_bf16(float f) { /* round to nearest even, as c10::BFloat16
 
 static inline float round_bf16(float f) { return to_f32(to_bf16(f)); }
 
+/* The cache slot of token `key` through a block table: block * block_size + offset, without a
+ * division where block_size is a power of two (decode attention asks once per key it reads). */
+static inline int64_t slot_of(const int32_t *table, int64_t key, int64_t block_size) {
+    if ((block_size & (block_size - 1)) == 0) {
+        int shift = __builtin_ctzll((unsigned long long)block_size);
+        return ((int64_t)table[key >> shift] << shift) | (key & (block_size - 1));
+    }
+    return (int64_t)table[key / block_size] * block_size + key % block_size;
+}
+
+/* The keys a decode thread reads next (its next sequence and kv head): `n` K rows from key
+ * `first` through `table`, in the cache `k`. Their first lines are fetched while the current
+ * pair's P.V computes, so that reading memory and arithmetic overlap. */
+typedef struct {
+    const bf16 *k;
+    const int32_t *table;
+    int64_t first, n;
+} next_keys;
+
 /* Row loops of the elementwise ops split over `threads` threads once a step has this many
  * elements: below it, waking the other thread costs more than it saves. */
 #define PARALLEL_MIN_ELEMENTS (1 << 15)
@@ -280,15 +299,20 @@ static inline __m512 hsum16(__m512 *a) {
  * dims' vectors, which the accumulators keep apart until the end. */
 static inline void pv_rows(const float *p, int64_t n, const bf16 *vc, const int32_t *table,
                            int64_t first, int64_t block_size, int64_t dim, int64_t c, float *acc,
-                           const int GN) {
+                           const next_keys *next, const int GN) {
+    int64_t ahead = next ? next->n : 0;
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
     __m512 a[6][4];
     for (int g = 0; g < GN; g++)
         for (int j = 0; j < 4; j++) a[g][j] = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; t++) {
         int64_t key = first + t;
-        const bf16 *vr = vc + ((int64_t)table[key / block_size] * block_size + key % block_size) * dim + c;
+        const bf16 *vr = vc + (slot_of(table, key, block_size)) * dim + c;
         __m512i lo = _mm512_loadu_si512(vr), hi = _mm512_loadu_si512(vr + 32);
+        if (t < ahead) {
+            const bf16 *kn = next->k + slot_of(next->table, next->first + t, block_size) * dim;
+            for (int64_t i = 0; i < dim; i += 32) _mm_prefetch((const char *)(kn + i), _MM_HINT_T1);
+        }
         __m512 v[4] = {_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)),
                        _mm512_castsi512_ps(_mm512_and_si512(lo, high)),
                        _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)),
@@ -312,18 +336,19 @@ static inline void pv_rows(const float *p, int64_t n, const bf16 *vc, const int3
  * the block table from key `first`), 64 dims and up to 6 query heads at a time in registers. */
 static void pv_avx512(const float *p, int64_t n, int64_t group, const bf16 *vc,
                       const int32_t *table, int64_t first, int64_t block_size, int64_t dim,
-                      float *acc) {
+                      float *acc, const next_keys *next_pair) {
     for (int64_t c = 0; c < dim; c += 64)
         for (int64_t g0 = 0; g0 < group; g0 += 6) {
             const float *pg = p + g0 * n;
             float *ag = acc + g0 * dim;
+            const next_keys *next = c == 0 && g0 == 0 ? next_pair : NULL;
             switch (group - g0 < 6 ? group - g0 : 6) {
-            case 1: pv_rows(pg, n, vc, table, first, block_size, dim, c, ag, 1); break;
-            case 2: pv_rows(pg, n, vc, table, first, block_size, dim, c, ag, 2); break;
-            case 3: pv_rows(pg, n, vc, table, first, block_size, dim, c, ag, 3); break;
-            case 4: pv_rows(pg, n, vc, table, first, block_size, dim, c, ag, 4); break;
-            case 5: pv_rows(pg, n, vc, table, first, block_size, dim, c, ag, 5); break;
-            default: pv_rows(pg, n, vc, table, first, block_size, dim, c, ag, 6); break;
+            case 1: pv_rows(pg, n, vc, table, first, block_size, dim, c, ag, next, 1); break;
+            case 2: pv_rows(pg, n, vc, table, first, block_size, dim, c, ag, next, 2); break;
+            case 3: pv_rows(pg, n, vc, table, first, block_size, dim, c, ag, next, 3); break;
+            case 4: pv_rows(pg, n, vc, table, first, block_size, dim, c, ag, next, 4); break;
+            case 5: pv_rows(pg, n, vc, table, first, block_size, dim, c, ag, next, 5); break;
+            default: pv_rows(pg, n, vc, table, first, block_size, dim, c, ag, next, 6); break;
             }
         }
 }
@@ -373,6 +398,15 @@ static inline void sum_lanes16(const float *x, int64_t n, float *part) {
     for (; t < n; t++) part[t & 15] += x[t];
 }
 
+/* The first key sequence s attends over in a decode step: 0, or past a shared prefix (cascade),
+ * or its window's first. */
+static inline int64_t first_key(int64_t s, const int32_t *seq_lens, const int32_t *prefix_pos,
+                                int64_t prefix_len, int64_t window) {
+    int64_t first = prefix_pos && prefix_pos[s] >= 0 ? prefix_len : 0;
+    if (window > 0 && seq_lens[s] - window > first) first = seq_lens[s] - window;
+    return first;
+}
+
 /* One decode step of paged attention: for each sequence, write its new token's k/v into the
  * head-major caches [kv_heads, slots, dim] (slot = block * block_size + offset), then attend its
  * query heads over its `seq_lens[s]` tokens (fp32 scores and softmax, exact two-pass), out in
@@ -400,19 +434,40 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
                            const int32_t *prefix_pos, int64_t prefix_len, const float *prefix_out,
                            const float *prefix_lse, int64_t prefix_rows, int64_t window,
                            float softcap) {
-    int64_t group = num_heads / num_kv_heads;
-#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if (threads > 1)
-    for (int64_t s = 0; s < num_seqs; s++) {
-        for (int64_t h = 0; h < num_kv_heads; h++) {
+    int64_t group = num_heads / num_kv_heads, pairs = num_seqs * num_kv_heads;
+    int64_t work = 0; /* keys read over all (sequence, kv head) pairs, plus a pair's fixed cost */
+    for (int64_t s = 0; s < num_seqs; s++)
+        work += (seq_lens[s] - first_key(s, seq_lens, prefix_pos, prefix_len, window) + 16) * num_kv_heads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        /* Each thread takes a run of pairs with an equal share of the keys, in order, so that it
+         * knows the pair it reads next and fetches its keys during this one's arithmetic. */
+        int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
+        int64_t lo = work * me / parts, hi = work * (me + 1) / parts, done = 0, p0 = pairs, p1 = pairs;
+        for (int64_t p = 0; p < pairs; p++) {
+            int64_t s = p / num_kv_heads;
+            if (done >= lo && p0 == pairs) p0 = p;
+            if (done >= hi) { p1 = p; break; }
+            done += seq_lens[s] - first_key(s, seq_lens, prefix_pos, prefix_len, window) + 16;
+        }
+        for (int64_t p = p0; p < p1; p++) {
+            int64_t s = p / num_kv_heads, h = p % num_kv_heads;
             float acc[group * dim], total[group], top[group];
-            float *sc = scores + omp_get_thread_num() * scores_stride;
+            float *sc = scores + me * scores_stride;
             const int32_t *table = block_tables + s * max_blocks;
             int64_t len = seq_lens[s], pos = len - 1;
             int cascade = prefix_pos && prefix_pos[s] >= 0;
-            int64_t first = cascade ? prefix_len : 0;
-            if (window > 0 && len - window > first) first = len - window;
+            int64_t first = first_key(s, seq_lens, prefix_pos, prefix_len, window);
             int64_t n = len - first;
-            int64_t slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
+            next_keys next = {0};
+            if (p + 1 < p1) {
+                int64_t ns = (p + 1) / num_kv_heads;
+                next.k = k_cache + (p + 1) % num_kv_heads * cache_head_stride;
+                next.table = block_tables + ns * max_blocks;
+                next.first = first_key(ns, seq_lens, prefix_pos, prefix_len, window);
+                next.n = seq_lens[ns] - next.first;
+            }
+            int64_t slot = slot_of(table, pos, block_size);
             bf16 *kc = k_cache + h * cache_head_stride, *vc = v_cache + h * cache_head_stride;
             memcpy(kc + slot * dim, k + s * k_stride + h * dim, dim * sizeof(bf16));
             memcpy(vc + slot * dim, v + s * v_stride + h * dim, dim * sizeof(bf16));
@@ -423,12 +478,12 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
                 const bf16 *kr[16];
                 for (int j = 0; j < 16; j++) {
                     int64_t key = first + t0 + j;
-                    int64_t at = ((int64_t)table[key / block_size] * block_size + key % block_size) * dim;
+                    int64_t at = (slot_of(table, key, block_size)) * dim;
                     kr[j] = kc + at;
                     for (int64_t i = 0; i < dim; i += 32) _mm_prefetch((const char *)(vc + at + i), _MM_HINT_T0);
                     int64_t next = key + 16; /* the next 16 keys' K rows, read next */
                     if (next < len) {
-                        const bf16 *kn = kc + ((int64_t)table[next / block_size] * block_size + next % block_size) * dim;
+                        const bf16 *kn = kc + (slot_of(table, next, block_size)) * dim;
                         for (int64_t i = 0; i < dim; i += 32) _mm_prefetch((const char *)(kn + i), _MM_HINT_T0);
                     }
                 }
@@ -439,7 +494,7 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
 #endif
             for (int64_t t = t0; t < n; t++) {
                 int64_t key = first + t;
-                const bf16 *kr = kc + ((int64_t)table[key / block_size] * block_size + key % block_size) * dim;
+                const bf16 *kr = kc + (slot_of(table, key, block_size)) * dim;
                 for (int64_t g = 0; g < group; g++) sc[g * n + t] = dot_bf16(qh + g * dim, kr, dim) * scale;
             }
             if (softcap > 0.0f)
@@ -455,12 +510,12 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
             memset(acc, 0, sizeof acc);
 #ifdef __AVX512BF16__
             if (dim % 64 == 0) {
-                pv_avx512(sc, n, group, vc, table, first, block_size, dim, acc);
+                pv_avx512(sc, n, group, vc, table, first, block_size, dim, acc, &next);
             } else
 #endif
             for (int64_t t = 0; t < n; t++) {
                 int64_t key = first + t;
-                const bf16 *vr = vc + ((int64_t)table[key / block_size] * block_size + key % block_size) * dim;
+                const bf16 *vr = vc + (slot_of(table, key, block_size)) * dim;
                 for (int64_t g = 0; g < group; g++) {
                     float p = sc[g * n + t];
                     for (int64_t i = 0; i < dim; i++) acc[g * dim + i] += p * to_f32(vr[i]);
@@ -582,7 +637,7 @@ void pack_prefix_bf16(const bf16 *k_cache, const bf16 *v_cache, int64_t cache_he
         memset(kh, 0, padded * dim * sizeof(bf16));
         memset(vh, 0, padded * dim * sizeof(bf16));
         for (int64_t t = 0; t < len; t++) {
-            int64_t slot = (int64_t)blocks[t / block_size] * block_size + t % block_size;
+            int64_t slot = slot_of(blocks, t, block_size);
             const bf16 *k = k_cache + h * cache_head_stride + slot * dim;
             const bf16 *v = v_cache + h * cache_head_stride + slot * dim;
             bf16 *kd = kh + ((t / 16) * pairs * 16 + t % 16) * 2;
