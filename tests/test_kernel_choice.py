@@ -38,6 +38,25 @@ def test_timings_taken_on_a_busy_machine_are_not_kept(private_cache, monkeypatch
     assert timed == [64, 64, 64]
 
 
+@needs_gemm
+def test_the_c_gemm_keeps_the_row_counts_up_to_a_clear_onednn_win(monkeypatch):
+    """oneDNN takes a row count only where it needs less than 90% of the C GEMM's time: within
+    that the timings' noise would flip the choice (and the one-call decode with it) from run
+    to run."""
+    onednn_share = {1: 1.2, 2: 1.0, 4: 1.05, 8: 0.95, 16: 0.91, 32: 0.89, 64: 0.5}
+    rows = iter(kernel_choice.ROW_COUNTS)
+
+    def best_times(*calls):
+        share = onednn_share[next(rows)]
+        return [1.0, share]  # the C GEMM's time, then oneDNN's
+
+    monkeypatch.setattr(kernel_choice, "_best_times", best_times)
+    assert kernel_choice._time_shape(64, 96) == 16  # 0.89 at 32 rows is a clear win
+    onednn_share[32] = 0.92
+    rows = iter(kernel_choice.ROW_COUNTS)
+    assert kernel_choice._time_shape(64, 96) == 32
+
+
 def test_the_load_of_other_processes_is_measured():
     """A process that keeps a core busy beside us shows in the share; our own work does not."""
     import subprocess
@@ -92,15 +111,6 @@ def test_another_thread_count_is_another_machine(private_cache, monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert len(timed) == 2  # timed at 1 and at 2 threads, read back the second time at 1
-
-
-@needs_gemm
-def test_the_faster_kernel_wins_the_steps(monkeypatch):
-    """The C GEMM keeps the row counts up to the first it loses; a tie goes to oneDNN."""
-    speeds = {1: (1.0, 2.0), 2: (1.0, 2.0), 4: (1.0, 1.01), 8: (1.0, 2.0)}  # (gemm, oneDNN)
-    calls = iter(speeds[r] for r in kernel_choice.ROW_COUNTS if r in speeds)
-    monkeypatch.setattr(kernel_choice, "_best_times", lambda *kernels: next(calls))
-    assert kernel_choice._time_shape(64, 96) == 2
 
 
 @pytest.mark.parametrize("rows", [-1, 65, 1.5, True, "8"])
