@@ -308,7 +308,7 @@ static inline void pv_rows(const float *p, int64_t n, const bf16 *vc, const int3
         for (int j = 0; j < 4; j++) a[g][j] = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; t++) {
         int64_t key = first + t;
-        const bf16 *vr = vc + (slot_of(table, key, block_size)) * dim + c;
+        const bf16 *vr = vc + slot_of(table, key, block_size) * dim + c;
         __m512i lo = _mm512_loadu_si512(vr), hi = _mm512_loadu_si512(vr + 32);
         if (t < ahead) {
             const bf16 *kn = next->k + slot_of(next->table, next->first + t, block_size) * dim;
@@ -408,6 +408,13 @@ static inline int64_t first_key(int64_t s, const int32_t *seq_lens, const int32_
     return first;
 }
 
+/* A decode thread's work on one of sequence s's kv heads: the keys it reads, plus a fixed cost of
+ * ~16 keys a pair. */
+static inline int64_t pair_work(int64_t s, const int32_t *seq_lens, const int32_t *prefix_pos,
+                                int64_t prefix_len, int64_t window) {
+    return seq_lens[s] - first_key(s, seq_lens, prefix_pos, prefix_len, window) + 16;
+}
+
 /* One decode step of paged attention: for each sequence, write its new token's k/v into the
  * head-major caches [kv_heads, slots, dim] (slot = block * block_size + offset), then attend its
  * query heads over its `seq_lens[s]` tokens (fp32 scores and softmax, exact two-pass), out in
@@ -436,9 +443,9 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
                            const float *prefix_lse, int64_t prefix_rows, int64_t window,
                            float softcap) {
     int64_t group = num_heads / num_kv_heads, pairs = num_seqs * num_kv_heads;
-    int64_t work = 0; /* keys read over all (sequence, kv head) pairs, plus a pair's fixed cost */
+    int64_t work = 0; /* over all (sequence, kv head) pairs */
     for (int64_t s = 0; s < num_seqs; s++)
-        work += (seq_lens[s] - first_key(s, seq_lens, prefix_pos, prefix_len, window) + 16) * num_kv_heads;
+        work += pair_work(s, seq_lens, prefix_pos, prefix_len, window) * num_kv_heads;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         /* Each thread takes a run of pairs with an equal share of the keys, in order, so that it
@@ -449,7 +456,7 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
             int64_t s = p / num_kv_heads;
             if (done >= lo && p0 == pairs) p0 = p;
             if (done >= hi) { p1 = p; break; }
-            done += seq_lens[s] - first_key(s, seq_lens, prefix_pos, prefix_len, window) + 16;
+            done += pair_work(s, seq_lens, prefix_pos, prefix_len, window);
         }
         for (int64_t p = p0; p < p1; p++) {
             int64_t s = p / num_kv_heads, h = p % num_kv_heads;
@@ -479,12 +486,12 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
                 const bf16 *kr[16];
                 for (int j = 0; j < 16; j++) {
                     int64_t key = first + t0 + j;
-                    int64_t at = (slot_of(table, key, block_size)) * dim;
+                    int64_t at = slot_of(table, key, block_size) * dim;
                     kr[j] = kc + at;
                     for (int64_t i = 0; i < dim; i += 32) _mm_prefetch((const char *)(vc + at + i), _MM_HINT_T0);
                     int64_t next = key + 16; /* the next 16 keys' K rows, read next */
                     if (next < len) {
-                        const bf16 *kn = kc + (slot_of(table, next, block_size)) * dim;
+                        const bf16 *kn = kc + slot_of(table, next, block_size) * dim;
                         for (int64_t i = 0; i < dim; i += 32) _mm_prefetch((const char *)(kn + i), _MM_HINT_T0);
                     }
                 }
@@ -495,7 +502,7 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
 #endif
             for (int64_t t = t0; t < n; t++) {
                 int64_t key = first + t;
-                const bf16 *kr = kc + (slot_of(table, key, block_size)) * dim;
+                const bf16 *kr = kc + slot_of(table, key, block_size) * dim;
                 for (int64_t g = 0; g < group; g++) sc[g * n + t] = dot_bf16(qh + g * dim, kr, dim) * scale;
             }
             if (softcap > 0.0f)
@@ -516,7 +523,7 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
 #endif
             for (int64_t t = 0; t < n; t++) {
                 int64_t key = first + t;
-                const bf16 *vr = vc + (slot_of(table, key, block_size)) * dim;
+                const bf16 *vr = vc + slot_of(table, key, block_size) * dim;
                 for (int64_t g = 0; g < group; g++) {
                     float p = sc[g * n + t];
                     for (int64_t i = 0; i < dim; i++) acc[g * dim + i] += p * to_f32(vr[i]);
