@@ -22,7 +22,7 @@ class AttentionMetadata:
     num_decodes: int
     query_start_loc: list[int]  # len num_seqs + 1, offsets into the flattened tokens
     seq_lens: list[int]  # tokens in context after this step (cached + new)
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with FREED_BLOCK (block_pool)
     slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot of each new token (< 0: skip)
     block_size: int
     block_tables_cpu: np.ndarray | None = None  # the same table on the host, for planning
@@ -30,6 +30,37 @@ class AttentionMetadata:
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def check_block_tables(
+    tables: np.ndarray,
+    first_keys: np.ndarray,
+    seq_lens: np.ndarray,
+    block_size: int,
+    num_blocks: int,
+) -> None:
+    """Refuse a step in which a kernel would read through an entry that names no block
+    (`FREED_BLOCK`: freed or padding) or lies outside the cache: in row i, every entry from the
+    block of key `first_keys[i]` (the first any layer reads) to the block of the last of its
+    `seq_lens[i]` tokens must be a block id in [0, num_blocks). The C kernels index the cache
+    with these ids unchecked, so this runs once per step, vectorised, before any of them."""
+    lo = first_keys // block_size
+    hi = -(-seq_lens // block_size)
+    if (hi > tables.shape[1]).any():
+        row = int(np.argmax(hi > tables.shape[1]))
+        raise ValueError(
+            f"sequence {row} has {int(seq_lens[row])} tokens but its block table only "
+            f"{tables.shape[1]} entries of {block_size}"
+        )
+    cols = np.arange(tables.shape[1])
+    read = (cols >= lo[:, None]) & (cols < hi[:, None])
+    bad = read & ((tables < 0) | (tables >= num_blocks))
+    if bad.any():
+        row, col = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(
+            f"block table entry {col} of sequence {row} is {int(tables[row, col])}, which this "
+            f"step reads: it must be a block id in [0, {num_blocks})"
+        )
 
 
 class AttentionBackend(Protocol):

@@ -278,10 +278,16 @@ def store_kv(
     slots: torch.Tensor,
 ) -> None:
     """`cache.index_copy_(1, slots, x.transpose(0, 1))` for k and v [T, kv_heads, dim] into the
-    head-major bf16 caches [kv_heads, slots, dim], in one call (slots: int64, one a token)."""
+    head-major bf16 caches [kv_heads, slots, dim], in one call (slots: int64, one a token; a slot
+    < 0 is padding and is skipped)."""
     k_cache, v_cache = kv_cache
+    kv_heads, num_slots, dim = _check_cache(kv_cache)
+    tokens = k.shape[0]
+    _check_rows("k", k, (tokens, kv_heads, dim))
+    _check_rows("v", v, (tokens, kv_heads, dim))
+    _check_rows("slots", slots, (tokens,), torch.int64)
+    _require(not tokens or int(slots.max()) < num_slots, f"slots must be < {num_slots}")
     k, v, slots = _heads_packed(k), _heads_packed(v), slots.contiguous()
-    tokens, kv_heads, dim = k.shape
     load_library().store_kv_bf16(
         *(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(), tokens),
         *(kv_heads, dim, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0)),
@@ -316,6 +322,41 @@ def _heads_packed(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 and x.stride(1) == dim else x.contiguous()
 
 
+def _require(ok: bool, what: str) -> None:
+    """The C kernels take raw pointers and trust every size and layout: a call that breaks one
+    raises here instead of reading or writing past a tensor."""
+    if not ok:
+        raise ValueError(f"cpu_ops: {what}")
+
+
+def _check_cache(kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int, int]:
+    """(kv_heads, slots, dim) of head-major bf16 caches [kv_heads, slots, dim] whose slots are
+    contiguous within a head and whose K and V heads lie the same stride apart."""
+    k_cache, v_cache = kv_cache
+    _require(
+        k_cache.dtype == v_cache.dtype == torch.bfloat16 and k_cache.dim() == 3,
+        "the KV caches must be bf16 [kv_heads, slots, dim]",
+    )
+    _require(k_cache.shape == v_cache.shape, "the K and V caches must have one shape")
+    dim = k_cache.shape[2]
+    _require(
+        all(c.stride(2) == 1 and c.stride(1) == dim for c in kv_cache)
+        and k_cache.stride(0) == v_cache.stride(0),
+        "each KV cache head must be contiguous, the K and V heads equally far apart",
+    )
+    return tuple(k_cache.shape)
+
+
+def _check_rows(name: str, x: torch.Tensor, shape: tuple[int, ...], dtype=torch.bfloat16) -> None:
+    _require(x.dtype == dtype, f"{name} must be {dtype}, got {x.dtype}")
+    _require(tuple(x.shape) == shape, f"{name} must have shape {shape}, got {tuple(x.shape)}")
+
+
+def _check_index(name: str, x: torch.Tensor, shape: tuple[int, ...]) -> None:
+    _check_rows(name, x, shape, torch.int32)
+    _require(x.is_contiguous(), f"{name} must be contiguous")
+
+
 def decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -340,10 +381,27 @@ def decode_attention(
     With a `window` (and no prefix), each new token sees its last `window` positions only. With a
     `softcap`, a scaled score s becomes tanh(s / softcap) * softcap (Gemma 2)."""
     k_cache, v_cache = kv_cache
-    num_seqs, num_heads, dim = q.shape
+    kv_heads, _, dim = _check_cache(kv_cache)
+    num_seqs, num_heads = q.shape[:2]
+    _require(num_heads % kv_heads == 0 and dim % 16 == 0, "heads must group over kv heads")
+    _check_rows("q", q, (num_seqs, num_heads, dim))
+    _check_rows("k", k, (num_seqs, kv_heads, dim))
+    _check_rows("v", v, (num_seqs, kv_heads, dim))
+    _check_index("block_tables", block_tables, (num_seqs, block_tables.shape[1]))
+    _check_index("seq_lens", seq_lens, (num_seqs,))
+    _require(
+        scratch.dtype == torch.float32 and scratch.is_contiguous() and scratch.dim() == 2,
+        "scratch must be contiguous fp32 [threads, scores]",
+    )
+    pos, length, p_out, p_lse = prefix or (None, 0, None, None)
+    if pos is not None:
+        _check_index("prefix positions", pos, (num_seqs,))
+        _require(
+            all(t.dtype == torch.float32 and t.is_contiguous() for t in (p_out, p_lse)),
+            "the prefix's out and lse must be contiguous fp32",
+        )
     q, k, v = _heads_packed(q), _heads_packed(k), _heads_packed(v)
     out = torch.empty(num_seqs, num_heads, dim, dtype=q.dtype)
-    pos, length, p_out, p_lse = prefix or (None, 0, None, None)
     load_library().decode_attention_bf16(
         *(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0)),
         *(k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0)),
@@ -377,8 +435,13 @@ def pack_prefix(
     head-major bf16 caches, packed for `prefix_attention`: [kv_heads, padded * dim] each (padded:
     tokens rounded up to 32)."""
     k_cache, v_cache = kv_cache
-    num_kv_heads, _, dim = k_cache.shape
+    num_kv_heads, num_slots, dim = _check_cache(kv_cache)
     length = len(blocks) * block_size if length is None else length
+    _require(0 <= length <= len(blocks) * block_size, "length must fit in the blocks")
+    _require(
+        not len(blocks) or (int(blocks.min()) >= 0 and int(blocks.max()) < num_slots // block_size),
+        f"blocks must be block ids in [0, {num_slots // block_size})",
+    )
     blocks = blocks.to(torch.int32).contiguous()
     kp = torch.empty(num_kv_heads, padded_length(length) * dim, dtype=torch.bfloat16)
     vp = torch.empty_like(kp)

@@ -8,7 +8,7 @@ as any freed block) and stay findable by later prompts with the same prefix.
 
 from __future__ import annotations
 
-from paged_backend.block_pool import BlockPool, KVCacheBlock
+from paged_backend.block_pool import FREED_BLOCK, BlockPool, KVCacheBlock
 from paged_backend.request import Request
 
 
@@ -140,5 +140,7 @@ class KVCacheManager:
         return allocated, allocated - empty
 
     def block_ids(self, request: Request) -> list[int]:
-        """The request's block table; freed leading entries read 0 (attention skips them)."""
-        return [0 if b is None else b.block_id for b in self.block_tables[request.request_id]]
+        """The request's block table; freed leading entries read FREED_BLOCK, which no kernel
+        reads (an off-by-one in a window then fails instead of reading another request's K/V)."""
+        table = self.block_tables[request.request_id]
+        return [FREED_BLOCK if b is None else b.block_id for b in table]

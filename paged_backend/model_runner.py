@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from paged_backend import cpu_ops, kernel_choice
-from paged_backend.attention import AttentionMetadata, get_backend
+from paged_backend.attention import AttentionMetadata, check_block_tables, get_backend
+from paged_backend.block_pool import FREED_BLOCK
 from paged_backend.config import EngineConfig, ModelConfig
 from paged_backend.cpu_linear import GemmRows, can_pack, quantize_linears_int4
 from paged_backend.model_loader import load_safetensors
@@ -194,7 +195,7 @@ class ModelRunner:
         bs = self.block_size
         ids, positions, qsl, seq_lens, logit_rows, sampling = [], [], [0], [], [], []
         max_blocks = max(len(t) for t in block_tables)
-        tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
+        tables = np.full((len(scheduled), max_blocks), FREED_BLOCK, dtype=np.int32)
         for row, i in enumerate(order):
             request, num_new = scheduled[i]
             start = request.num_computed_tokens
@@ -212,6 +213,11 @@ class ModelRunner:
         if any(request.long_rope for request, _ in scheduled):
             long = np.repeat([scheduled[i][0].long_rope for i in order], np.diff(qsl))
             rope_rows = self.model.rotary.rows(pos, long)
+        lens = np.array(seq_lens)
+        first_keys = lens - np.diff(qsl)  # each sequence's first query position
+        if self.model_config.kv_window is not None:
+            first_keys = np.maximum(first_keys - self.model_config.kv_window + 1, 0)
+        check_block_tables(tables, first_keys, lens, bs, self.num_blocks)
         tables_t = torch.from_numpy(tables)
         flat_rows = torch.from_numpy(
             tables[np.repeat(np.arange(len(order)), np.diff(qsl)), pos // bs]

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from paged_backend import cpu_ops
 from paged_backend.attention import AttentionMetadata, KVCache
+from paged_backend.block_pool import FREED_BLOCK
 
 _MIN_SHARED_BLOCKS = 2  # shorter shared prefixes are not worth a separate pass
 _PREFIX_COPY_MAX_BYTES = 128 << 20  # fp32 copies of a shared prefix's K/V kept across steps
@@ -76,9 +77,12 @@ def _window_start(position: int, window: int | None) -> int:
     return 0 if window is None else max(0, position - window + 1)
 
 
-def _shared_prefix(meta: AttentionMetadata) -> tuple[list[int], int]:
+def _shared_prefix(meta: AttentionMetadata, before_writes: bool) -> tuple[list[int], int]:
     """The sequences that share the most common leading block, and how many leading blocks they
-    all share within their cached context (0 when cascading is not worth it)."""
+    all share within their cached context (0 when cascading is not worth it). A request admitted
+    on a cache hit may hold, in its context, a block that another request writes in this step.
+    Where the cascade runs `before_writes` (the C decode kernel writes the step's K/V, the
+    cascade has run by then), the prefix stops before the first block this step writes into."""
     tables = meta.block_tables_cpu
     bs = meta.block_size
     qsl = meta.query_start_loc
@@ -86,6 +90,7 @@ def _shared_prefix(meta: AttentionMetadata) -> tuple[list[int], int]:
         (seq_len - (qsl[i + 1] - qsl[i])) // bs for i, seq_len in enumerate(meta.seq_lens)
     ]
     firsts = Counter(tables[i, 0] for i, c in enumerate(context_blocks) if c > 0)
+    firsts.pop(FREED_BLOCK, None)
     if not firsts:
         return [], 0
     first, count = firsts.most_common(1)[0]
@@ -95,6 +100,9 @@ def _shared_prefix(meta: AttentionMetadata) -> tuple[list[int], int]:
     limit = min(context_blocks[i] for i in members)
     sub = tables[members, :limit]
     same = (sub == sub[0]).all(axis=0)
+    if before_writes:
+        slots = meta.slot_mapping.cpu().numpy()
+        same &= ~np.isin(sub[0], slots[slots >= 0] // bs)
     num = int(limit if same.all() else same.argmin())
     return (members, num) if num >= _MIN_SHARED_BLOCKS else ([], 0)
 
@@ -255,7 +263,9 @@ class TorchAttention:
         device = meta.block_tables.device
         qsl = meta.query_start_loc
         tables = meta.block_tables_cpu
-        members, num_shared = _shared_prefix(meta) if window is None else ([], 0)
+        nd = meta.num_decodes
+        c_decode = self.c_decode and nd == len(meta.seq_lens)
+        members, num_shared = _shared_prefix(meta, c_decode) if window is None else ([], 0)
         shared = None
         skip = [0] * len(meta.seq_lens)  # leading blocks each sequence gets from `shared`
         row_pos: dict[int, list[int]] = {}  # member -> positions of its rows in `shared.rows`
@@ -271,8 +281,7 @@ class TorchAttention:
             )
         if device.type == "cpu" and window is None:
             self._track_prefix(meta, tables[members[0], :num_shared] if num_shared else None)
-        nd = meta.num_decodes
-        if self.c_decode and nd == len(meta.seq_lens) and (self.c_prefix or not num_shared):
+        if c_decode and (self.c_prefix or not num_shared):
             return CDecodePlan(
                 torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int32)),
                 torch.tensor(meta.seq_lens, dtype=torch.int32),
@@ -295,6 +304,9 @@ class TorchAttention:
             n = int(((lens + bs - 1) // bs - first).max())
             cols = first[:, None] + np.arange(n)[None, :]
             blocks = np.take_along_axis(tables[:nd], np.minimum(cols, tables.shape[1] - 1), 1)
+            # Columns past a sequence's last block are masked out: gather block 0 there. A freed
+            # entry inside the range stays -1 and fails the gather.
+            blocks[cols >= ((lens + bs - 1) // bs)[:, None]] = 0
             key_pos = (cols[:, :, None] * bs + np.arange(bs)[None, None, :]).reshape(nd, -1)
             mask = ((key_pos < lens[:, None]) & (key_pos >= lows[:, None])).reshape(nd, 1, 1, -1)
             dec_members = [i for i in range(nd) if i in row_pos]

@@ -217,6 +217,51 @@ def test_store_kv_writes_what_index_copy_writes():
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+@needs_ops
+def test_store_kv_skips_negative_slots():
+    """A slot < 0 is padding (`AttentionMetadata.slot_mapping`): nothing is written for it, also
+    not just before the cache, which here is a view into a larger tensor whose head is a guard."""
+    gen = torch.Generator().manual_seed(0)
+    kv_heads, dim, slots_total = 2, 16, 12
+    k, v = (torch.randn(3, kv_heads, dim, generator=gen).to(BF16) for _ in range(2))
+    whole = [torch.randn(kv_heads, slots_total + 4, dim, generator=gen).to(BF16) for _ in range(2)]
+    before = [w.clone() for w in whole]
+    cache = tuple(w[:, 4:] for w in whole)  # slot -1 would land in the guard slots 0-3
+    cpu_ops.store_kv(k, v, cache, torch.tensor([5, -1, 7]))
+    for w, b, new in zip(whole, before, (k, v), strict=True):
+        assert torch.equal(w[:, :4], b[:, :4])  # the guard
+        assert torch.equal(w[:, 4 + 5], new[0]) and torch.equal(w[:, 4 + 7], new[2])
+        untouched = [i for i in range(slots_total) if i not in (5, 7)]
+        assert torch.equal(w[:, 4:][:, untouched], b[:, 4:][:, untouched])
+
+
+@needs_ops
+def test_the_c_kernels_refuse_tensors_they_would_misread():
+    """Raw pointers go to C: a wrong dtype, layout or size raises, naming what is wrong, before
+    the kernel runs."""
+    q, k, v, cache, meta = _decode_step([9, 5], 4, 3, 3, 64, True, 0)
+    tables = torch.from_numpy(np.ascontiguousarray(meta.block_tables_cpu))
+    lens = torch.tensor(meta.seq_lens, dtype=torch.int32)
+    scratch = torch.empty(2, 3 * 9)
+    good = (q, k, v, cache, tables, lens, 4, scratch)
+    cpu_ops.decode_attention(*good)
+    fp32_cache = tuple(c.float() for c in cache)
+    for args, match in [
+        ((q, k, v, fp32_cache, *good[4:]), "caches must be bf16"),
+        ((q.float(), *good[1:]), "q must be torch.bfloat16"),
+        ((q, k, v, cache, tables.long(), *good[5:]), "block_tables must be torch.int32"),
+        ((q, k, v, cache, tables, lens[:1], *good[6:]), "seq_lens must have shape"),
+        ((q, k, v, (cache[0], cache[1][:, :-4]), *good[4:]), "one shape"),
+        ((q, k, v, tuple(c.transpose(0, 1) for c in cache), *good[4:]), "contiguous"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            cpu_ops.decode_attention(*args)
+    with pytest.raises(ValueError, match="slots must be < "):
+        cpu_ops.store_kv(k, v, cache, torch.tensor([0, cache[0].shape[1]]))
+    with pytest.raises(ValueError, match="blocks must be block ids"):
+        cpu_ops.pack_prefix(cache, torch.tensor([0, -1]), 4)
+
+
 needs_prefix_attention = pytest.mark.skipif(
     not cpu_ops.has_bf16_kernels(), reason="no AVX512-BF16 (or no C compiler)"
 )

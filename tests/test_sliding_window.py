@@ -160,3 +160,25 @@ def test_a_windowed_model_holds_only_its_window(tmp_path, default_model_path):
     assert tokens == hf_greedy(hf, ids, new)
     most_global, _ = held_blocks_while_generating(interleaved, prompt, new)
     assert most_global == -(-(len(ids) + new - 1) // BLOCK)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_freed_block_is_never_read_as_another_one(tmp_path, default_model_path, dtype):
+    """Freed table entries name no block (FREED_BLOCK), and every step checks the entries its
+    kernels read: a window off by one block (simulated: one more leading block freed than the
+    window allows) fails that request's step with a clear error, instead of reading block 0, which
+    belongs to another request. The engine goes on, and nothing leaks."""
+    path = make_tiny_model(
+        tmp_path / "w", default_model_path, "MistralForCausalLM", sliding_window=WINDOW
+    )
+    llm = LLM(model=str(path), dtype=dtype, block_size=BLOCK, max_num_batched_tokens=8)
+    kv = llm.engine.kv
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = llm.generate(PROMPTS[1], greedy)[0].outputs[0].token_ids
+    exact = kv._num_dead_blocks
+    kv._num_dead_blocks = lambda num_computed: exact(num_computed + BLOCK)
+    with pytest.raises(RuntimeError, match=r"block table entry .* must be a block id"):
+        llm.generate(PROMPTS[0], greedy)
+    kv._num_dead_blocks = exact
+    assert kv.pool.num_free == kv.num_blocks
+    assert llm.generate(PROMPTS[1], greedy)[0].outputs[0].token_ids == want

@@ -179,13 +179,14 @@ void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t stride, in
 
 /* Write `tokens` tokens' keys and values (each token's `kv_heads` heads of `dim` side by side,
  * rows `k_stride`/`v_stride` apart) into the head-major caches [kv_heads][slots][dim] (heads
- * `cache_head_stride` apart) at `slots`: a prefill chunk's k/v in one pass. */
+ * `cache_head_stride` apart) at `slots`: a prefill chunk's k/v in one pass. A slot < 0 is padding:
+ * nothing is written for it. */
 void store_kv_bf16(const bf16 *k, const bf16 *v, int64_t k_stride, int64_t v_stride,
                    const int64_t *slots, int64_t tokens, int64_t kv_heads, int64_t dim,
                    bf16 *k_cache, bf16 *v_cache, int64_t cache_head_stride, int threads) {
 #pragma omp parallel for num_threads(threads) if (tokens * kv_heads * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t t = 0; t < tokens; t++)
-        for (int64_t h = 0; h < kv_heads; h++) {
+        for (int64_t h = 0; h < kv_heads && slots[t] >= 0; h++) {
             int64_t at = h * cache_head_stride + slots[t] * dim;
             memcpy(k_cache + at, k + t * k_stride + h * dim, dim * sizeof(bf16));
             memcpy(v_cache + at, v + t * v_stride + h * dim, dim * sizeof(bf16));
@@ -415,9 +416,13 @@ static inline int64_t pair_work(int64_t s, const int32_t *seq_lens, const int32_
     return seq_lens[s] - first_key(s, seq_lens, prefix_pos, prefix_len, window) + 16;
 }
 
-/* One decode step of paged attention: for each sequence, write its new token's k/v into the
- * head-major caches [kv_heads, slots, dim] (slot = block * block_size + offset), then attend its
- * query heads over its `seq_lens[s]` tokens (fp32 scores and softmax, exact two-pass), out in
+/* One decode step of paged attention: write every sequence's new token's k/v into the
+ * head-major caches [kv_heads, slots, dim] (slot = block * block_size + offset), then, after a
+ * barrier, attend each sequence's query heads over its `seq_lens[s]` tokens. All writes come
+ * before any read because a sequence may read a slot that another one writes in this step (a
+ * request admitted on a prefix-cache hit of the block whose last token another decodes now);
+ * writing per pair would let a pair on one thread read that slot before another thread wrote
+ * it (fp32 scores and softmax, exact two-pass), out in
  * bf16 [seqs, heads, dim]. Query heads h * group .. h * group + group - 1 read kv head h. `dim` is
  * a multiple of 16. Each token's heads are packed in q, k and v, whose rows are `q_stride`,
  * `k_stride`, `v_stride` apart (views into the fused qkv output); `scores` holds group * max len
@@ -448,6 +453,14 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
         work += pair_work(s, seq_lens, prefix_pos, prefix_len, window) * num_kv_heads;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
+#pragma omp for /* ends in a barrier: every write lands before the first read below */
+        for (int64_t p = 0; p < pairs; p++) {
+            int64_t s = p / num_kv_heads, h = p % num_kv_heads;
+            int64_t at = h * cache_head_stride +
+                         slot_of(block_tables + s * max_blocks, seq_lens[s] - 1, block_size) * dim;
+            memcpy(k_cache + at, k + s * k_stride + h * dim, dim * sizeof(bf16));
+            memcpy(v_cache + at, v + s * v_stride + h * dim, dim * sizeof(bf16));
+        }
         /* Each thread takes a run of pairs with an equal share of the keys, in order, so that it
          * knows the pair it reads next and fetches its keys during this one's arithmetic. */
         int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
@@ -463,7 +476,7 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
             float acc[group * dim], total[group], top[group];
             float *sc = scores + me * scores_stride;
             const int32_t *table = block_tables + s * max_blocks;
-            int64_t len = seq_lens[s], pos = len - 1;
+            int64_t len = seq_lens[s];
             int cascade = prefix_pos && prefix_pos[s] >= 0;
             int64_t first = first_key(s, seq_lens, prefix_pos, prefix_len, window);
             int64_t n = len - first;
@@ -475,10 +488,7 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
                 next.first = first_key(ns, seq_lens, prefix_pos, prefix_len, window);
                 next.n = seq_lens[ns] - next.first;
             }
-            int64_t slot = slot_of(table, pos, block_size);
             bf16 *kc = k_cache + h * cache_head_stride, *vc = v_cache + h * cache_head_stride;
-            memcpy(kc + slot * dim, k + s * k_stride + h * dim, dim * sizeof(bf16));
-            memcpy(vc + slot * dim, v + s * v_stride + h * dim, dim * sizeof(bf16));
             const bf16 *qh = q + s * q_stride + h * group * dim;
             int64_t t0 = 0;
 #ifdef __AVX512BF16__
