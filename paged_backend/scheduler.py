@@ -88,8 +88,9 @@ class Scheduler:
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
+            if request.num_cached_tokens < 0:  # first admission: preemption's re-prefills
+                request.num_cached_tokens = num_hit  # would count their own blocks as hits
+                self.kv.record_prefix_hits(request, num_hit)
             self.running.append(request)
             out.num_scheduled[request] = num_new
             budget -= num_new
