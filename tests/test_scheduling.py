@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from paged_backend import LLM, SamplingParams
+from paged_backend.config import EngineConfig
 from paged_backend.kv_cache_manager import KVCacheManager
 from paged_backend.request import Request, RequestStatus
 from paged_backend.scheduler import Scheduler, SchedulerOutput
@@ -171,3 +172,35 @@ def test_prefix_stats_leave_out_re_prefills_after_preemption():
     assert scheduler.num_preemptions > 0
     assert kv.prefix_queries == sum(r.num_prompt_tokens for r in reqs)
     assert kv.prefix_hits == sum(r.num_cached_tokens for r in reqs)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_short_request_behind_long_prompts_starts_in_the_next_step(policy):
+    """Four 600-token prompts need 38 steps of 64 tokens; with the cap (16) at most three long
+    prefills share a step and leave 16 tokens, so a short prompt queued behind all four starts
+    at once and gets its first token while every long one is still prefilling."""
+    kv = KVCacheManager(num_blocks=200, block_size=16, enable_caching=True)
+    scheduler = Scheduler(kv, 8, 64, policy, long_prefill_token_threshold=16)
+    longs = [Request(f"long{i}", [i] * 600, SamplingParams(max_tokens=2)) for i in range(4)]
+    for r in longs:
+        scheduler.add(r)
+    run_step(scheduler)
+    short = Request("short", list(range(100, 110)), SamplingParams(max_tokens=2))
+    scheduler.add(short)
+    steps, chunks = 0, []
+    while not short.output_token_ids:
+        out = run_step(scheduler)
+        steps += 1
+        chunks += [n for r, n in out.num_scheduled.items() if r is not short]
+    assert steps == 1
+    assert max(chunks) <= 16 and not any(r.output_token_ids for r in longs)
+    while scheduler.has_unfinished():  # the long ones passed over still finish
+        run_step(scheduler)
+    assert all(len(r.output_token_ids) == 2 for r in longs)
+    assert kv.pool.num_free == kv.num_blocks
+
+
+@pytest.mark.parametrize("threshold", [-1, 1.5, "16", True])
+def test_bad_long_prefill_token_threshold_names_the_field(threshold):
+    with pytest.raises(ValueError, match=r"long_prefill_token_threshold must be None or 0"):
+        EngineConfig(long_prefill_token_threshold=threshold)
