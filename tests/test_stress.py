@@ -17,6 +17,7 @@ STRESS = Path(__file__).resolve().parent.parent / "examples" / "stress.py"
 @pytest.mark.slow
 def test_stress_scenarios_hold_at_ci_size(tiny_model):
     args = ["--model", str(tiny_model), "--requests", "300", "--streams", "80"]
+    args += ["--scenarios", "overload,cancellations,faults,soak,hol"]
     done = subprocess.run(
         [sys.executable, str(STRESS), *args, "--minutes", "0.15", "--json"],
         capture_output=True,
