@@ -14,9 +14,17 @@ one fails.
   tenant the faults never touched is still cached.
 - soak: mixed traffic for `--minutes`; resident memory growth after warm-up and free blocks at
   the end.
+- hol: head-of-line blocking. Short requests queued right behind long prompts, on an engine
+  with long prefills uncapped (`long_prefill_token_threshold=0`) and one with the default cap:
+  their time to first token (p50, p99; seconds, and engine steps from being queued, the one
+  that brings the token included), and the long prompts' prefill rate, which the cap should
+  keep.
 
-    python examples/stress.py                      # all scenarios, default model, ~5 minutes
+Each scenario prints a line to stderr as it starts and as it ends.
+
+    python examples/stress.py                      # all but hol, default model, ~5 minutes
     python examples/stress.py --minutes 10 --json  # a 10-minute soak
+    python examples/stress.py --scenarios hol      # head-of-line blocking, ~2 minutes
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import random
+import sys
 import threading
 import time
 from collections import Counter
@@ -39,12 +49,20 @@ from paged_backend import (
     SamplingParams,
 )
 from paged_backend.adapters import alast_output
+from paged_backend.config import EngineConfig
 
 SUBJECTS = ["rivers", "bread", "clocks", "violins", "harbours", "glaciers", "bees", "lamps"]
 PROMPTS = [f"Write one sentence about {s} number {i}:" for s in SUBJECTS for i in range(5)]
 TIMEOUT_S = 600.0  # a request still unanswered then counts as hung
 # Chance of a fault per step (forward, sample) and per request's token (detokenize).
 FAULT_RATES = {"forward": 0.03, "sample": 0.03, "detokenize": 0.005}
+# hol: long prompts queued at once, then short ones; random token ids, so none shares a prefix.
+HOL_LONGS, HOL_LONG_TOKENS, HOL_SHORTS, HOL_SHORT_TOKENS = 16, 1000, 16, 16
+
+
+def log(line: str) -> None:
+    """Progress on stderr, at once: stdout carries the report (`--json` parses it)."""
+    print(f"stress: {line}", file=sys.stderr, flush=True)
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -336,39 +354,152 @@ def soak(engine: AsyncEngine, refs: dict[str, list[int]], minutes: float, seed: 
     return figures
 
 
-def run_scenarios(
-    model: str | None,
-    scenarios: list[str],
-    requests: int,
-    streams: int,
-    max_tokens: int,
-    minutes: float,
-    seed: int,
-    echo: bool = False,
-) -> dict:
-    refs = references(model, PROMPTS, max_tokens)
-    report = {}
-    for name in scenarios:
+def percentile(values: list, q: int) -> float:
+    """Nearest-rank percentile: one of the measured values."""
+    ordered = sorted(values)
+    return ordered[max(math.ceil(len(ordered) * q / 100), 1) - 1]
+
+
+def _count_steps(engine: AsyncEngine) -> tuple[dict[str, int], dict[str, int]]:
+    """Wrap the engine's step (its own thread calls it) to note per request id how many steps
+    had run when it was queued and when its first token came: exact, however late a consumer
+    thread reads its stream."""
+    inner, queued, first = engine.engine, {}, {}
+    step = inner.step
+
+    def counting_step():
+        for request_id in inner.parents:
+            queued.setdefault(request_id, inner.num_steps)
+        outputs = step()
+        for out in outputs:
+            if out.outputs[0].token_ids:
+                first.setdefault(out.request_id, inner.num_steps)
+        return outputs
+
+    inner.step = counting_step
+    return queued, first
+
+
+def _hol_round(engine: AsyncEngine, rng: random.Random, tag: str) -> tuple[dict, float]:
+    """One round: the long prompts, then the short ones, each short one from its own thread.
+    Returns each short request's TTFT in seconds, by id, and the seconds until every long
+    prompt had its first token."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(1000, 30000) for _ in range(n)]
+
+    shorts = {f"short-{tag}-{i}": ids(HOL_SHORT_TOKENS) for i in range(HOL_SHORTS)}
+    start = time.monotonic()
+    longs = [engine.generate_stream(ids(HOL_LONG_TOKENS), params) for _ in range(HOL_LONGS)]
+    ttfts: dict[str, float] = {}
+    long_first: list[float] = []
+
+    def short(request_id: str) -> None:
+        submitted = time.monotonic()
+        stream = engine.generate_stream(shorts[request_id], params, request_id)
+        next(stream)
+        ttfts[request_id] = time.monotonic() - submitted
+        list(stream)
+
+    def long_one(stream) -> None:
+        next(stream)
+        long_first.append(time.monotonic() - start)
+        list(stream)
+
+    threads = [threading.Thread(target=short, args=(i,)) for i in shorts]
+    threads += [threading.Thread(target=long_one, args=(stream,)) for stream in longs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return ttfts, max(long_first)
+
+
+def head_of_line(model: str | None, rounds: int, seed: int) -> dict:
+    """Short requests behind long prompts, with long prefills uncapped and capped (default)."""
+    figures: dict = {}
+    ok = True
+    for label, threshold in (("cap_off", 0), ("cap_on", EngineConfig.long_prefill_token_threshold)):
+        engine = AsyncEngine.from_model(model, long_prefill_token_threshold=threshold)
+        queued, first = _count_steps(engine)
+        rng = random.Random(seed)
+        ttfts, long_seconds = {}, 0.0
+        try:
+            for r in range(rounds):
+                got, seconds = _hol_round(engine, rng, f"{r}")
+                ttfts.update(got)
+                long_seconds += seconds
+            steps = [first[i] - queued[i] for i in ttfts]
+            figures[label] = {
+                "long_prefill_token_threshold": threshold,
+                "short_ttft_s_p50": round(percentile(list(ttfts.values()), 50), 3),
+                "short_ttft_s_p99": round(percentile(list(ttfts.values()), 99), 3),
+                "short_ttft_steps_p50": percentile(steps, 50),
+                "short_ttft_steps_p99": percentile(steps, 99),
+                "long_prefill_tok_per_s": round(
+                    rounds * HOL_LONGS * HOL_LONG_TOKENS / long_seconds
+                ),
+                "blocks_leaked": blocks_leaked(engine),
+            }
+            ok = ok and len(ttfts) == rounds * HOL_SHORTS and not figures[label]["blocks_leaked"]
+        finally:
+            engine.shutdown()
+    figures["setup"] = (
+        f"{rounds} rounds of {HOL_LONGS} x {HOL_LONG_TOKENS}-token prompts, then "
+        f"{HOL_SHORTS} x {HOL_SHORT_TOKENS}-token ones; max_num_batched_tokens "
+        f"{EngineConfig.max_num_batched_tokens}"
+    )
+    figures["ok"] = ok
+    return figures
+
+
+def _run_one(name: str, refs: dict, args: argparse.Namespace) -> dict:
+    model = args.model
+    if name == "hol":
+        return head_of_line(model, args.hol_rounds, args.seed)
+    if name == "overload":
+        # KV for ~20 requests (4-token blocks), a queue that refuses the rest of a burst.
+        per_request = -(-(max(map(len, refs.values())) + args.max_tokens + 24) // 4)
+        engine = AsyncEngine.from_model(
+            model, dtype="float32", num_kv_blocks=20 * per_request, max_waiting_requests=128
+        )
+    else:
+        # Batches of at most 8 for the faults: a failed forward fails one batch's requests.
+        batch = {"max_num_seqs": 8} if name == "faults" else {}
+        engine = AsyncEngine.from_model(model, dtype="float32", num_kv_blocks=4096, **batch)
+    try:
         if name == "overload":
-            # KV for ~20 requests (4-token blocks), a queue that refuses the rest of a burst.
-            per_request = -(-(max(map(len, refs.values())) + max_tokens + 24) // 4)
-            engine = AsyncEngine.from_model(
-                model, dtype="float32", num_kv_blocks=20 * per_request, max_waiting_requests=128
-            )
-            report[name] = overload(engine, refs, requests, max_tokens)
-        else:
-            # Batches of at most 8 for the faults: a failed forward fails one batch's requests.
-            batch = {"max_num_seqs": 8} if name == "faults" else {}
-            engine = AsyncEngine.from_model(model, dtype="float32", num_kv_blocks=4096, **batch)
-            if name == "cancellations":
-                report[name] = cancellations(engine, refs, streams, seed)
-            elif name == "faults":
-                report[name] = faults(engine, refs, streams, seed)
-            elif name == "soak":
-                report[name] = soak(engine, refs, minutes, seed)
-            else:
-                raise SystemExit(f"error: unknown scenario {name!r}")
+            return overload(engine, refs, args.requests, args.max_tokens)
+        if name == "cancellations":
+            return cancellations(engine, refs, args.streams, args.seed)
+        if name == "faults":
+            return faults(engine, refs, args.streams, args.seed)
+        return soak(engine, refs, args.minutes, args.seed)
+    finally:
         engine.shutdown()
+
+
+SCENARIOS = ("overload", "cancellations", "faults", "soak", "hol")
+DEFAULT_SCENARIOS = "overload,cancellations,faults,soak"  # hol is a measurement: ask for it
+
+
+def run_scenarios(args: argparse.Namespace, echo: bool = False) -> dict:
+    names = args.scenarios.split(",")
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        raise SystemExit(f"error: unknown scenario {unknown[0]!r} (known: {', '.join(SCENARIOS)})")
+    refs = {}
+    if set(names) - {"hol"}:
+        log(f"greedy references of {len(PROMPTS)} prompts, each alone")
+        refs = references(args.model, PROMPTS, args.max_tokens)
+    report = {}
+    for name in names:
+        log(f"{name} started")
+        start = time.monotonic()
+        report[name] = _run_one(name, refs, args)
+        verdict = "ok" if report[name]["ok"] else "FAILED"
+        log(f"{name} {verdict} in {time.monotonic() - start:.0f} s")
         if echo:
             print(f"{name}: {report[name]}", flush=True)
     return report
@@ -377,24 +508,16 @@ def run_scenarios(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None)
-    parser.add_argument("--scenarios", default="overload,cancellations,faults,soak")
+    parser.add_argument("--scenarios", default=DEFAULT_SCENARIOS)
     parser.add_argument("--requests", type=int, default=500)
     parser.add_argument("--streams", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--minutes", type=float, default=1.0)
+    parser.add_argument("--hol-rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    report = run_scenarios(
-        args.model,
-        args.scenarios.split(","),
-        args.requests,
-        args.streams,
-        args.max_tokens,
-        args.minutes,
-        args.seed,
-        echo=not args.json,
-    )
+    report = run_scenarios(args, echo=not args.json)
     if args.json:
         print(json.dumps(report, indent=2))
     failed = [name for name, figures in report.items() if not figures["ok"]]

@@ -82,7 +82,11 @@ class LLMEngine:
             self.model_config.kv_window,
         )
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.scheduling_policy,
+            config.long_prefill_token_threshold,
         )
         self.eos_token_ids = self._eos_ids()
         self.grammars = GrammarCache(

@@ -21,7 +21,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.window = window
         self.block_tables: dict[str, list[KVCacheBlock | None]] = {}
-        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_queries = 0  # prompt tokens of requests admitted for the first time
         self.prefix_hits = 0  # of which found in the cache
 
     @property
@@ -43,7 +43,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of full blocks. Never the whole prompt: the last token is always
-        computed so that there are logits to sample from."""
+        computed so that there are logits to sample from. Counts nothing: a waiting request is
+        looked up again each step until it is admitted (`record_prefix_hits`)."""
         if not self.enable_caching:
             return [], 0
         hashes = request.update_block_hashes(self.block_size)
@@ -54,10 +55,14 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += num_hit_tokens
-        return hits, num_hit_tokens
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_hits(self, request: Request, num_hit_tokens: int) -> None:
+        """Count a request's prompt and its cache hits once, when it is first admitted (vLLM's
+        hit rate, which also leaves out the re-prefills after preemption)."""
+        if self.enable_caching:
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += num_hit_tokens
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed: list[KVCacheBlock] = ()

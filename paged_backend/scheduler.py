@@ -6,6 +6,12 @@ Running requests are served first, most urgent first; then waiting ones in queue
 blocks run out, the least urgent running request is preempted: its blocks are freed (their
 hashes stay, so its re-prefill usually hits the prefix cache) and it goes back to `waiting`.
 Urgency is `Request.sort_key`: arrival order (fcfs) or (priority, arrival) (priority).
+
+Head-of-line blocking: a request with more than `long_prefill_token_threshold` tokens to compute
+(a long prefill) gets at most that many per step, and long prefills together leave `reserve`
+tokens of every step's budget to decodes and short prompts; a long waiting request that finds
+no room is passed over, so shorter ones queued behind it still start in this step (vLLM v1's
+per-request cap, with the share of long prefills bounded as V0's `max_long_partial_prefills`).
 """
 
 from __future__ import annotations
@@ -29,12 +35,18 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, policy: str
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str,
+        long_prefill_token_threshold: int | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
+        self.long_prefill_token_threshold = long_prefill_token_threshold or 0
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -49,6 +61,21 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def reserve(self) -> int:
+        """Tokens of a step's budget that long prefills leave to other work: a whole short prompt
+        (at most the threshold), or less where the threshold is over half the budget; none where
+        it caps nothing (off, or at least the budget)."""
+        cap = self.long_prefill_token_threshold
+        return max(min(cap, self.max_num_batched_tokens - cap), 0)
+
+    def _chunk(self, num_uncomputed: int, budget: int) -> int:
+        """How many of a request's uncomputed tokens this step runs, `budget` being left."""
+        cap = self.long_prefill_token_threshold
+        if cap and num_uncomputed > cap:
+            return max(min(cap, budget - self.reserve), 0)
+        return min(num_uncomputed, budget)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -57,7 +84,9 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:
+                continue  # a long prefill while others hold the long share: next step
             while not self.kv.allocate_slots(request, num_new):
                 victim = max(self.running, key=self._key)
                 budget += self._preempt(victim, out)
@@ -69,10 +98,14 @@ class Scheduler:
 
         if out.preempted:
             return out  # blocks are short: admitting newcomers would only preempt again
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        i = 0  # waiting[:i] are long prefills passed over in this step
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[i]
             computed, num_hit = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, budget)
+            num_new = self._chunk(request.num_tokens - num_hit, budget)
+            if num_new == 0:
+                i += 1
+                continue
             if not self.kv.allocate_slots(request, num_new, computed):
                 # fcfs never preempts for a newcomer; under priority a more urgent arrival may
                 # preempt less urgent running requests.
@@ -85,11 +118,12 @@ class Scheduler:
                     break
                 budget += self._preempt(victim, out)
                 continue
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
+            if request.num_cached_tokens < 0:  # first admission: preemption's re-prefills
+                request.num_cached_tokens = num_hit  # would count their own blocks as hits
+                self.kv.record_prefix_hits(request, num_hit)
             self.running.append(request)
             out.num_scheduled[request] = num_new
             budget -= num_new

@@ -219,24 +219,41 @@ def test_consumer_that_stops_reading_does_not_stall_others(engine, serial_texts)
 
 
 def test_short_request_interleaves_with_long_prefills(tiny_model):
-    eng = AsyncEngine.from_model(str(tiny_model), dtype="float32", max_num_batched_tokens=64)
+    """Four long prompts queued first, then a short one: it gets its first token within a few
+    engine steps of being queued, before any long prompt's first token; without the cap it
+    waits for all 4 x 600 prompt tokens (~37 steps of 64). Steps are counted in the engine
+    thread, so a slow consumer cannot blur them."""
+    eng = AsyncEngine.from_model(
+        str(tiny_model),
+        dtype="float32",
+        max_num_batched_tokens=64,
+        long_prefill_token_threshold=16,
+    )
+    engine, real_step = eng.engine, eng.engine.step
+    queued_at, first_token_at = {}, {}
+
+    def counting_step():
+        for request_id in engine.parents:
+            queued_at.setdefault(request_id, engine.num_steps)
+        outputs = real_step()
+        for out in outputs:
+            if out.outputs[0].token_ids:
+                first_token_at.setdefault(out.request_id, engine.num_steps)
+        return outputs
+
+    engine.step = counting_step
     try:
-        long_prompt = "word " * 600
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
         longs = [
-            eng.generate_stream(long_prompt + str(i), SamplingParams(max_tokens=2))
+            eng.generate_stream(f"{i} " + "word " * 600, params, f"long{i}")  # no shared prefix
             for i in range(4)
         ]
+        assert next(eng.generate_stream("Hi", params, "short")).outputs[0].token_ids
+        assert first_token_at["short"] - queued_at["short"] <= 4
+        assert queued_at["long3"] <= queued_at["short"]  # the long ones were queued first
         for it in longs:
-            next(it)  # consume nothing more; the prefills go on in the engine
-        while eng.stats()["num_steps"] < 2:
-            time.sleep(0.01)
-        steps_before = eng.stats()["num_steps"]
-        first = next(eng.generate_stream("Hi", SamplingParams(max_tokens=3)))
-        assert first.outputs[0].token_ids
-        # 4 x 600 prompt tokens need ~37 steps of 64; the short one is served within a few.
-        assert eng.stats()["num_steps"] - steps_before <= 4
-        for it in longs:
-            it.close()
+            assert len(list(it)[-1].outputs[0].token_ids) == 2  # and still finish
+        assert first_token_at["short"] < min(first_token_at[f"long{i}"] for i in range(4))
     finally:
         eng.shutdown()
 

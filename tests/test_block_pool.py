@@ -39,12 +39,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     must find, in each slot of its context, exactly its own prefix: a cache hit on a block that
     was never written (or written for other tokens) fails here."""
 
-    def __init__(self) -> None:
+    def __init__(self, long_prefill_token_threshold: int = 0) -> None:
         super().__init__()
         self.policy = "fcfs"
         self.kv = KVCacheManager(num_blocks=12, block_size=BLOCK, enable_caching=True)
         self.scheduler = Scheduler(
-            self.kv, max_num_seqs=4, max_num_batched_tokens=32, policy=self.policy
+            self.kv, 4, 32, self.policy, long_prefill_token_threshold=long_prefill_token_threshold
         )
         self.live: list[Request] = []
         self.count = 0
@@ -132,14 +132,16 @@ class SchedulerMachine(RuleBasedStateMachine):
 TestSchedulerMachine = SchedulerMachine.TestCase
 
 
+@pytest.mark.parametrize("threshold", [0, 8])
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
-def test_seeded_interleavings_never_read_unwritten_kv(policy):
+def test_seeded_interleavings_never_read_unwritten_kv(policy, threshold):
     """The machine's rules on seeded random workloads biased toward what makes a request read
     K/V nobody wrote: long prompts over two shared prefixes, chunked prefill, tight blocks,
-    urgent arrivals that preempt, aborts and failed steps."""
+    urgent arrivals that preempt, aborts and failed steps; also with long prefills capped
+    (`threshold`), which passes long waiting requests over for shorter ones."""
     for seed in range(150):
         rng = random.Random(seed)
-        machine = SchedulerMachine()
+        machine = SchedulerMachine(threshold)
         for _ in range(60):
             roll = rng.random()
             if roll < 0.4:

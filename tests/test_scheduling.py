@@ -5,6 +5,10 @@ from __future__ import annotations
 import pytest
 
 from paged_backend import LLM, SamplingParams
+from paged_backend.config import EngineConfig
+from paged_backend.kv_cache_manager import KVCacheManager
+from paged_backend.request import Request, RequestStatus
+from paged_backend.scheduler import Scheduler, SchedulerOutput
 
 SYSTEM = (
     "You are a careful assistant for a library. Answer using only the context below. "
@@ -122,3 +126,81 @@ def test_priority_orders_the_queue_and_preempts(tiny_model):
     assert finished_order == [urgent, low]
     assert engine.scheduler.num_preemptions >= 1
     assert engine.kv.pool.num_free == engine.kv.num_blocks
+
+
+def run_step(scheduler: Scheduler) -> SchedulerOutput:
+    """One step with a fake model: the scheduled tokens run, and each request whose tokens are
+    all computed samples token 5, finishing at its max_tokens."""
+    out = scheduler.schedule()
+    scheduler.update(out)
+    for req in list(out.num_scheduled):
+        if req.num_computed_tokens == req.num_tokens:
+            req.append_output(5)
+            if len(req.output_token_ids) >= req.max_tokens:
+                scheduler.finish(req, "length")
+    return out
+
+
+def test_prefix_stats_count_a_request_that_waits_for_blocks_once():
+    """B shares A's first two blocks but waits for a free block until A finishes; it is looked
+    up every step meanwhile, and counted once, when admitted."""
+    kv = KVCacheManager(num_blocks=3, block_size=16, enable_caching=True)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, policy="fcfs")
+    a = Request("a", list(range(44)), SamplingParams(max_tokens=4))  # 48 tokens: all 3 blocks
+    b = Request("b", list(range(32)) + [99] * 8, SamplingParams(max_tokens=1))
+    scheduler.add(a)
+    scheduler.add(b)
+    waited = 0
+    while b.status is RequestStatus.WAITING:
+        run_step(scheduler)
+        waited += 1
+    assert waited >= 3  # looked up (and refused blocks) in several steps
+    assert b.num_cached_tokens == 32
+    assert (kv.prefix_queries, kv.prefix_hits) == (a.num_prompt_tokens + b.num_prompt_tokens, 32)
+
+
+def test_prefix_stats_leave_out_re_prefills_after_preemption():
+    """A preempted request's re-prefill hits its own blocks: vLLM leaves it out of the hit rate,
+    so only each request's first admission counts."""
+    kv = KVCacheManager(num_blocks=10, block_size=16, enable_caching=True)
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=32, policy="fcfs")
+    reqs = [Request(f"r{i}", [i] * (20 + 7 * i), SamplingParams(max_tokens=30)) for i in range(8)]
+    for r in reqs:
+        scheduler.add(r)
+    while scheduler.has_unfinished():
+        run_step(scheduler)
+    assert scheduler.num_preemptions > 0
+    assert kv.prefix_queries == sum(r.num_prompt_tokens for r in reqs)
+    assert kv.prefix_hits == sum(r.num_cached_tokens for r in reqs)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_short_request_behind_long_prompts_starts_in_the_next_step(policy):
+    """Four 600-token prompts need 38 steps of 64 tokens; with the cap (16) at most three long
+    prefills share a step and leave 16 tokens, so a short prompt queued behind all four starts
+    at once and gets its first token while every long one is still prefilling."""
+    kv = KVCacheManager(num_blocks=200, block_size=16, enable_caching=True)
+    scheduler = Scheduler(kv, 8, 64, policy, long_prefill_token_threshold=16)
+    longs = [Request(f"long{i}", [i] * 600, SamplingParams(max_tokens=2)) for i in range(4)]
+    for r in longs:
+        scheduler.add(r)
+    run_step(scheduler)
+    short = Request("short", list(range(100, 110)), SamplingParams(max_tokens=2))
+    scheduler.add(short)
+    steps, chunks = 0, []
+    while not short.output_token_ids:
+        out = run_step(scheduler)
+        steps += 1
+        chunks += [n for r, n in out.num_scheduled.items() if r is not short]
+    assert steps == 1
+    assert max(chunks) <= 16 and not any(r.output_token_ids for r in longs)
+    while scheduler.has_unfinished():  # the long ones passed over still finish
+        run_step(scheduler)
+    assert all(len(r.output_token_ids) == 2 for r in longs)
+    assert kv.pool.num_free == kv.num_blocks
+
+
+@pytest.mark.parametrize("threshold", [-1, 1.5, "16", True])
+def test_bad_long_prefill_token_threshold_names_the_field(threshold):
+    with pytest.raises(ValueError, match=r"long_prefill_token_threshold must be None or 0"):
+        EngineConfig(long_prefill_token_threshold=threshold)

@@ -1,6 +1,6 @@
 """`examples/stress.py` at CI size on a tiny model: overload, a cancellation storm, injected
-faults and a short soak each hold (the script checks its own figures and exits non-zero if a
-scenario fails)."""
+faults, a short soak and short requests behind long prompts each hold (the script checks its own
+figures and exits non-zero if a scenario fails)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ STRESS = Path(__file__).resolve().parent.parent / "examples" / "stress.py"
 @pytest.mark.slow
 def test_stress_scenarios_hold_at_ci_size(tiny_model):
     args = ["--model", str(tiny_model), "--requests", "300", "--streams", "80"]
+    args += ["--scenarios", "overload,cancellations,faults,soak,hol"]
     done = subprocess.run(
         [sys.executable, str(STRESS), *args, "--minutes", "0.15", "--json"],
         capture_output=True,
@@ -36,3 +37,6 @@ def test_stress_scenarios_hold_at_ci_size(tiny_model):
     assert 0 < faults["failed_requests"] < 80
     assert faults["untouched_prefix_cached_tokens"] > 0
     assert report["soak"]["blocks_leaked"] == 0 and report["soak"]["rss_growth_pct"] < 5
+    # Engine steps from being queued to the first token: a short one starts in its first step.
+    assert report["hol"]["cap_on"]["short_ttft_steps_p99"] == 1
+    assert "started" in done.stderr  # progress as it runs, not only the report at the end
