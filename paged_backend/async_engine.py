@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Iterator
 
 from paged_backend import metrics
 from paged_backend.config import EngineConfig
-from paged_backend.engine import LLMEngine, PromptType
+from paged_backend.engine import LLMEngine, PromptType, check_priority
 from paged_backend.errors import (
     EngineError,
     EngineOverloadedError,
@@ -198,8 +198,7 @@ class AsyncEngine:
         params = params if params is not None else SamplingParams()
         ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
         self.engine.validate(ids, params)
-        if not isinstance(priority, int):
-            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        check_priority(priority)
         with self._lock:
             if self._closed:
                 raise EngineShutdownError("the engine has been shut down; create a new one")

@@ -43,12 +43,32 @@ class _Parent:
         return all(c.status is RequestStatus.FINISHED for c in self.children)
 
 
+# Scheduling priority (lower runs first) is a signed 64-bit integer, as in vLLM's OpenAI server.
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
+_BYTES = (bytes, bytearray, memoryview)  # sequences of ints, but never meant as token ids
+
+
+def check_priority(priority: object) -> None:
+    """Every entry that takes a `priority` checks it here, before anything is queued."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise ValueError(
+            f"priority must be in [-2**63, 2**63 - 1] (a signed 64-bit integer), got {priority}"
+        )
+
+
+def check_prompt_text(prompt: str) -> None:
+    """A completion prompt must give text to answer (a chat: see `check_chat_messages`)."""
+    if not prompt:
+        raise ValueError("prompt must be a non-empty string or token id list, got ''")
+
+
 def tokenize_prompt(tokenizer, prompt: PromptType, add_special_tokens: bool = True) -> list[int]:
     """A prompt's token ids: text tokenized, token ids as given (`LLMEngine.validate`, which
-    every entry runs, checks them)."""
+    every entry runs, checks them). Bytes are refused: `b"hi"` would read as token ids."""
     if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError("prompt must be a non-empty string or token id list, got ''")
+        check_prompt_text(prompt)
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer can take it
@@ -56,9 +76,12 @@ def tokenize_prompt(tokenizer, prompt: PromptType, add_special_tokens: bool = Tr
                 f"prompt is not valid Unicode text: {exc.reason} at position {exc.start}"
             ) from None
         return tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
-    if isinstance(prompt, Sequence):
+    if isinstance(prompt, Sequence) and not isinstance(prompt, _BYTES):
         return list(prompt)
-    raise TypeError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
+    hint = " (decode bytes to a str first)" if isinstance(prompt, _BYTES) else ""
+    raise TypeError(
+        f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}{hint}"
+    )
 
 
 class LLMEngine:
@@ -121,8 +144,10 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         vocab = self.model_config.vocab_size
-        if not isinstance(prompt_ids, Sequence) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids
+        if (
+            not isinstance(prompt_ids, Sequence)
+            or isinstance(prompt_ids, _BYTES)
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids)
         ):
             raise TypeError("prompt token ids must be a list of ints")
         if not prompt_ids:
@@ -188,11 +213,10 @@ class LLMEngine:
     ) -> str:
         """Queue a request (validated first); returns its id. `prompt_token_ids` skips
         tokenizing when the caller already did it (e.g. a chat template)."""
+        check_priority(priority)
         params = params if params is not None else SamplingParams()
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         self.validate(ids, params)
-        if not isinstance(priority, int):
-            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")

@@ -28,7 +28,7 @@ from paged_backend.chat_template import apply_chat_template
 from paged_backend.config import EngineConfig
 from paged_backend.distributed.replica import Replica
 from paged_backend.distributed.router import NoReplicaError, Router, check_routing
-from paged_backend.engine import PromptType, tokenize_prompt
+from paged_backend.engine import PromptType, check_priority, tokenize_prompt
 from paged_backend.errors import (
     EngineError,
     EngineOverloadedError,
@@ -161,6 +161,7 @@ class RayEngine:
         """Route and send a request. The replica validates it: a bad request raises at the
         first output, as `EngineOverloadedError` does once every live replica refused it."""
         check_timeout(timeout)
+        check_priority(priority)
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
