@@ -5,9 +5,10 @@ Not thread-safe: `LLM` drives it directly and `AsyncEngine` from its one backgro
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,12 +85,25 @@ def tokenize_prompt(tokenizer, prompt: PromptType, add_special_tokens: bool = Tr
     )
 
 
+@contextlib.contextmanager
+def torch_threads(num_threads: int | None) -> Iterator[None]:
+    """torch at `num_threads` intra-op threads inside, at the caller's count again after: the
+    count is process-wide, and an embedded engine must leave its host's torch as it was."""
+    before = torch.get_num_threads()
+    if not num_threads or num_threads == before:
+        yield
+        return
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
         config = config or EngineConfig(**kwargs)
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         self.model_path = resolve_model_path(config.model, config.revision)
         self.model_name = model_name(config.model)
         self.model_config = ModelConfig.from_dir(self.model_path, config.model_impl)
@@ -97,7 +111,10 @@ class LLMEngine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
-        self.runner = ModelRunner(config, self.model_config, self.model_path, self.max_model_len)
+        with torch_threads(config.num_threads):  # kernel timing and warm-up run as steps do
+            self.runner = ModelRunner(
+                config, self.model_config, self.model_path, self.max_model_len
+            )
         self.kv = KVCacheManager(
             self.runner.num_blocks,
             config.block_size,
@@ -269,9 +286,14 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
     def step(self) -> list[RequestOutput]:
-        """One forward over the scheduled batch. Atomic per request: a fault before sampling
-        fails the step's requests; a fault while one request takes its token (grammar, stop
-        checks, detokenizer) fails that request alone; every other request advances whole."""
+        """One forward over the scheduled batch, on the engine's `num_threads`. Atomic per
+        request: a fault before sampling fails the step's requests; a fault while one request
+        takes its token (grammar, stop checks, detokenizer) fails that request alone; every
+        other request advances whole."""
+        with torch_threads(self.config.num_threads):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if not sched.num_scheduled:

@@ -1,0 +1,43 @@
+"""An engine embedded in an application leaves process-wide state alone: torch's thread count
+is the engine's only while it works, and each engine exports its own Prometheus series."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_backend import LLM, SamplingParams
+
+GOOD = SamplingParams(temperature=0, max_tokens=3)
+
+
+@pytest.fixture
+def host_threads():
+    """The host's own thread count: 3, which no engine below asks for."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    yield 3
+    torch.set_num_threads(before)
+
+
+def test_num_threads_applies_only_while_the_engine_works(tiny_model, host_threads, monkeypatch):
+    llm = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=16, num_threads=1)
+    assert torch.get_num_threads() == host_threads
+    runner = llm.engine.runner
+    seen = []
+
+    def execute(*args):
+        seen.append(torch.get_num_threads())
+        return real_execute(*args)
+
+    real_execute = runner.execute
+    monkeypatch.setattr(runner, "execute", execute)
+    llm.generate(["a prompt"], GOOD, use_tqdm=False)
+    assert seen and set(seen) == {1}  # every step ran on the engine's count
+    assert torch.get_num_threads() == host_threads
+
+
+def test_without_num_threads_the_hosts_count_is_used(tiny_model, host_threads):
+    llm = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=16)
+    assert llm.generate(["a prompt"], GOOD, use_tqdm=False)[0].outputs[0].token_ids
+    assert torch.get_num_threads() == host_threads
