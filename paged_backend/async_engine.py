@@ -367,7 +367,7 @@ class AsyncEngine:
         span = recent[-1][0] - recent[0][0] if len(recent) > 1 else 0.0
         stats["generation_tokens_per_s"] = sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
         stats["num_in_flight"] = len(self._streams)
-        metrics.export(stats, self.model_name)
+        metrics.export(stats, self.model_name, self.engine.engine_id)
         return stats
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_backend import metrics
 from paged_backend.chat_template import apply_chat_template
 from paged_backend.config import EngineConfig, ModelConfig
 from paged_backend.detokenizer import IncrementalDetokenizer
@@ -104,6 +105,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
         config = config or EngineConfig(**kwargs)
         self.config = config
+        self.engine_id = metrics.new_engine_id()  # its Prometheus series' `engine` label
         self.model_path = resolve_model_path(config.model, config.revision)
         self.model_name = model_name(config.model)
         self.model_config = ModelConfig.from_dir(self.model_path, config.model_impl)
@@ -433,6 +435,7 @@ class LLMEngine:
         kv = self.kv
         slots, stored = kv.usage(self.scheduler.running)
         return {
+            "engine_id": self.engine_id,
             "kv_slots_allocated": slots,
             "kv_tokens_stored": stored,
             "kv_blocks_total": kv.num_blocks,

@@ -41,3 +41,31 @@ def test_without_num_threads_the_hosts_count_is_used(tiny_model, host_threads):
     llm = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=16)
     assert llm.generate(["a prompt"], GOOD, use_tqdm=False)[0].outputs[0].token_ids
     assert torch.get_num_threads() == host_threads
+
+
+def test_two_engines_of_one_model_export_separate_series(tiny_model):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from paged_backend import AsyncEngine
+
+    def sample(stat: str, engine: AsyncEngine) -> float | None:
+        labels = {"model": engine.model_name, "engine": engine.engine.engine_id, "replica": ""}
+        return prometheus_client.REGISTRY.get_sample_value(f"paged_backend_{stat}", labels)
+
+    args = {"dtype": "float32", "max_model_len": 64}
+    engines = [
+        AsyncEngine.from_model(str(tiny_model), num_kv_blocks=blocks, **args) for blocks in (8, 12)
+    ]
+    try:
+        ids = [e.engine.engine_id for e in engines]
+        assert len(set(ids)) == 2
+        list(engines[0].generate_stream("one engine", GOOD))
+        stats = [e.stats() for e in engines]  # each exports its own
+        assert [s["engine_id"] for s in stats] == ids
+        assert [sample("kv_blocks_total", e) for e in engines] == [8, 12]
+        assert [sample("num_generated_tokens", e) for e in engines] == [
+            s["num_generated_tokens"] for s in stats
+        ]
+        assert stats[0]["num_generated_tokens"] > stats[1]["num_generated_tokens"] == 0
+    finally:
+        for engine in engines:
+            engine.shutdown()

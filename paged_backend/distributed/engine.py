@@ -98,6 +98,7 @@ class RayEngine:
         self._actor_class = ray.remote(Replica)
         self._actor_options = {**_ACTOR_OPTIONS, **(ray_actor_options or {})}
         self._name = f"paged-backend-{uuid.uuid4().hex[:8]}"
+        self.engine_id = metrics.new_engine_id()
         self._generation = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
@@ -392,11 +393,11 @@ class RayEngine:
                         self._replica_down(slot, exc)
             replicas.append({"replica": slot, "alive": stats is not None, **(stats or {})})
         merged = _merge([r for r in replicas if r["alive"]])
-        metrics.export(merged, self.model_name)
+        metrics.export(merged, self.model_name, self.engine_id)
         for stats in replicas:
             own = {k: v for k, v in stats.items() if k != "replica"}
-            metrics.export(own, self.model_name, replica=str(stats["replica"]))
-        merged["replicas"], merged["routing"] = replicas, decisions
+            metrics.export(own, self.model_name, self.engine_id, replica=str(stats["replica"]))
+        merged.update(engine_id=self.engine_id, replicas=replicas, routing=decisions)
         return merged
 
 
