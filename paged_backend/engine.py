@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_backend import metrics
-from paged_backend.chat_template import apply_chat_template
+from paged_backend.chat_template import apply_chat_template, check_chat_messages
 from paged_backend.config import EngineConfig, ModelConfig
 from paged_backend.detokenizer import IncrementalDetokenizer
 from paged_backend.kv_cache_manager import KVCacheManager
@@ -61,7 +61,7 @@ def check_priority(priority: object) -> None:
 
 
 def check_prompt_text(prompt: str) -> None:
-    """A completion prompt must give text to answer (a chat: see `check_chat_messages`)."""
+    """A completion prompt must give text to answer (a chat's rule: `check_chat_messages`)."""
     if not prompt:
         raise ValueError("prompt must be a non-empty string or token id list, got ''")
 
@@ -153,6 +153,7 @@ class LLMEngine:
 
     # ---- input ---------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
+        check_chat_messages(messages)
         return apply_chat_template(self.tokenizer, messages, **kwargs)
 
     def tokenize(self, prompt: PromptType, *, add_special_tokens: bool = True) -> list[int]:
