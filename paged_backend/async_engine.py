@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Iterator
 
 from paged_backend import metrics
 from paged_backend.config import EngineConfig
-from paged_backend.engine import LLMEngine, PromptType
+from paged_backend.engine import LLMEngine, PromptType, check_priority
 from paged_backend.errors import (
     EngineError,
     EngineOverloadedError,
@@ -198,8 +198,7 @@ class AsyncEngine:
         params = params if params is not None else SamplingParams()
         ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
         self.engine.validate(ids, params)
-        if not isinstance(priority, int):
-            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        check_priority(priority)
         with self._lock:
             if self._closed:
                 raise EngineShutdownError("the engine has been shut down; create a new one")
@@ -368,7 +367,7 @@ class AsyncEngine:
         span = recent[-1][0] - recent[0][0] if len(recent) > 1 else 0.0
         stats["generation_tokens_per_s"] = sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
         stats["num_in_flight"] = len(self._streams)
-        metrics.export(stats, self.model_name)
+        metrics.export(stats, self.model_name, self.engine.engine_id)
         return stats
 
 

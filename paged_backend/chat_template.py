@@ -11,6 +11,33 @@ from __future__ import annotations
 from jinja2 import TemplateError
 
 
+def check_chat_messages(messages: list[dict]) -> None:
+    """A chat must give text to answer, as a completion prompt must: a conversation without
+    messages, or with a user message whose content is empty, is refused (naming the message),
+    where the template's framing alone would otherwise be answered. Every chat entry (LLM.chat,
+    the engines' `apply_chat_template`, ChatPaged, LlamaIndex) checks here."""
+    if not isinstance(messages, list | tuple) or not messages:
+        raise ValueError(
+            f"messages must be a non-empty list of chat messages, got {messages!r:.60}"
+        )
+    for i, message in enumerate(messages):
+        user = isinstance(message, dict) and message.get("role") == "user"
+        if user and _is_empty(message.get("content")):
+            raise ValueError(
+                f"messages[{i}] is a user message with empty content; a request must give text "
+                "to answer"
+            )
+
+
+def _is_empty(content: object) -> bool:
+    """No text: None, "", or a list of parts none of which holds text."""
+    if content is None or isinstance(content, str):
+        return not content
+    if isinstance(content, list):
+        return all(_is_empty(p.get("text") if isinstance(p, dict) else p) for p in content)
+    return False  # not text at all: the template names what is wrong with it
+
+
 def apply_chat_template(tokenizer, messages: list[dict], **kwargs) -> str:
     """`tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)`, folding a leading
     system turn into the first user turn where the template refuses a system role."""

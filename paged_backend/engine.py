@@ -5,14 +5,16 @@ Not thread-safe: `LLM` drives it directly and `AsyncEngine` from its one backgro
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from paged_backend.chat_template import apply_chat_template
+from paged_backend import metrics
+from paged_backend.chat_template import apply_chat_template, check_chat_messages
 from paged_backend.config import EngineConfig, ModelConfig
 from paged_backend.detokenizer import IncrementalDetokenizer
 from paged_backend.kv_cache_manager import KVCacheManager
@@ -43,12 +45,32 @@ class _Parent:
         return all(c.status is RequestStatus.FINISHED for c in self.children)
 
 
+# Scheduling priority (lower runs first) is a signed 64-bit integer, as in vLLM's OpenAI server.
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
+_BYTES = (bytes, bytearray, memoryview)  # sequences of ints, but never meant as token ids
+
+
+def check_priority(priority: object) -> None:
+    """Every entry that takes a `priority` checks it here, before anything is queued."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise ValueError(
+            f"priority must be in [-2**63, 2**63 - 1] (a signed 64-bit integer), got {priority}"
+        )
+
+
+def check_prompt_text(prompt: str) -> None:
+    """A completion prompt must give text to answer (a chat's rule: `check_chat_messages`)."""
+    if not prompt:
+        raise ValueError("prompt must be a non-empty string or token id list, got ''")
+
+
 def tokenize_prompt(tokenizer, prompt: PromptType, add_special_tokens: bool = True) -> list[int]:
     """A prompt's token ids: text tokenized, token ids as given (`LLMEngine.validate`, which
-    every entry runs, checks them)."""
+    every entry runs, checks them). Bytes are refused: `b"hi"` would read as token ids."""
     if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError("prompt must be a non-empty string or token id list, got ''")
+        check_prompt_text(prompt)
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer can take it
@@ -56,17 +78,34 @@ def tokenize_prompt(tokenizer, prompt: PromptType, add_special_tokens: bool = Tr
                 f"prompt is not valid Unicode text: {exc.reason} at position {exc.start}"
             ) from None
         return tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
-    if isinstance(prompt, Sequence):
+    if isinstance(prompt, Sequence) and not isinstance(prompt, _BYTES):
         return list(prompt)
-    raise TypeError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
+    hint = " (decode bytes to a str first)" if isinstance(prompt, _BYTES) else ""
+    raise TypeError(
+        f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}{hint}"
+    )
+
+
+@contextlib.contextmanager
+def torch_threads(num_threads: int | None) -> Iterator[None]:
+    """torch at `num_threads` intra-op threads inside, at the caller's count again after: the
+    count is process-wide, and an embedded engine must leave its host's torch as it was."""
+    before = torch.get_num_threads()
+    if not num_threads or num_threads == before:
+        yield
+        return
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
         config = config or EngineConfig(**kwargs)
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        self.engine_id = metrics.new_engine_id()  # its Prometheus series' `engine` label
         self.model_path = resolve_model_path(config.model, config.revision)
         self.model_name = model_name(config.model)
         self.model_config = ModelConfig.from_dir(self.model_path, config.model_impl)
@@ -74,7 +113,10 @@ class LLMEngine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
-        self.runner = ModelRunner(config, self.model_config, self.model_path, self.max_model_len)
+        with torch_threads(config.num_threads):  # kernel timing and warm-up run as steps do
+            self.runner = ModelRunner(
+                config, self.model_config, self.model_path, self.max_model_len
+            )
         self.kv = KVCacheManager(
             self.runner.num_blocks,
             config.block_size,
@@ -115,6 +157,7 @@ class LLMEngine:
 
     # ---- input ---------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
+        check_chat_messages(messages)
         return apply_chat_template(self.tokenizer, messages, **kwargs)
 
     def tokenize(self, prompt: PromptType, *, add_special_tokens: bool = True) -> list[int]:
@@ -125,8 +168,10 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         vocab = self.model_config.vocab_size
-        if not isinstance(prompt_ids, Sequence) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids
+        if (
+            not isinstance(prompt_ids, Sequence)
+            or isinstance(prompt_ids, _BYTES)
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids)
         ):
             raise TypeError("prompt token ids must be a list of ints")
         if not prompt_ids:
@@ -192,11 +237,10 @@ class LLMEngine:
     ) -> str:
         """Queue a request (validated first); returns its id. `prompt_token_ids` skips
         tokenizing when the caller already did it (e.g. a chat template)."""
+        check_priority(priority)
         params = params if params is not None else SamplingParams()
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         self.validate(ids, params)
-        if not isinstance(priority, int):
-            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -249,9 +293,14 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
     def step(self) -> list[RequestOutput]:
-        """One forward over the scheduled batch. Atomic per request: a fault before sampling
-        fails the step's requests; a fault while one request takes its token (grammar, stop
-        checks, detokenizer) fails that request alone; every other request advances whole."""
+        """One forward over the scheduled batch, on the engine's `num_threads`. Atomic per
+        request: a fault before sampling fails the step's requests; a fault while one request
+        takes its token (grammar, stop checks, detokenizer) fails that request alone; every
+        other request advances whole."""
+        with torch_threads(self.config.num_threads):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if not sched.num_scheduled:
@@ -391,6 +440,7 @@ class LLMEngine:
         kv = self.kv
         slots, stored = kv.usage(self.scheduler.running)
         return {
+            "engine_id": self.engine_id,
             "kv_slots_allocated": slots,
             "kv_tokens_stored": stored,
             "kv_blocks_total": kv.num_blocks,

@@ -16,9 +16,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def cache_path() -> Path:
+    """`$PAGED_BACKEND_CACHE`, else `~/.cache/paged_backend`: where the cache is, untouched."""
+    return Path(os.environ.get("PAGED_BACKEND_CACHE") or Path.home() / ".cache" / "paged_backend")
+
+
 def cache_dir() -> Path:
-    """`$PAGED_BACKEND_CACHE`, else `~/.cache/paged_backend`; created with mode 0700."""
-    root = Path(os.environ.get("PAGED_BACKEND_CACHE") or Path.home() / ".cache" / "paged_backend")
+    """`cache_path()`, created with mode 0700 and checked to be ours alone."""
+    root = cache_path()
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = root.stat()
     if info.st_uid != os.getuid() or info.st_mode & 0o022:

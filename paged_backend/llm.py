@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from paged_backend.config import EngineConfig
-from paged_backend.engine import LLMEngine, PromptType
+from paged_backend.engine import LLMEngine, PromptType, check_priority
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
 
@@ -79,11 +79,14 @@ class LLM:
         )
         if len(params) != n:
             raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
+        if priority is not None and not isinstance(priority, Sequence):
+            raise TypeError(f"priority must be a list of ints, got {type(priority).__name__}")
         priorities = list(priority) if priority is not None else [0] * n
         if len(priorities) != n:
             raise ValueError(f"priority has {len(priorities)} entries for {n} prompts")
-        for ids, p in zip(token_ids, params, strict=True):
-            self.engine.validate(ids, p)  # every prompt before any work starts
+        for ids, p, prio in zip(token_ids, params, priorities, strict=True):
+            check_priority(prio)  # every request is checked before any work starts
+            self.engine.validate(ids, p)
         ids = [
             self.engine.add_request(text, p, prompt_token_ids=tok, priority=prio)
             for text, tok, p, prio in zip(texts, token_ids, params, priorities, strict=True)

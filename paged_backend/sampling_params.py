@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, field
 
 from paged_backend.structured_output import StructuredOutputsParams
 
 MAX_INT = 2**63  # no int field needs more (seeds are 64-bit in torch)
+# Sizes no real request reaches. Stop strings and stop token ids are matched on the engine
+# thread for every new token, so one request with thousands of them stalls every tenant.
+MAX_STOP_STRINGS = 128
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 4096  # enough to ban or favour a whole class of tokens
+LOGIT_BIAS_RANGE = 100  # values in [-100, 100], as in OpenAI's API
+MAX_CACHE_SALT_CHARS = 1024
+_short = reprlib.Repr()  # for error messages: a value may be a list of 10^6 items
+_short.maxstring = _short.maxother = 60
 
 
 def _is_int(value) -> bool:
@@ -21,7 +32,12 @@ def _is_real(value) -> bool:
 
 def _check(ok: bool, name: str, allowed: str, value) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        raise ValueError(f"{name} must be {allowed}, got {_short.repr(value)}")
+
+
+def _check_size(name: str, size: int, limit: int, unit: str) -> None:
+    if size > limit:
+        raise ValueError(f"{name} must have at most {limit} {unit}, got {size}")
 
 
 @dataclass
@@ -90,34 +106,9 @@ class SamplingParams:
             "None or an integer in [0, 2**63)",
             self.seed,
         )
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        _check(
-            stops is None
-            or (isinstance(stops, list | tuple) and all(isinstance(x, str) and x for x in stops)),
-            "stop",
-            "a non-empty string or a list of non-empty strings",
-            self.stop,
-        )
-        self.stop_strings = list(stops or [])
-        ids = self.stop_token_ids
-        _check(
-            ids is None
-            or (isinstance(ids, list | tuple) and all(_is_int(t) and t >= 0 for t in ids)),
-            "stop_token_ids",
-            "a list of non-negative token ids",
-            ids,
-        )
-        self.stop_token_ids = list(ids or [])
-        bias = self.logit_bias
-        _check(bias is None or isinstance(bias, dict), "logit_bias", "a dict", bias)
-        for token, value in (bias or {}).items():
-            _check(_is_int(token) and token >= 0, "logit_bias", "keyed by token ids >= 0", token)
-            _check(
-                _is_real(value) and -100 <= value <= 100,
-                "logit_bias",
-                "values in [-100, 100]",
-                value,
-            )
+        self._check_stops()
+        self._check_stop_token_ids()
+        self._check_logit_bias()
         _check(
             self.structured_outputs is None
             or isinstance(self.structured_outputs, StructuredOutputsParams),
@@ -125,15 +116,60 @@ class SamplingParams:
             "None or a StructuredOutputsParams",
             self.structured_outputs,
         )
+        salt = self.cache_salt
         _check(
-            self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
+            salt is None or (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS),
             "cache_salt",
-            "None or a non-empty string",
-            self.cache_salt,
+            f"None or a string of 1 to {MAX_CACHE_SALT_CHARS} characters",
+            salt,
         )
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, "True or False", value)
+
+    def _check_stops(self) -> None:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        _check(
+            stops is None or isinstance(stops, list | tuple),
+            "stop",
+            "a string or a list of strings",
+            stops,
+        )
+        _check_size("stop", len(stops or ()), MAX_STOP_STRINGS, "strings")
+        for s in stops or ():
+            _check(
+                isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS,
+                "stop",
+                f"strings of 1 to {MAX_STOP_STRING_CHARS} characters",
+                s,
+            )
+        self.stop_strings = list(stops or [])
+
+    def _check_stop_token_ids(self) -> None:
+        ids = self.stop_token_ids
+        _check(ids is None or isinstance(ids, list | tuple), "stop_token_ids", "a list", ids)
+        _check_size("stop_token_ids", len(ids or ()), MAX_STOP_TOKEN_IDS, "token ids")
+        _check(
+            all(_is_int(t) and t >= 0 for t in ids or ()),
+            "stop_token_ids",
+            "a list of non-negative token ids",
+            ids,
+        )
+        self.stop_token_ids = list(ids or [])
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        _check(bias is None or isinstance(bias, dict), "logit_bias", "a dict", bias)
+        _check_size("logit_bias", len(bias or {}), MAX_LOGIT_BIAS_ENTRIES, "entries")
+        limit = LOGIT_BIAS_RANGE
+        for token, value in (bias or {}).items():
+            _check(_is_int(token) and token >= 0, "logit_bias", "keyed by token ids >= 0", token)
+            _check(
+                _is_real(value) and -limit <= value <= limit,
+                "logit_bias",
+                f"values in [-{limit}, {limit}]",
+                value,
+            )
 
     def _real(self, name: str, allowed: str, ok) -> None:
         value = getattr(self, name)

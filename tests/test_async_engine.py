@@ -360,6 +360,7 @@ def test_stats_and_prometheus_gauges(engine):
         assert key in stats
     assert stats["generation_tokens_per_s"] > 0
     value = prometheus_client.REGISTRY.get_sample_value(
-        "paged_backend_kv_blocks_total", {"model": engine.model_name, "replica": ""}
+        "paged_backend_kv_blocks_total",
+        {"model": engine.model_name, "engine": stats["engine_id"], "replica": ""},
     )
     assert value == stats["kv_blocks_total"]

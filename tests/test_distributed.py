@@ -132,14 +132,14 @@ def test_bad_routing_arguments_fail_early():
 
 def test_a_dead_replicas_gauges_are_removed_but_alive():
     prometheus_client = pytest.importorskip("prometheus_client")
-    labels = {"model": "gauge-test", "replica": "3"}
+    labels = {"model": "gauge-test", "engine": "e", "replica": "3"}
 
     def sample(stat: str) -> float | None:
         return prometheus_client.REGISTRY.get_sample_value(f"paged_backend_{stat}", labels)
 
-    metrics.export({"alive": True, "num_running": 2}, "gauge-test", replica="3")
+    metrics.export({"alive": True, "num_running": 2}, "gauge-test", "e", replica="3")
     assert (sample("alive"), sample("num_running")) == (1, 2)
-    metrics.export({"alive": False}, "gauge-test", replica="3")  # no stale num_running
+    metrics.export({"alive": False}, "gauge-test", "e", replica="3")  # no stale num_running
     assert (sample("alive"), sample("num_running")) == (0, None)
 
 
@@ -358,7 +358,7 @@ def test_gauges_carry_a_replica_label(engine):
     stats = wait_for(lambda: idle(engine), what="idle replicas")  # stats() exports them
 
     def sample(stat: str, replica: str) -> float | None:
-        labels = {"model": engine.model_name, "replica": replica}
+        labels = {"model": engine.model_name, "engine": engine.engine_id, "replica": replica}
         return prometheus_client.REGISTRY.get_sample_value(f"paged_backend_{stat}", labels)
 
     assert sample("num_generated_tokens", "") == stats["num_generated_tokens"]  # the totals

@@ -7,9 +7,12 @@ import os
 import stat
 import subprocess
 import sys
+import uuid
 
 import pytest
+from conftest import REAL_CACHE
 
+from paged_backend import cpu_ops
 from paged_backend.default_model import default_model_file
 from paged_backend.file_cache import cache_dir
 
@@ -72,3 +75,31 @@ def test_two_processes_converting_one_gguf_at_once(tmp_path):
     assert runs[0].stdout == runs[1].stdout
     assert sum(r.stderr.count("paged-backend: converting") for r in runs) == 1
     assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 1
+
+
+def test_the_test_session_has_its_own_cache(default_model_path):
+    """Tests never write into the user's cache; the default model is still found (linked)."""
+    active = cache_dir().resolve()
+    assert active != REAL_CACHE.resolve() and not active.is_relative_to(REAL_CACHE.resolve())
+    assert default_model_path.parent.parent == cache_dir()  # found through the session cache
+    assert (default_model_path / "model.safetensors").is_file()
+
+
+def _names(root) -> set[str]:
+    return set(os.listdir(root)) if root.is_dir() else set()
+
+
+def test_a_kernel_build_lands_in_the_session_cache_only(monkeypatch):
+    """A build no other run makes (its flags hold a fresh token) appears in the active cache
+    and not in the real one."""
+    real_before, active_before = _names(REAL_CACHE), _names(cache_dir())
+    token = uuid.uuid4().hex
+    monkeypatch.setattr(cpu_ops, "FLAGS", [*cpu_ops.FLAGS, "-O0", f"-DCACHE_TEST_{token}"])
+    cpu_ops.load_library.cache_clear()
+    try:
+        assert cpu_ops.available()
+    finally:
+        cpu_ops.load_library.cache_clear()
+    built = {n for n in _names(cache_dir()) - active_before if n.startswith("cpu_ops-")}
+    assert built, "the build wrote nothing into the active cache"
+    assert not built & (_names(REAL_CACHE) - real_before)

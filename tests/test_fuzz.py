@@ -47,6 +47,7 @@ prompts = st.one_of(
         alphabet=st.characters(codec="utf-8", categories=["Cc", "Cs", "Co", "Zs"]), max_size=12
     ),
     st.sampled_from(["\ud800", "a\udfffb", "x" * 100_000, "", " "]),
+    st.binary(max_size=4),  # never read as token ids
     st.lists(st.integers(-3, 49160), max_size=6),
     st.lists(st.one_of(st.integers(0, 100), st.floats(), st.text(max_size=2)), max_size=3),
     st.none(),

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from paged_backend import LLM, SamplingParams
+from paged_backend import LLM, AsyncEngine, SamplingParams
+from paged_backend import sampling_params as sp
 from paged_backend.config import EngineConfig
+from paged_backend.engine import PRIORITY_MAX, PRIORITY_MIN
 
 GOOD = SamplingParams(temperature=0, max_tokens=4)
 
@@ -22,6 +24,8 @@ def llm(tiny_model):
         ([], ValueError, "prompt"),
         (3.5, TypeError, "prompt"),
         ({"text": "hi"}, TypeError, "prompt"),
+        (b"hi", TypeError, "prompt must be a str or a list of int token ids, got bytes"),
+        (bytearray(b"hi"), TypeError, "prompt must be a str"),
         ([1, "a", 3], TypeError, "prompt"),
         ([1, 2, 10**9], ValueError, r"prompt token ids must be in \[0, 49152\)"),
         ("word " * 200, ValueError, "max_model_len"),
@@ -127,3 +131,115 @@ def test_n_is_bounded_by_the_batch(llm):
     with pytest.raises(ValueError, match=r"n must be <= max_num_seqs \(128\)"):
         engine.add_request("hi", SamplingParams(n=1_000_000, max_tokens=2))
     assert not engine.has_unfinished_requests()
+
+
+def test_bytes_are_not_token_ids(llm):
+    """`b"hi"` is a Sequence of ints: it must not pass as the token ids [104, 105]."""
+    engine = llm.engine
+    with pytest.raises(TypeError, match="prompt"):
+        engine.add_request(b"hi", GOOD)
+    with pytest.raises(TypeError, match="prompt token ids"):
+        engine.add_request(None, GOOD, prompt_token_ids=b"hi")
+    assert not engine.has_unfinished_requests()
+
+
+def _over(limit: int, item) -> list:
+    return [item] * (limit + 1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"stop": _over(sp.MAX_STOP_STRINGS, "x")},
+            rf"stop must have at most {sp.MAX_STOP_STRINGS}",
+        ),
+        (
+            {"stop": "x" * (sp.MAX_STOP_STRING_CHARS + 1)},
+            rf"stop must be strings of 1 to {sp.MAX_STOP_STRING_CHARS}",
+        ),
+        ({"stop": ["ok", ""]}, "stop must be strings of 1 to"),
+        (
+            {"stop_token_ids": _over(sp.MAX_STOP_TOKEN_IDS, 7)},
+            rf"stop_token_ids must have at most {sp.MAX_STOP_TOKEN_IDS}",
+        ),
+        (
+            {"logit_bias": dict.fromkeys(range(sp.MAX_LOGIT_BIAS_ENTRIES + 1), 1.0)},
+            rf"logit_bias must have at most {sp.MAX_LOGIT_BIAS_ENTRIES}",
+        ),
+        ({"logit_bias": {5: 100.5}}, r"logit_bias must be values in \[-100, 100\]"),
+        ({"logit_bias": {5: -101}}, r"logit_bias must be values in \[-100, 100\]"),
+        (
+            {"cache_salt": "s" * (sp.MAX_CACHE_SALT_CHARS + 1)},
+            rf"cache_salt must be None or a string of 1 to {sp.MAX_CACHE_SALT_CHARS}",
+        ),
+    ],
+    ids=[
+        "stop-count",
+        "stop-length",
+        "stop-empty",
+        "stop-ids",
+        "bias-size",
+        "bias-high",
+        "bias-low",
+        "salt",
+    ],
+)
+def test_unbounded_params_are_bounded(kwargs, match):
+    """One request with 10^4 stop strings would stall every tenant (stops are matched on the
+    engine thread); the error names the field and its limit, in a short message."""
+    with pytest.raises(ValueError, match=match) as info:
+        SamplingParams(**kwargs)
+    assert len(str(info.value)) < 300
+
+
+def test_params_at_the_limits_are_taken(llm):
+    limits = SamplingParams(
+        temperature=0,
+        max_tokens=4,
+        stop=[
+            f"{i:03d}" + "z" * (sp.MAX_STOP_STRING_CHARS - 3) for i in range(sp.MAX_STOP_STRINGS)
+        ],
+        stop_token_ids=list(range(40000, 40000 + sp.MAX_STOP_TOKEN_IDS)),
+        logit_bias={
+            t: -sp.LOGIT_BIAS_RANGE for t in range(30000, 30000 + sp.MAX_LOGIT_BIAS_ENTRIES)
+        },
+        cache_salt="s" * sp.MAX_CACHE_SALT_CHARS,
+    )
+    out = llm.generate(["hello there"], limits, use_tqdm=False)[0]
+    assert out.error is None and out.outputs[0].token_ids
+    assert not set(out.outputs[0].token_ids) & set(limits.logit_bias)  # the bias applied
+
+
+@pytest.mark.parametrize(
+    ("priority", "error", "match"),
+    [
+        (True, TypeError, "priority must be an int, got bool"),
+        (1.0, TypeError, "priority must be an int, got float"),
+        (PRIORITY_MAX + 1, ValueError, r"priority must be in \[-2\*\*63, 2\*\*63 - 1\]"),
+        (PRIORITY_MIN - 1, ValueError, r"priority must be in \[-2\*\*63"),
+    ],
+)
+def test_priority_is_checked_at_every_entry(llm, tiny_model, priority, error, match):
+    engine = llm.engine
+    with pytest.raises(error, match=match):
+        engine.add_request("hi", GOOD, priority=priority)
+    with pytest.raises(error, match=match):
+        llm.generate(["a", "b"], GOOD, priority=[0, priority], use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    async_engine = AsyncEngine(engine)  # borrows the idle engine; shut down below
+    try:
+        with pytest.raises(error, match=match):
+            async_engine.generate_stream("hi", GOOD, priority=priority)
+    finally:
+        async_engine.shutdown()
+    assert not engine.has_unfinished_requests()
+
+
+def test_priority_extremes_are_taken(llm):
+    engine = llm.engine
+    for priority in (PRIORITY_MIN, PRIORITY_MAX):
+        engine.add_request("hi", GOOD, request_id=f"p{priority}", priority=priority)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv.pool.num_free == engine.kv.num_blocks

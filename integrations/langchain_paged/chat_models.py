@@ -31,7 +31,7 @@ from langchain_paged.base import (
     completion_metadata,
     usage_metadata,
 )
-from langchain_paged.messages import render_chat
+from langchain_paged.messages import render_chat, to_chat_dicts
 from paged_backend import AsyncEngine, RequestOutput, SamplingParams, StructuredOutputsParams
 from paged_backend.adapters import (
     StreamedText,
@@ -40,12 +40,13 @@ from paged_backend.adapters import (
     model_context_window,
     model_tokenizer,
 )
-from paged_backend.chat_template import apply_chat_template
+from paged_backend.chat_template import apply_chat_template, check_chat_messages
 from paged_backend.tool_calling import (
     ToolCallDelta,
     check_tools,
     parse_tool_calls,
     pop_tool_request,
+    render_tool_chat,
     tool_choice_name,
 )
 
@@ -216,10 +217,12 @@ class ChatPaged(PagedParams, BaseChatModel):
         if kwargs.get("tools") is not None:
             kwargs["tools"] = [convert_to_openai_tool(t) for t in kwargs["tools"]]
         tools = pop_tool_request(kwargs)
+        dicts = to_chat_dicts(messages)
+        check_chat_messages(dicts)  # indices of the caller's messages, before tools are added
         submitter, params = self._prepare(stop, kwargs, stream=stream)
         engine = submitter.engine
-        prompt = render_chat(
-            engine.apply_chat_template, engine.tokenizer.chat_template, messages, tools
+        prompt = render_tool_chat(
+            engine.apply_chat_template, engine.tokenizer.chat_template, dicts, tools
         )
         return submitter, prompt, params, tools is not None
 

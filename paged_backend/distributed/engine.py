@@ -28,7 +28,7 @@ from paged_backend.chat_template import apply_chat_template
 from paged_backend.config import EngineConfig
 from paged_backend.distributed.replica import Replica
 from paged_backend.distributed.router import NoReplicaError, Router, check_routing
-from paged_backend.engine import PromptType, tokenize_prompt
+from paged_backend.engine import PromptType, check_priority, tokenize_prompt
 from paged_backend.errors import (
     EngineError,
     EngineOverloadedError,
@@ -98,6 +98,7 @@ class RayEngine:
         self._actor_class = ray.remote(Replica)
         self._actor_options = {**_ACTOR_OPTIONS, **(ray_actor_options or {})}
         self._name = f"paged-backend-{uuid.uuid4().hex[:8]}"
+        self.engine_id = metrics.new_engine_id()
         self._generation = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
@@ -161,6 +162,7 @@ class RayEngine:
         """Route and send a request. The replica validates it: a bad request raises at the
         first output, as `EngineOverloadedError` does once every live replica refused it."""
         check_timeout(timeout)
+        check_priority(priority)
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
@@ -391,11 +393,11 @@ class RayEngine:
                         self._replica_down(slot, exc)
             replicas.append({"replica": slot, "alive": stats is not None, **(stats or {})})
         merged = _merge([r for r in replicas if r["alive"]])
-        metrics.export(merged, self.model_name)
+        metrics.export(merged, self.model_name, self.engine_id)
         for stats in replicas:
             own = {k: v for k, v in stats.items() if k != "replica"}
-            metrics.export(own, self.model_name, replica=str(stats["replica"]))
-        merged["replicas"], merged["routing"] = replicas, decisions
+            metrics.export(own, self.model_name, self.engine_id, replica=str(stats["replica"]))
+        merged.update(engine_id=self.engine_id, replicas=replicas, routing=decisions)
         return merged
 
 

@@ -58,6 +58,8 @@ from paged_backend.adapters import (
     ranked_logprobs,
 )
 from paged_backend.async_engine import AsyncEngine
+from paged_backend.chat_template import check_chat_messages
+from paged_backend.engine import check_prompt_text
 from paged_backend.outputs import CompletionOutput, RequestOutput
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.tool_calling import (
@@ -194,6 +196,7 @@ class PagedLLM(FunctionCallingLLM):
     ) -> tuple[str, bool]:
         """(prompt, add_special_tokens): the chat template already holds any special tokens."""
         messages = list(messages)
+        check_chat_messages([{"role": m.role.value, "content": m.content} for m in messages])
         # predict() and the structured programs add `system_prompt` themselves; add it once.
         if self.system_prompt and not any(
             m.role == MessageRole.SYSTEM and m.content == self.system_prompt for m in messages
@@ -209,6 +212,7 @@ class PagedLLM(FunctionCallingLLM):
         return prompt, False
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> tuple[str, bool]:
+        check_prompt_text(prompt)  # before a template or `completion_to_prompt` frames it
         if formatted:
             return prompt, True
         if self.completion_to_prompt is not default_completion_to_prompt:
