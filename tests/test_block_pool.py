@@ -35,9 +35,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     """Drives the real Scheduler and KVCacheManager with a fake model (tokens drawn by data).
 
     The fake model keeps a shadow of what each KV slot holds: the whole token prefix whose K/V
-    it would contain. A step writes its scheduled tokens' slots, then every scheduled request
+    it would contain. Within a step it models when each slot is written, as the kernels'
+    contract says: every scheduled slot first, then every row's reads. Each scheduled request
     must find, in each slot of its context, exactly its own prefix: a cache hit on a block that
-    was never written (or written for other tokens) fails here."""
+    was never written (or written for other tokens) fails here. `cross_reads` counts the reads
+    of a slot that another request writes in the same step: they are correct only because all
+    writes come first (see `_run_model`'s `writes_first`)."""
 
     def __init__(self, long_prefill_token_threshold: int = 0) -> None:
         super().__init__()
@@ -49,6 +52,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.live: list[Request] = []
         self.count = 0
         self.shadow: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, slot) -> prefix
+        self.cross_reads = 0
 
     @rule(
         prefix=st.sampled_from([0, 1, 2]),
@@ -70,21 +74,33 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.scheduler.add(req)
         self.live.append(req)
 
-    def _run_model(self, out) -> None:
-        """Write the step's K/V slots, then check every scheduled request's reads."""
+    def _run_model(self, out, writes_first: bool = True) -> None:
+        """One step of the model: the step's writes, then every scheduled request's reads of
+        its context. With `writes_first=False` it models a kernel that writes and reads one
+        sequence at a time, on threads in any order (as the C decode kernel did): a row may then
+        read before any other row of the step has written, so each read sees the step's writes
+        of its own request only."""
+        writes: dict[tuple[int, int], tuple[str, tuple[int, ...]]] = {}  # slot -> writer, prefix
         for req, n in out.num_scheduled.items():
             table = self.kv.block_tables[req.request_id]
             assert len(table) * BLOCK >= req.num_computed_tokens + n
             for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
                 slot = (table[pos // BLOCK].block_id, pos % BLOCK)
-                self.shadow[slot] = tuple(req.all_token_ids[: pos + 1])
+                writes[slot] = (req.request_id, tuple(req.all_token_ids[: pos + 1]))
         for req, n in out.num_scheduled.items():
             table = self.kv.block_tables[req.request_id]
             for pos in range(req.num_computed_tokens + n):
                 slot = (table[pos // BLOCK].block_id, pos % BLOCK)
-                assert self.shadow.get(slot) == tuple(req.all_token_ids[: pos + 1]), (
+                held = self.shadow.get(slot)
+                writer, prefix = writes.get(slot, (None, None))
+                if writer is not None and writer != req.request_id:
+                    self.cross_reads += 1
+                if writer is not None and (writes_first or writer == req.request_id):
+                    held = prefix
+                assert held == tuple(req.all_token_ids[: pos + 1]), (
                     f"{req.request_id} reads K/V never written for its tokens at {pos}"
                 )
+        self.shadow.update((slot, prefix) for slot, (_, prefix) in writes.items())
 
     @rule(token=st.integers(0, 9))
     def step(self, token):
@@ -139,6 +155,7 @@ def test_seeded_interleavings_never_read_unwritten_kv(policy, threshold):
     K/V nobody wrote: long prompts over two shared prefixes, chunked prefill, tight blocks,
     urgent arrivals that preempt, aborts and failed steps; also with long prefills capped
     (`threshold`), which passes long waiting requests over for shorter ones."""
+    cross_reads = 0
     for seed in range(150):
         rng = random.Random(seed)
         machine = SchedulerMachine(threshold)
@@ -160,6 +177,33 @@ def test_seeded_interleavings_never_read_unwritten_kv(policy, threshold):
                 machine.failed_step()
             machine.invariants_hold()
         machine.teardown()
+        cross_reads += machine.cross_reads
+    assert cross_reads > 0  # the workloads do read, in a step, slots that step writes
+
+
+def test_a_hit_on_a_block_its_owner_fills_in_the_same_step_needs_every_write_first():
+    """V decodes the token that fills its second block; W, whose prompt is V's tokens so far
+    plus one, arrives then and is admitted on a hit of that block in the same step. Its read is
+    right only if the kernels write every row's K/V before any row reads: the shadow model run
+    one sequence at a time (the old C decode kernel's order) fails on it."""
+    for writes_first in (True, False):
+        machine = SchedulerMachine()
+        v = Request("v", list(range(2 * BLOCK - 1)), SamplingParams(max_tokens=4))
+        machine.scheduler.add(v)
+        machine.live.append(v)
+        machine.step(token=7)  # V's prompt; its first token is the block's last
+        assert v.num_tokens == 2 * BLOCK and v.num_computed_tokens == 2 * BLOCK - 1
+        w = Request("w", [*v.all_token_ids, 9], SamplingParams(max_tokens=2))
+        machine.scheduler.add(w)
+        machine.live.append(w)
+        out = machine.scheduler.schedule()
+        assert out.num_scheduled == {v: 1, w: 1}  # W hit both of V's blocks, the second unwritten
+        if writes_first:
+            machine._run_model(out)
+            assert machine.cross_reads == 1
+        else:
+            with pytest.raises(AssertionError, match="w reads K/V never written"):
+                machine._run_model(out, writes_first=False)
 
 
 TestSchedulerMachine.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
