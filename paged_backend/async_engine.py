@@ -13,6 +13,7 @@ import asyncio
 import atexit
 import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import threading
@@ -36,13 +37,45 @@ logger = logging.getLogger(__name__)
 _THROUGHPUT_WINDOW_S = 10.0
 
 
+class _Unread:
+    """The outputs of a request that its reader has not taken yet, folded into one (vLLM's
+    `RequestOutputCollector`): the newest state plus every unread step's deltas. A stalled
+    reader then costs one output, not a snapshot of the whole text per step."""
+
+    def __init__(self, out: RequestOutput) -> None:
+        self.latest = out
+        self.steps = 1
+        self.texts = {c.index: [c.delta_text] for c in out.outputs}
+        self.ids = {c.index: list(c.delta_token_ids) for c in out.outputs}
+
+    def add(self, out: RequestOutput) -> None:
+        self.latest = out
+        self.steps += 1
+        for c in out.outputs:
+            self.texts.setdefault(c.index, []).append(c.delta_text)
+            self.ids.setdefault(c.index, []).extend(c.delta_token_ids)
+
+    def output(self) -> RequestOutput:
+        """One step is handed over as it came: a reader who keeps up sees what it always did."""
+        if self.steps == 1:
+            return self.latest
+        completions = [
+            dataclasses.replace(
+                c, delta_text="".join(self.texts[c.index]), delta_token_ids=self.ids[c.index]
+            )
+            for c in self.latest.outputs
+        ]
+        return dataclasses.replace(self.latest, outputs=completions)
+
+
 class _Stream:
     """Outputs of one request, waited on by a thread or by a coroutine of any event loop. With
     a `timeout` (seconds for the whole request, the caller's reading included), waiting past
-    it raises TimeoutError, so that the caller aborts the request."""
+    it raises TimeoutError, so that the caller aborts the request. Unread outputs are merged
+    (`_Unread`), so it holds O(1) items however far the reader is behind."""
 
     def __init__(self, request_id: str, timeout: float | None = None) -> None:
-        self._items: collections.deque = collections.deque()
+        self._items: collections.deque[_Unread | BaseException] = collections.deque()
         self._cond = threading.Condition()
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
         self._request_id, self._timeout = request_id, timeout
@@ -50,7 +83,11 @@ class _Stream:
 
     def put(self, item: RequestOutput | BaseException) -> None:
         with self._cond:
-            self._items.append(item)
+            last = self._items[-1] if self._items else None
+            if isinstance(item, RequestOutput) and isinstance(last, _Unread):
+                last.add(item)
+            else:
+                self._items.append(_Unread(item) if isinstance(item, RequestOutput) else item)
             self._cond.notify()
             waiter, self._waiter = self._waiter, None
         if waiter is not None:
@@ -65,7 +102,7 @@ class _Stream:
                 if remaining == 0.0:
                     raise self._timed_out()
                 if self._items:
-                    return self._items.popleft()
+                    return self._pop()
                 self._cond.wait(remaining)
 
     async def get_async(self) -> RequestOutput | BaseException:
@@ -75,12 +112,16 @@ class _Stream:
                 if remaining == 0.0:
                     raise self._timed_out()
                 if self._items:
-                    return self._items.popleft()
+                    return self._pop()
                 loop = asyncio.get_running_loop()
                 fut = loop.create_future()
                 self._waiter = (loop, fut)
             with contextlib.suppress(TimeoutError):  # the loop above raises it, with the id
                 await asyncio.wait_for(fut, remaining)
+
+    def _pop(self) -> RequestOutput | BaseException:
+        item = self._items.popleft()
+        return item.output() if isinstance(item, _Unread) else item
 
     def _remaining(self) -> float | None:
         if self._deadline is None:
