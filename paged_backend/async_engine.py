@@ -2,9 +2,10 @@
 loops and threads. Everyone's requests land in the same continuous batch.
 
 Only the engine thread touches the `LLMEngine`. Callers validate their request in their own
-thread (bad input raises there, before anything is queued), then hand it over through a locked
-inbox. Outputs go back through a per-request `_Stream` that a coroutine on any event loop, or a
-plain thread, can wait on; the engine thread never blocks on a slow consumer.
+thread (async callers in a worker thread, so that tokenizing and grammar compiles never stall
+their event loop; bad input raises in the caller, before anything is queued), then hand it over
+through a locked inbox. Outputs go back through a per-request `_Stream` that a coroutine on any
+event loop, or a plain thread, can wait on; the engine thread never blocks on a slow consumer.
 """
 
 from __future__ import annotations
@@ -232,15 +233,21 @@ class AsyncEngine:
             return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     # ---- submitting ------------------------------------------------------------------------
-    def _submit(
-        self, prompt, params, request_id, priority, add_special_tokens, timeout
-    ) -> tuple[str, _Stream]:
+    def _prepare(
+        self, prompt, params, priority, add_special_tokens, timeout
+    ) -> tuple[str | None, list[int], SamplingParams, int]:
+        """Tokenize and validate (grammar compile included): the slow part of a submission,
+        which has no side effect, so that `generate` can run it off the event loop."""
         check_timeout(timeout)
         params = params if params is not None else SamplingParams()
         ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
         self.engine.validate(ids, params)
         if not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        return (prompt if isinstance(prompt, str) else None), ids, params, priority
+
+    def _enqueue(self, request: tuple, request_id, timeout) -> tuple[str, _Stream]:
+        """Queue a `_prepare`d request for the engine thread: quick, safe on an event loop."""
         with self._lock:
             if self._closed:
                 raise EngineShutdownError("the engine has been shut down; create a new one")
@@ -256,8 +263,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
             stream = self._streams[request_id] = _Stream(request_id, timeout)
-            text = prompt if isinstance(prompt, str) else None
-            self._inbox.append(("add", request_id, text, ids, params, priority))
+            self._inbox.append(("add", request_id, *request))
         self._wakeup.set()
         return request_id, stream
 
@@ -273,10 +279,12 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream `RequestOutput`s (cumulative text and `delta_text`) until finished. Leaving
         the loop early or cancelling the task aborts the request and frees its blocks; so does
-        `timeout` (seconds for the whole request), which then raises `TimeoutError`."""
-        request_id, stream = self._submit(
-            prompt, sampling_params, request_id, priority, add_special_tokens, timeout
+        `timeout` (seconds for the whole request), which then raises `TimeoutError`.
+        Tokenizing and validating run in a worker thread, not on the caller's event loop."""
+        request = await asyncio.to_thread(
+            self._prepare, prompt, sampling_params, priority, add_special_tokens, timeout
         )
+        request_id, stream = self._enqueue(request, request_id, timeout)
         finished = False
         try:
             while not finished:
@@ -298,9 +306,8 @@ class AsyncEngine:
         timeout: float | None = None,
     ) -> Iterator[RequestOutput]:
         """The same stream for plain threads; closing the iterator early aborts the request."""
-        request_id, stream = self._submit(
-            prompt, sampling_params, request_id, priority, add_special_tokens, timeout
-        )
+        request = self._prepare(prompt, sampling_params, priority, add_special_tokens, timeout)
+        request_id, stream = self._enqueue(request, request_id, timeout)
         return RequestStream(self, request_id, stream)
 
     async def abort(self, request_id: str) -> None:
