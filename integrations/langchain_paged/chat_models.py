@@ -257,7 +257,7 @@ class ChatPaged(PagedParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        request = await asyncio.to_thread(self._request, messages, stop, kwargs, False)
+        request = await asyncio.to_thread(self._request, messages, stop, kwargs, stream=False)
         submitter, prompt, params, with_tools = request
         outputs = submitter.astream(prompt, params, add_special_tokens=False)
         return self._result(await alast_output(outputs), with_tools)
@@ -283,7 +283,7 @@ class ChatPaged(PagedParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        request = await asyncio.to_thread(self._request, messages, stop, kwargs, True)
+        request = await asyncio.to_thread(self._request, messages, stop, kwargs, stream=True)
         submitter, prompt, params, with_tools = request
         to_chunk = _ChunkBuilder(self.model_name, with_tools)
         async with aclosing(submitter.astream(prompt, params, add_special_tokens=False)) as outs:
