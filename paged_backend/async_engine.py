@@ -2,9 +2,10 @@
 loops and threads. Everyone's requests land in the same continuous batch.
 
 Only the engine thread touches the `LLMEngine`. Callers validate their request in their own
-thread (bad input raises there, before anything is queued), then hand it over through a locked
-inbox. Outputs go back through a per-request `_Stream` that a coroutine on any event loop, or a
-plain thread, can wait on; the engine thread never blocks on a slow consumer.
+thread (async callers in a worker thread, so that tokenizing and grammar compiles never stall
+their event loop; bad input raises in the caller, before anything is queued), then hand it over
+through a locked inbox. Outputs go back through a per-request `_Stream` that a coroutine on any
+event loop, or a plain thread, can wait on; the engine thread never blocks on a slow consumer.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import atexit
 import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import threading
@@ -36,13 +38,45 @@ logger = logging.getLogger(__name__)
 _THROUGHPUT_WINDOW_S = 10.0
 
 
+class _Unread:
+    """The outputs of a request that its reader has not taken yet, folded into one (vLLM's
+    `RequestOutputCollector`): the newest state plus every unread step's deltas. A stalled
+    reader then costs one output, not a snapshot of the whole text per step."""
+
+    def __init__(self, out: RequestOutput) -> None:
+        self.latest = out
+        self.steps = 1
+        self.texts = {c.index: [c.delta_text] for c in out.outputs}
+        self.ids = {c.index: list(c.delta_token_ids) for c in out.outputs}
+
+    def add(self, out: RequestOutput) -> None:
+        self.latest = out
+        self.steps += 1
+        for c in out.outputs:
+            self.texts.setdefault(c.index, []).append(c.delta_text)
+            self.ids.setdefault(c.index, []).extend(c.delta_token_ids)
+
+    def output(self) -> RequestOutput:
+        """One step is handed over as it came: a reader who keeps up sees what it always did."""
+        if self.steps == 1:
+            return self.latest
+        completions = [
+            dataclasses.replace(
+                c, delta_text="".join(self.texts[c.index]), delta_token_ids=self.ids[c.index]
+            )
+            for c in self.latest.outputs
+        ]
+        return dataclasses.replace(self.latest, outputs=completions)
+
+
 class _Stream:
     """Outputs of one request, waited on by a thread or by a coroutine of any event loop. With
     a `timeout` (seconds for the whole request, the caller's reading included), waiting past
-    it raises TimeoutError, so that the caller aborts the request."""
+    it raises TimeoutError, so that the caller aborts the request. Unread outputs are merged
+    (`_Unread`), so it holds O(1) items however far the reader is behind."""
 
     def __init__(self, request_id: str, timeout: float | None = None) -> None:
-        self._items: collections.deque = collections.deque()
+        self._items: collections.deque[_Unread | BaseException] = collections.deque()
         self._cond = threading.Condition()
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
         self._request_id, self._timeout = request_id, timeout
@@ -50,7 +84,11 @@ class _Stream:
 
     def put(self, item: RequestOutput | BaseException) -> None:
         with self._cond:
-            self._items.append(item)
+            last = self._items[-1] if self._items else None
+            if isinstance(item, RequestOutput) and isinstance(last, _Unread):
+                last.add(item)
+            else:
+                self._items.append(_Unread(item) if isinstance(item, RequestOutput) else item)
             self._cond.notify()
             waiter, self._waiter = self._waiter, None
         if waiter is not None:
@@ -65,7 +103,7 @@ class _Stream:
                 if remaining == 0.0:
                     raise self._timed_out()
                 if self._items:
-                    return self._items.popleft()
+                    return self._pop()
                 self._cond.wait(remaining)
 
     async def get_async(self) -> RequestOutput | BaseException:
@@ -75,12 +113,16 @@ class _Stream:
                 if remaining == 0.0:
                     raise self._timed_out()
                 if self._items:
-                    return self._items.popleft()
+                    return self._pop()
                 loop = asyncio.get_running_loop()
                 fut = loop.create_future()
                 self._waiter = (loop, fut)
             with contextlib.suppress(TimeoutError):  # the loop above raises it, with the id
                 await asyncio.wait_for(fut, remaining)
+
+    def _pop(self) -> RequestOutput | BaseException:
+        item = self._items.popleft()
+        return item.output() if isinstance(item, _Unread) else item
 
     def _remaining(self) -> float | None:
         if self._deadline is None:
@@ -191,14 +233,20 @@ class AsyncEngine:
             return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     # ---- submitting ------------------------------------------------------------------------
-    def _submit(
-        self, prompt, params, request_id, priority, add_special_tokens, timeout
-    ) -> tuple[str, _Stream]:
+    def _prepare(
+        self, prompt, params, priority, add_special_tokens, timeout
+    ) -> tuple[str | None, list[int], SamplingParams, int]:
+        """Tokenize and validate (grammar compile included): the slow part of a submission,
+        which has no side effect, so that `generate` can run it off the event loop."""
         check_timeout(timeout)
         params = params if params is not None else SamplingParams()
         ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
         self.engine.validate(ids, params)
         check_priority(priority)
+        return (prompt if isinstance(prompt, str) else None), ids, params, priority
+
+    def _enqueue(self, request: tuple, request_id, timeout) -> tuple[str, _Stream]:
+        """Queue a `_prepare`d request for the engine thread: quick, safe on an event loop."""
         with self._lock:
             if self._closed:
                 raise EngineShutdownError("the engine has been shut down; create a new one")
@@ -214,8 +262,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
             stream = self._streams[request_id] = _Stream(request_id, timeout)
-            text = prompt if isinstance(prompt, str) else None
-            self._inbox.append(("add", request_id, text, ids, params, priority))
+            self._inbox.append(("add", request_id, *request))
         self._wakeup.set()
         return request_id, stream
 
@@ -231,10 +278,12 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream `RequestOutput`s (cumulative text and `delta_text`) until finished. Leaving
         the loop early or cancelling the task aborts the request and frees its blocks; so does
-        `timeout` (seconds for the whole request), which then raises `TimeoutError`."""
-        request_id, stream = self._submit(
-            prompt, sampling_params, request_id, priority, add_special_tokens, timeout
+        `timeout` (seconds for the whole request), which then raises `TimeoutError`.
+        Tokenizing and validating run in a worker thread, not on the caller's event loop."""
+        request = await asyncio.to_thread(
+            self._prepare, prompt, sampling_params, priority, add_special_tokens, timeout
         )
+        request_id, stream = self._enqueue(request, request_id, timeout)
         finished = False
         try:
             while not finished:
@@ -256,9 +305,8 @@ class AsyncEngine:
         timeout: float | None = None,
     ) -> Iterator[RequestOutput]:
         """The same stream for plain threads; closing the iterator early aborts the request."""
-        request_id, stream = self._submit(
-            prompt, sampling_params, request_id, priority, add_special_tokens, timeout
-        )
+        request = self._prepare(prompt, sampling_params, priority, add_special_tokens, timeout)
+        request_id, stream = self._enqueue(request, request_id, timeout)
         return RequestStream(self, request_id, stream)
 
     async def abort(self, request_id: str) -> None:

@@ -6,6 +6,7 @@ whose replicas run in Ray actors (the `ray` extra)."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from paged_backend.async_engine import AsyncEngine
@@ -21,6 +22,9 @@ RAY_ARGS = ("num_replicas", "routing", "ray_actor_options")
 _lock = threading.RLock()  # reentrant: a GC finalizer may release inside get_engine
 _engines: dict[tuple, AsyncEngine | RayEngine] = {}
 _users: dict[int, int] = {}
+# Engines being created, by key: creation runs outside `_lock` (a model load takes seconds and
+# must not hold up `get_engine` for other models); callers for the same key wait on its future.
+_creating: dict[tuple, Future] = {}
 
 
 def _key(model: str | None, engine_args: dict) -> tuple:
@@ -54,14 +58,40 @@ def get_engine(
         raise ValueError(f"{', '.join(ray_only)} need backend='ray'")
     key_args = engine_args if backend == "local" else {**engine_args, "backend": backend}
     key = _key(model, key_args)
+    while True:
+        with _lock:
+            engine = _engines.get(key)
+            if engine is not None and not engine.is_closed:
+                _users[id(engine)] += 1
+                return engine
+            pending = _creating.get(key)
+            if pending is None:
+                pending = _creating[key] = Future()
+                break
+        pending.result()  # created (or failed): take a reference above, unless it is gone
+    return _create_shared(key, pending, model, backend, engine_args)
+
+
+def _create_shared(
+    key: tuple, pending: Future, model: str | None, backend: str, engine_args: dict
+) -> AsyncEngine | RayEngine:
+    """Create the engine for `key` (no lock held) and hand it to anyone waiting for it."""
+    try:
+        engine = _create(model, backend, engine_args)
+    except BaseException as exc:
+        with _lock:
+            del _creating[key]
+        if isinstance(exc, Exception):
+            pending.set_exception(exc)  # waiters see the same error
+        else:
+            pending.set_result(None)  # this thread was interrupted: a waiter tries again
+        raise
     with _lock:
-        engine = _engines.get(key)
-        if engine is None or engine.is_closed:
-            engine = _create(model, backend, engine_args)
-            _engines[key] = engine
-            _users[id(engine)] = 0
-        _users[id(engine)] += 1
-        return engine
+        del _creating[key]
+        _engines[key] = engine
+        _users[id(engine)] = 1
+    pending.set_result(engine)
+    return engine
 
 
 def release_engine(engine: AsyncEngine | RayEngine) -> None:

@@ -364,3 +364,52 @@ def test_stats_and_prometheus_gauges(engine):
         {"model": engine.model_name, "engine": stats["engine_id"], "replica": ""},
     )
     assert value == stats["kv_blocks_total"]
+
+
+def _finished_unread(engine, params):
+    """A request run to its end while nobody reads it: (its stream, a normal run's outputs)."""
+    reference = list(engine.generate_stream(PROMPTS[11], params))
+    stream = engine.generate_stream(PROMPTS[11], params)
+    deadline = time.monotonic() + 60
+    while stream.request_id in engine._streams:  # delivered its last output, all unread
+        assert time.monotonic() < deadline, "the request did not finish"
+        time.sleep(0.01)
+    return stream, reference
+
+
+def test_unread_outputs_are_merged_into_one(engine):
+    """A stalled reader holds one merged output, not a snapshot per step, and reading it gives
+    the newest state with every step's deltas (per completion of n), logprobs included."""
+    params = SamplingParams(
+        n=2, temperature=1.0, seed=3, max_tokens=120, ignore_eos=True, logprobs=1
+    )
+    stream, reference = _finished_unread(engine, params)
+    assert len(reference) > 100  # one output per step when read as they come
+    assert len(stream._stream._items) == 1
+    (merged,) = list(stream)
+    final = reference[-1]
+    assert merged.finished and merged.outputs[0].finish_reason == "length"
+    for got, want in zip(merged.outputs, final.outputs, strict=True):
+        assert got.index == want.index and got.token_ids == want.token_ids
+        assert got.delta_token_ids == got.token_ids and len(got.token_ids) == 120
+        assert got.text == want.text and got.delta_text == want.text
+        assert len(got.logprobs) == 120  # the values differ in the last bits: a cache hit
+        assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, rel=1e-4)
+    assert merged.outputs[0].token_ids != merged.outputs[1].token_ids
+
+
+def test_slow_reader_rebuilds_the_output_from_deltas(engine):
+    """A reader that falls several steps behind before each read gets fewer, merged outputs
+    whose deltas still add up to the full text and token ids."""
+    params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    reference = list(engine.generate_stream(PROMPTS[12], params))[-1].outputs[0]
+    text, ids, reads = "", [], 0
+    for out in engine.generate_stream(PROMPTS[12], params):
+        reads += 1
+        text += out.outputs[0].delta_text
+        ids += out.outputs[0].delta_token_ids
+        steps = engine.stats()["num_steps"]
+        while engine.stats()["num_steps"] < steps + 5 and engine.stats()["num_running"]:
+            time.sleep(0.005)  # let the engine run ahead: a count of steps, not a wall time
+    assert ids == reference.token_ids and text == reference.text
+    assert reads < len(reference.token_ids) // 3

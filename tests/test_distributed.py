@@ -270,6 +270,23 @@ async def test_a_bad_request_raises_the_replicas_error(engine):
     wait_for(lambda: idle(engine), what="idle replicas")
 
 
+async def test_generate_tokenizes_off_the_event_loop(engine, monkeypatch):
+    """A long prompt takes milliseconds to tokenize: not on the caller's event loop."""
+    real, on_loop = engine.tokenize, []
+
+    def spy(*args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "tokenize", spy)
+    assert (await last_async(engine, PROMPTS[0])).finished
+    assert on_loop == [False]
+
+
 @pytest.mark.parametrize("how", ["close", "cancel_task"])
 async def test_cancelling_a_stream_aborts_it_on_its_replica(engine, how):
     before = wait_for(lambda: idle(engine), what="idle replicas")["num_generated_tokens"]

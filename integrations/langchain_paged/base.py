@@ -111,7 +111,8 @@ class PagedParams(BaseModel):
     def _prepare(
         self, stop: list[str] | None, kwargs: dict, *, stream: bool = False
     ) -> tuple[Submitter, SamplingParams]:
-        """Validate the call's parameters, then (only then) start or reuse the engine."""
+        """Validate the call's parameters, then (only then) start or reuse the engine: seconds
+        on first use, so async callers run this in a worker thread, off their event loop."""
         options = pop_request_options(self, kwargs)
         params = self._sampling_params(stop, kwargs)
         if stream and params.n != 1:

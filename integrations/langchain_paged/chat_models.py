@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing, closing
 from functools import partial
@@ -32,9 +33,10 @@ from langchain_paged.base import (
     usage_metadata,
 )
 from langchain_paged.messages import render_chat, to_chat_dicts
-from paged_backend import AsyncEngine, RequestOutput, SamplingParams, StructuredOutputsParams
+from paged_backend import RequestOutput, SamplingParams, StructuredOutputsParams
 from paged_backend.adapters import (
     StreamedText,
+    Submitter,
     alast_output,
     last_output,
     model_context_window,
@@ -210,9 +212,10 @@ class ChatPaged(PagedParams, BaseChatModel):
     # ---- generation -------------------------------------------------------------------------
     def _request(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict, stream: bool
-    ) -> tuple[AsyncEngine, str, SamplingParams, bool]:
+    ) -> tuple[Submitter, str, SamplingParams, bool]:
         """(submitter, prompt, params, whether to parse tool calls). Tools come from `bind_tools`
-        (or as call kwargs in the same form) and turn into the prompt and a constraint."""
+        (or as call kwargs in the same form) and turn into the prompt and a constraint. It may
+        start the engine: async callers run it in a worker thread, off their event loop."""
         kwargs = dict(kwargs)
         if kwargs.get("tools") is not None:
             kwargs["tools"] = [convert_to_openai_tool(t) for t in kwargs["tools"]]
@@ -257,7 +260,8 @@ class ChatPaged(PagedParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        submitter, prompt, params, with_tools = self._request(messages, stop, kwargs, stream=False)
+        request = await asyncio.to_thread(self._request, messages, stop, kwargs, stream=False)
+        submitter, prompt, params, with_tools = request
         outputs = submitter.astream(prompt, params, add_special_tokens=False)
         return self._result(await alast_output(outputs), with_tools)
 
@@ -282,7 +286,8 @@ class ChatPaged(PagedParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        submitter, prompt, params, with_tools = self._request(messages, stop, kwargs, stream=True)
+        request = await asyncio.to_thread(self._request, messages, stop, kwargs, stream=True)
+        submitter, prompt, params, with_tools = request
         to_chunk = _ChunkBuilder(self.model_name, with_tools)
         async with aclosing(submitter.astream(prompt, params, add_special_tokens=False)) as outs:
             async for out in outs:

@@ -85,7 +85,7 @@ class PagedLLM(PagedParams, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        submitter, params = self._prepare(stop, kwargs)
+        submitter, params = await asyncio.to_thread(self._prepare, stop, kwargs)
         ids = _request_ids(len(prompts))
         try:
             outs = await asyncio.gather(
@@ -121,7 +121,7 @@ class PagedLLM(PagedParams, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        submitter, params = self._prepare(stop, kwargs, stream=True)
+        submitter, params = await asyncio.to_thread(self._prepare, stop, kwargs, stream=True)
         async with aclosing(submitter.astream(prompt, params)) as outs:
             async for out in outs:
                 if (chunk := self._chunk(out)) is not None:

@@ -9,6 +9,7 @@ requests.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import operator
@@ -158,15 +159,23 @@ class RayEngine:
             return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     # ---- submitting ------------------------------------------------------------------------
-    def _submit(self, prompt, params, request_id, priority, add_special_tokens, timeout) -> _Call:
-        """Route and send a request. The replica validates it: a bad request raises at the
-        first output, as `EngineOverloadedError` does once every live replica refused it."""
+    def _prepare(
+        self, prompt, params, add_special_tokens, timeout
+    ) -> tuple[SamplingParams, list[int]]:
+        """Check the request and tokenize it (for routing): the slow part of a submission,
+        which has no side effect, so that `generate` can run it off the event loop."""
         check_timeout(timeout)
-        check_priority(priority)
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
+        return params, self.tokenize(prompt, add_special_tokens=add_special_tokens)
+
+    def _submit(self, prompt, prepared, request_id, priority, add_special_tokens, timeout) -> _Call:
+        """Route and send a `_prepare`d request. The replica validates it: a bad request raises
+        at the first output, as `EngineOverloadedError` does once every live replica refused
+        it."""
+        check_priority(priority)
+        params, ids = prepared
         with self._lock:
             if request_id is None:
                 request_id = f"ray-req-{next(self._ids)}"
@@ -207,10 +216,11 @@ class RayEngine:
         timeout: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """As `AsyncEngine.generate`: leaving the loop early or cancelling the task aborts the
-        request on its replica."""
-        call = self._submit(
-            prompt, sampling_params, request_id, priority, add_special_tokens, timeout
+        request on its replica. Tokenizing runs in a worker thread, off the event loop."""
+        prepared = await asyncio.to_thread(
+            self._prepare, prompt, sampling_params, add_special_tokens, timeout
         )
+        call = self._submit(prompt, prepared, request_id, priority, add_special_tokens, timeout)
         try:
             while True:
                 try:
@@ -234,9 +244,8 @@ class RayEngine:
     ) -> Iterator[RequestOutput]:
         """As `AsyncEngine.generate_stream`: the request is sent now; closing or dropping the
         iterator before its end aborts it."""
-        call = self._submit(
-            prompt, sampling_params, request_id, priority, add_special_tokens, timeout
-        )
+        prepared = self._prepare(prompt, sampling_params, add_special_tokens, timeout)
+        call = self._submit(prompt, prepared, request_id, priority, add_special_tokens, timeout)
         return RayRequestStream(self, call)
 
     def _read(self, call: _Call) -> Iterator[RequestOutput]:

@@ -9,6 +9,7 @@ cached KV blocks.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -239,10 +240,12 @@ class PagedLLM(FunctionCallingLLM):
         submitter, ids, params = self._request(prompt, kwargs)
         return submitter.stream(ids, params)
 
-    def _astream(
+    async def _astream(
         self, prompt: tuple[str, bool], kwargs: dict[str, Any]
     ) -> AsyncIterator[RequestOutput]:
-        submitter, ids, params = self._request(prompt, kwargs)
+        """`_stream` for async callers: starting the engine on first use and tokenizing run in a
+        worker thread, off their event loop."""
+        submitter, ids, params = await asyncio.to_thread(self._request, prompt, kwargs)
         return submitter.astream(ids, params)
 
     # ---- LlamaIndex API --------------------------------------------------------------------
@@ -273,28 +276,30 @@ class PagedLLM(FunctionCallingLLM):
     async def acomplete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
-        outputs = self._astream(self._completion_prompt(prompt, formatted), kwargs)
+        rendered = await asyncio.to_thread(self._completion_prompt, prompt, formatted)
+        outputs = await self._astream(rendered, kwargs)
         return _completion_response(await alast_output(outputs), stream=False)
 
     @llm_completion_callback()
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
-        outputs = self._astream(self._completion_prompt(prompt, formatted), kwargs)
+        rendered = await asyncio.to_thread(self._completion_prompt, prompt, formatted)
+        outputs = await self._astream(rendered, kwargs)
         return _aconvert(outputs, partial(_completion_response, stream=True))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        prompt, kwargs, with_tools = self._chat_request(messages, kwargs)
-        out = await alast_output(self._astream(prompt, kwargs))
+        prompt, kwargs, with_tools = await asyncio.to_thread(self._chat_request, messages, kwargs)
+        out = await alast_output(await self._astream(prompt, kwargs))
         return _chat_response(out, parse_tool_calls(out.outputs[0].text) if with_tools else None)
 
     @llm_chat_callback()
     async def astream_chat(
         self, messages: Sequence[ChatMessage], **kwargs: Any
     ) -> ChatResponseAsyncGen:
-        prompt, kwargs, with_tools = self._chat_request(messages, kwargs)
-        return _aconvert(self._astream(prompt, kwargs), _ChatStream(with_tools))
+        prompt, kwargs, with_tools = await asyncio.to_thread(self._chat_request, messages, kwargs)
+        return _aconvert(await self._astream(prompt, kwargs), _ChatStream(with_tools))
 
     # ---- function calling ------------------------------------------------------------------
     def _prepare_chat_with_tools(
