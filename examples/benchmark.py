@@ -42,8 +42,10 @@ from pathlib import Path
 
 import torch
 
-from paged_backend import EngineConfig, LLMEngine, SamplingParams, cpu_ops
-from paged_backend.cpu_linear import CpuLinear, can_pack
+from paged_backend import EngineConfig, LLMEngine, SamplingParams
+from paged_backend.cpu import ops as cpu_ops
+from paged_backend.cpu.features import cpu_description
+from paged_backend.cpu.linear import CpuLinear, can_pack
 from paged_backend.default_model import default_model_file
 from paged_backend.request import Request
 
@@ -579,7 +581,7 @@ def main() -> None:
             "requests": args.requests,
             "max_tokens": args.max_tokens,
             "block_hash_ns_per_token": block_hash_ns_per_token(ours.engine.config.block_size),
-            "cpu": cpu_ops.cpu_description(),
+            "cpu": cpu_description(),
         }
     }
     replay: dict[str, list[tuple[list[int], list[int]]]] = {}  # what ours ran, per workload

@@ -25,7 +25,7 @@ EXTRA_KEY_TAGS = {"cache_salt": 1, "rope": 2}
 _ROOT = bytes(32)
 # A block table entry that names no block: a block freed because no layer's window reaches it any
 # more, or padding past a sequence's last block. No kernel may read through it: those that take
-# block ids from the host check the entries they will read (`cpu_ops.check_block_tables`), and an
+# block ids from the host check the entries they will read (`attention.check_block_tables`), and an
 # index of -1 fails in torch's gathers, rather than reading another request's K/V as block 0 did.
 FREED_BLOCK = -1
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from paged_backend.cpu_ops import GEMM_MAX_ROWS, cpu_features
+from paged_backend.cpu.features import cpu_features
+from paged_backend.cpu.ops import GEMM_MAX_ROWS
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paged_backend import cpu_ops
+from paged_backend import cpu
 from paged_backend.attention import AttentionMetadata
+from paged_backend.cpu import ops as cpu_ops
 from paged_backend.torch_attention import CDecodePlan, TorchAttention
 
 
@@ -59,7 +60,7 @@ class FusedDecode:
     def build(cls, model: nn.Module) -> FusedDecode | None:
         """For a bf16 model on the C ops whose layer linears all have C GEMM copies and no
         biases, and whose attention has no q/k norms; else None."""
-        if not cpu_ops.has_bf16_kernels():
+        if not cpu.has_bf16_kernels():
             return None
         for layer in model.layers:
             if layer.self_attn.q_norm is not None:
@@ -103,26 +104,48 @@ class FusedDecode:
         residual = torch.empty_like(x)
         cos = cos.reshape(rows, -1).contiguous()
         sin = sin.reshape(rows, -1).contiguous()
-        cpu_ops.load_library().decode_layers_bf16(
-            *(x.data_ptr(), residual.data_ptr(), rows, self.hidden, cos.data_ptr(), sin.data_ptr()),
-            *(len(self.layers), self.weights.data_ptr(), k_ptrs.data_ptr(), v_ptrs.data_ptr()),
-            *(kv_caches[0][0].stride(0), self.windows.data_ptr()),
-            *(plan.block_tables.data_ptr(), plan.block_tables.shape[1], plan.seq_lens.data_ptr()),
-            *(block_size, self.num_heads, self.num_kv_heads, self.head_dim, self.rotary_dim),
-            self.intermediate,
-            *(self.eps, self.head_dim**-0.5, work.data_ptr()),
-            *(plan.scratch.data_ptr(), plan.scratch.shape[1], plan.scratch.shape[0]),
-            *cascade[0],
+        cpu.load_library().decode_layers_bf16(
+            x=x.data_ptr(),
+            residual=residual.data_ptr(),
+            rows=rows,
+            hidden=self.hidden,
+            cos=cos.data_ptr(),
+            sin=sin.data_ptr(),
+            num_layers=len(self.layers),
+            weights=self.weights.data_ptr(),
+            k_caches=k_ptrs.data_ptr(),
+            v_caches=v_ptrs.data_ptr(),
+            cache_head_stride=kv_caches[0][0].stride(0),
+            windows=self.windows.data_ptr(),
+            block_tables=plan.block_tables.data_ptr(),
+            max_blocks=plan.block_tables.shape[1],
+            seq_lens=plan.seq_lens.data_ptr(),
+            block_size=block_size,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rot_dim=self.rotary_dim,
+            intermediate=self.intermediate,
+            eps=self.eps,
+            scale=self.head_dim**-0.5,
+            work=work.data_ptr(),
+            scores=plan.scratch.data_ptr(),
+            scores_stride=plan.scratch.shape[1],
+            threads=plan.scratch.shape[0],
+            **cascade[0],
         )
         return x, residual
 
-    def _cascade(self, plan: CDecodePlan, backend, kv_caches, block_size: int) -> tuple:
+    def _cascade(
+        self, plan: CDecodePlan, backend, kv_caches, block_size: int
+    ) -> tuple[dict, tuple]:
         """The cascade's arguments for `decode_layers_bf16` (and the tensors they point into,
         kept alive by the caller): each global layer's packed prefix from the backend's kept
         copies, the shared rows, and work space; nothing without a shared prefix."""
         shared = plan.shared
         if shared is None:
-            return (None, None, 0, None, 0, None, None), ()
+            none = dict(prefix_k=None, prefix_v=None, prefix_len=0, shared_rows=None)
+            return {**none, "num_shared": 0, "prefix_pos": None, "prefix_work": None}, ()
         packs = [
             None
             if layer.self_attn.window
@@ -141,8 +164,15 @@ class FusedDecode:
         floats += torch.get_num_threads() * 6 * cpu_ops.padded_length(length)
         work = torch.empty(floats)
         rows = shared.rows.to(torch.int64).contiguous()
-        args = (k.data_ptr(), v.data_ptr(), length, rows.data_ptr(), num_shared)
-        args += (plan.prefix_pos.data_ptr(), work.data_ptr())
+        args = dict(
+            prefix_k=k.data_ptr(),
+            prefix_v=v.data_ptr(),
+            prefix_len=length,
+            shared_rows=rows.data_ptr(),
+            num_shared=num_shared,
+            prefix_pos=plan.prefix_pos.data_ptr(),
+            prefix_work=work.data_ptr(),
+        )
         return args, (packs, k, v, rows, work)
 
     def _cache_pointers(self, kv_caches) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,11 +7,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from paged_backend import cpu_ops, kernel_choice
+from paged_backend import cpu
 from paged_backend.attention import AttentionMetadata, check_block_tables, get_backend
 from paged_backend.block_pool import FREED_BLOCK
 from paged_backend.config import EngineConfig, ModelConfig
-from paged_backend.cpu_linear import GemmRows, can_pack, quantize_linears_int4
+from paged_backend.cpu import kernel_choice
+from paged_backend.cpu.linear import GemmRows, can_pack, quantize_linears_int4
 from paged_backend.model_loader import load_safetensors
 from paged_backend.models import LlamaForCausalLM, native_model_class
 from paged_backend.models.transformers_impl import TransformersForCausalLM
@@ -47,7 +48,7 @@ class ModelRunner:
         backend = config.resolve_backend(self.device)
         ops = self._ops(config, backend)
         self.c_ops = ops == "cpu"  # the layers' elementwise ops and decode attention run in C
-        bf16_kernels = self.c_ops and cpu_ops.has_bf16_kernels()
+        bf16_kernels = self.c_ops and cpu.has_bf16_kernels()
         self.backend = get_backend(
             backend,
             model_config.num_heads,
@@ -82,17 +83,17 @@ class ModelRunner:
         Triton kernels on a GPU (on CPU, under the interpreter, they are for tests only); the
         fused C ops for bf16 on CPU by default wherever they build (the torch attention backend
         then also runs small decode steps in C); else torch."""
-        if config.cpu_kernels and not (self.bf16_cpu and cpu_ops.available()):
+        if config.cpu_kernels and not (self.bf16_cpu and cpu.available()):
             raise ValueError(
                 "cpu_kernels=True needs a bfloat16 model on CPU and a C compiler to build "
-                f"{cpu_ops.SOURCE.name}; got {self.dtype} on {self.device.type}"
-                + ("" if cpu_ops.available() else ", and the build failed (see the log)")
+                f"{cpu.library.SOURCE.name}; got {self.dtype} on {self.device.type}"
+                + ("" if cpu.available() else ", and the build failed (see the log)")
             )
         if backend == "triton" and self.device.type == "cuda":
             return "triton"
         if config.cpu_kernels is False or not self.bf16_cpu:
             return "torch"
-        return "cpu" if cpu_ops.available() else "torch"
+        return "cpu" if cpu.available() else "torch"
 
     def _native_model(
         self,
@@ -104,7 +105,7 @@ class ModelRunner:
         bf16_kernels: bool,
     ) -> LlamaForCausalLM:
         """Our own modules for the architecture, loaded, cast, and on CPU with the linears of
-        `cpu_linear` (the C GEMM's copies where `bf16_kernels`)."""
+        `cpu.linear` (the C GEMM's copies where `bf16_kernels`)."""
         with torch.device(self.device):
             model = native_model_class(model_config.architecture)(
                 model_config, max_model_len, ops=ops
@@ -130,7 +131,7 @@ class ModelRunner:
 
     def _cpu_linears(self, config: EngineConfig, model: torch.nn.Module) -> tuple[bool, bool]:
         """(pack the weights, keep a copy for small steps: bf16 for the C GEMM where the C
-        kernels have AVX512-BF16, else fp16), see `paged_backend.cpu_linear`. By default packed
+        kernels have AVX512-BF16, else fp16), see `paged_backend.cpu.linear`. By default packed
         wherever that works, since it gives the same outputs faster; the copy by default for
         bf16 models on CPU with at most `FP16_COPY_MAX_BYTES` of weights, since it costs that
         much memory again."""

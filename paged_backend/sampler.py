@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_backend import cpu_ops
+from paged_backend.cpu import ops as cpu_ops
 from paged_backend.outputs import Logprob
 from paged_backend.request import Request
 from paged_backend.structured_output import GrammarCache, apply_grammar_bitmask

@@ -12,9 +12,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from paged_backend import cpu_ops
 from paged_backend.attention import AttentionMetadata, KVCache
 from paged_backend.block_pool import FREED_BLOCK
+from paged_backend.cpu import ops as cpu_ops
+from paged_backend.cpu.memory import zeros_on_huge_pages
 
 _MIN_SHARED_BLOCKS = 2  # shorter shared prefixes are not worth a separate pass
 _PREFIX_COPY_MAX_BYTES = 128 << 20  # fp32 copies of a shared prefix's K/V kept across steps
@@ -180,7 +181,7 @@ class TorchAttention:
     ) -> list[KVCache]:
         shape = (num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim)
         if torch.device(device).type == "cpu":
-            cache = cpu_ops.zeros_on_huge_pages(shape, dtype)
+            cache = zeros_on_huge_pages(shape, dtype)
         else:
             cache = torch.zeros(shape, dtype=dtype, device=device)
         return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from paged_backend import cpu_ops
+from paged_backend import cpu
 from paged_backend.attention import AttentionMetadata
 from paged_backend.torch_attention import TorchAttention, _attend, _attend_matmul, _merge
 
@@ -125,7 +125,7 @@ def test_torch_backend_matches_dense(seed, shared_blocks, bs):
         assert meta.prepared[None].shared is not None  # the cascade path is what is under test
 
 
-@pytest.mark.skipif(not cpu_ops.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")
+@pytest.mark.skipif(not cpu.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("shared_blocks", [0, 5])
 @pytest.mark.parametrize("decodes_only", [False, True])
@@ -147,7 +147,7 @@ def test_sliding_window_layers_see_their_window_only(seed, window, kernels):
     """A backend serving global and windowed layers: the windowed plan attends each query to its
     last `window` keys (decodes, chunks with context, fresh prefills longer than the window),
     never reads the blocks before them, and the global layers keep their cascade."""
-    if kernels == "c" and not cpu_ops.has_bf16_kernels():
+    if kernels == "c" and not cpu.has_bf16_kernels():
         pytest.skip("no AVX512-BF16 C kernels")
     bs, num_blocks = 4, 300
     gen = torch.Generator().manual_seed(seed)
@@ -168,7 +168,7 @@ def test_soft_capped_scores_match_dense(seed, kernels):
     the torch plans (fresh prefills, chunks after context, decodes, the cascade over a shared
     prefix) or the C kernels (causal prefix attention, decode steps with and without the shared
     prefix); global and windowed layers."""
-    if kernels == "c" and not cpu_ops.has_bf16_kernels():
+    if kernels == "c" and not cpu.has_bf16_kernels():
         pytest.skip("no AVX512-BF16 C kernels")
     bs, num_blocks, window, softcap = 4, 300, 9, 1.5
     c = kernels == "c"

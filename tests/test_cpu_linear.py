@@ -1,4 +1,4 @@
-"""CPU linears of bf16 models (`paged_backend.cpu_linear`): packed weights are bit-identical to
+"""CPU linears of bf16 models (`paged_backend.cpu.linear`): packed weights are bit-identical to
 `F.linear` at every step size; the bf16 copy for `cpu_ops.gemm` serves 1-4 row steps with exact
 products; the fp16 copy serves 1-2 row steps only and holds the bf16 values exactly; the int4
 copy holds a Q4 grid and serves 1-4 row steps; all are used only where they work; and an engine
@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from conftest import make_tiny_model
 from torch import nn
 
-from paged_backend import LLM, EngineConfig, SamplingParams, cpu_ops
-from paged_backend.cpu_linear import (
+from paged_backend import LLM, EngineConfig, SamplingParams, cpu
+from paged_backend.cpu import ops as cpu_ops
+from paged_backend.cpu.linear import (
     FP16_MAX_ROWS,
     INT4_MAX_ROWS,
     CpuLinear,
@@ -66,7 +67,7 @@ def test_the_fp16_copy_serves_small_steps_only(pack):
         assert torch.equal(layer(large), F.linear(large, linear.weight, linear.bias))
 
 
-@pytest.mark.skipif(not cpu_ops.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")
+@pytest.mark.skipif(not cpu.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")
 @pytest.mark.parametrize("pack", [False, pytest.param(True, marks=needs_packing)])
 def test_the_gemm_copy_serves_steps_of_up_to_64_rows(pack):
     linear = _linear(bias=True)
@@ -92,7 +93,7 @@ def test_the_gemm_copy_serves_steps_of_up_to_64_rows(pack):
     assert layer.gemm is None and layer.fp16 is not None
 
 
-@pytest.mark.skipif(not cpu_ops.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")
+@pytest.mark.skipif(not cpu.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")
 @needs_packing
 @pytest.mark.parametrize("gemm_rows", [0, 1, 8])
 def test_steps_beyond_the_chosen_rows_run_onednn(gemm_rows):

@@ -16,11 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from paged_backend import LLM, SamplingParams, cpu_ops
+from paged_backend import LLM, SamplingParams, cpu
 from paged_backend.attention import AttentionMetadata
+from paged_backend.cpu import library
+from paged_backend.cpu import ops as cpu_ops
+from paged_backend.cpu.features import cpu_flags
+from paged_backend.cpu.memory import zeros_on_huge_pages
 from paged_backend.torch_attention import CDecodePlan, TorchAttention
 
-needs_ops = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
+needs_ops = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
 BF16 = torch.bfloat16
 
 
@@ -263,7 +267,7 @@ def test_the_c_kernels_refuse_tensors_they_would_misread():
 
 
 needs_prefix_attention = pytest.mark.skipif(
-    not cpu_ops.has_bf16_kernels(), reason="no AVX512-BF16 (or no C compiler)"
+    not cpu.has_bf16_kernels(), reason="no AVX512-BF16 (or no C compiler)"
 )
 
 
@@ -393,16 +397,16 @@ def test_bf16_engines_use_the_ops_and_match_torch_ops(tiny_model, one_thread):
 def test_without_a_compiler_engines_keep_torch_ops(tiny_model, one_thread, tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("PAGED_BACKEND_CACHE", str(tmp_path / "cache"))
-    cpu_ops.load_library.cache_clear()
+    cpu.load_library.cache_clear()
     try:
-        assert not cpu_ops.available()
+        assert not cpu.available()
         args = {"model": str(tiny_model), "dtype": "bfloat16", "num_kv_blocks": 16}
         with pytest.raises(ValueError, match="cpu_kernels=True"):
             LLM(cpu_kernels=True, **args)
         engine = LLM(**args).engine
         assert _ops_of(engine) == (cpu_ops.torch_rms_norm, cpu_ops.apply_rotary)
     finally:
-        cpu_ops.load_library.cache_clear()
+        cpu.load_library.cache_clear()
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 builds")
@@ -418,20 +422,20 @@ def test_without_a_compiler_engines_keep_torch_ops(tiny_model, one_thread, tmp_p
 def test_a_build_without_avx512_bf16_has_the_other_ops_but_not_prefix_attention(
     tmp_path, monkeypatch, arch, needs
 ):
-    if not needs <= set(cpu_ops._cpu_flags().split()):
+    if not needs <= set(cpu_flags().split()):
         pytest.skip(f"this CPU cannot run a {arch} build")
-    monkeypatch.setattr(cpu_ops, "FLAGS", ["-O3", f"-march={arch}", "-shared", "-fPIC"])
+    monkeypatch.setattr(library, "FLAGS", ["-O3", f"-march={arch}", "-shared", "-fPIC"])
     monkeypatch.setenv("PAGED_BACKEND_CACHE", str(tmp_path))
-    cpu_ops.load_library.cache_clear()
+    cpu.load_library.cache_clear()
     try:
-        assert cpu_ops.available() and not cpu_ops.has_bf16_kernels()
+        assert cpu.available() and not cpu.has_bf16_kernels()
         x, weight = torch.randn(3, 64).to(BF16), torch.rand(64).to(BF16)
         got, want = cpu_ops.rms_norm(x, weight, 1e-6), cpu_ops.torch_rms_norm(x, weight, 1e-6)
         assert _bf16_ulps(got, want).max() <= 1
         logits = torch.randn(4, 1000)
         assert torch.equal(cpu_ops.argmax(logits), logits.argmax(dim=-1))
     finally:
-        cpu_ops.load_library.cache_clear()
+        cpu.load_library.cache_clear()
 
 
 def test_fp32_engines_refuse_cpu_kernels(tiny_model):
@@ -443,13 +447,13 @@ def test_fp32_engines_refuse_cpu_kernels(tiny_model):
 
 AVX2_RUN = """
 import json, sys
-from paged_backend import LLM, SamplingParams, cpu_ops
+from paged_backend import LLM, SamplingParams, cpu
 llm = LLM(dtype=sys.argv[1], num_kv_blocks=256)
 params = SamplingParams(temperature=0, max_tokens=24)
 outs = llm.generate(json.loads(sys.argv[2]), params, use_tqdm=False)
 print(json.dumps({
-    "cpu": cpu_ops.cpu_description(),
-    "bf16_kernels": cpu_ops.has_bf16_kernels(),
+    "cpu": cpu.cpu_description(),
+    "bf16_kernels": cpu.has_bf16_kernels(),
     "dtype": str(llm.engine.runner.dtype),
     "texts": [o.outputs[0].text for o in outs],
 }))
@@ -505,7 +509,7 @@ def test_the_kv_cache_lies_on_huge_pages():
     the madvise took). Whether it finds free 2 MiB pages at that moment depends on the machine's
     fragmentation, so the pages themselves are not asserted; a plain tensor's mapping is not
     eligible where huge pages are on request only."""
-    cache = cpu_ops.zeros_on_huge_pages((32, 1024, 1024), torch.bfloat16)
+    cache = zeros_on_huge_pages((32, 1024, 1024), torch.bfloat16)
     assert not cache.any()
     fields = _mapping_of(cache.data_ptr() + (32 << 20))
     if "THPeligible" not in fields:

@@ -12,7 +12,8 @@ import uuid
 import pytest
 from conftest import REAL_CACHE
 
-from paged_backend import cpu_ops
+from paged_backend import cpu
+from paged_backend.cpu import library
 from paged_backend.default_model import default_model_file
 from paged_backend.file_cache import cache_dir
 
@@ -57,7 +58,7 @@ def _twice_at_once(code: str, cache) -> list[subprocess.CompletedProcess]:
 
 
 def test_two_processes_building_the_c_ops_at_once(tmp_path):
-    code = "from paged_backend import cpu_ops; assert cpu_ops.load_library(); print('ok')"
+    code = "from paged_backend import cpu; assert cpu.load_library(); print('ok')"
     runs = _twice_at_once(code, tmp_path / "cache")
     assert all(r.returncode == 0 and r.stdout.strip() == "ok" for r in runs), runs
     assert sum(r.stderr.count("paged-backend: building the C kernels") for r in runs) == 1
@@ -94,12 +95,12 @@ def test_a_kernel_build_lands_in_the_session_cache_only(monkeypatch):
     and not in the real one."""
     real_before, active_before = _names(REAL_CACHE), _names(cache_dir())
     token = uuid.uuid4().hex
-    monkeypatch.setattr(cpu_ops, "FLAGS", [*cpu_ops.FLAGS, "-O0", f"-DCACHE_TEST_{token}"])
-    cpu_ops.load_library.cache_clear()
+    monkeypatch.setattr(library, "FLAGS", [*library.FLAGS, "-O0", f"-DCACHE_TEST_{token}"])
+    cpu.load_library.cache_clear()
     try:
-        assert cpu_ops.available()
+        assert cpu.available()
     finally:
-        cpu_ops.load_library.cache_clear()
+        cpu.load_library.cache_clear()
     built = {n for n in _names(cache_dir()) - active_before if n.startswith("cpu_ops-")}
     assert built, "the build wrote nothing into the active cache"
     assert not built & (_names(REAL_CACHE) - real_before)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 from conftest import longrope, make_tiny_model
 
-from paged_backend import LLM, SamplingParams, cpu_ops
+from paged_backend import LLM, SamplingParams, cpu
 from paged_backend.fused_decode import FusedDecode
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
-    pytest.mark.skipif(not cpu_ops.has_bf16_kernels(), reason="no AVX512-BF16 C kernels"),
+    pytest.mark.skipif(not cpu.has_bf16_kernels(), reason="no AVX512-BF16 C kernels"),
 ]
 PROMPTS = [[1, 5, 17, 923, 4, 88, 1024, 7, 3], [1, 400, 33, 2048], [1, 9, 9, 9, 12, 14]]
 

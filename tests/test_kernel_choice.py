@@ -8,10 +8,11 @@ import os
 import pytest
 import torch
 
-from paged_backend import LLM, EngineConfig, cpu_ops, kernel_choice
+from paged_backend import LLM, EngineConfig, cpu
+from paged_backend.cpu import kernel_choice
 
 needs_gemm = pytest.mark.skipif(
-    not cpu_ops.has_bf16_kernels() or not torch.backends.mkldnn.is_available(),
+    not cpu.has_bf16_kernels() or not torch.backends.mkldnn.is_available(),
     reason="no AVX512-BF16 C kernels or no oneDNN",
 )
 

@@ -12,8 +12,9 @@ import torch
 from conftest import TOKENIZER_FILES, longrope, make_tiny_model
 from safetensors.torch import load_file, save_file
 
-from paged_backend import LLM, SamplingParams, cpu_ops
+from paged_backend import LLM, SamplingParams, cpu
 from paged_backend.config import ModelConfig
+from paged_backend.cpu import ops as cpu_ops
 from paged_backend.default_model import default_model_file
 from paged_backend.model_loader import resolve_model_path
 
@@ -318,7 +319,7 @@ def test_gguf_path_resolves_to_the_default_conversion(default_model_path):
     assert ModelConfig.from_dir(converted).architecture == "LlamaForCausalLM"
 
 
-@pytest.mark.skipif(not cpu_ops.has_bf16_kernels(), reason="no AVX512-BF16 (or no C compiler)")
+@pytest.mark.skipif(not cpu.has_bf16_kernels(), reason="no AVX512-BF16 (or no C compiler)")
 @pytest.mark.parametrize(
     ("architecture", "overrides"),
     [("Gemma3ForCausalLM", GEMMA3), ("Gemma2ForCausalLM", GEMMA2)],
@@ -330,7 +331,7 @@ def test_gemma_in_bf16_runs_the_cpu_fast_paths(
     """A bf16 Gemma on CPU takes the C rotary, decode and prefix attention (soft-capped for
     Gemma 2) and the packed linears with the C GEMM (head_dim 64), and greedy-decodes what the
     fp32 model does for its first tokens."""
-    from paged_backend.cpu_linear import CpuLinear
+    from paged_backend.cpu.linear import CpuLinear
 
     fields = dict(overrides, head_dim=64)
     path = make_tiny_model(tmp_path, default_model_path, architecture, **fields)

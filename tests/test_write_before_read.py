@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from paged_backend import cpu_ops
+from paged_backend import cpu
 from paged_backend.attention import AttentionMetadata
+from paged_backend.cpu import ops as cpu_ops
 from paged_backend.torch_attention import CDecodePlan, TorchAttention
 
-needs_ops = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler")
+needs_ops = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
 BF16 = torch.bfloat16
 BS, KV_HEADS, GROUP, DIM = 4, 3, 3, 64
 
@@ -135,7 +136,7 @@ def _cascade_over_a_block_written_now(seed: int = 0):
     ],
 )
 def test_no_cascade_reads_a_block_written_in_the_same_step(c_decode, c_prefix):
-    if c_prefix and not cpu_ops.has_bf16_kernels():
+    if c_prefix and not cpu.has_bf16_kernels():
         pytest.skip("no AVX512-BF16")
     q, k, v, cache, meta = _cascade_over_a_block_written_now()
     ready = tuple(c.clone() for c in cache)
@@ -169,7 +170,7 @@ def path_engine(request, tmp_path_factory, default_model_path):
     from paged_backend.engine import LLMEngine
 
     arch, args = PATHS[request.param]
-    if request.param != "torch" and not cpu_ops.has_bf16_kernels():
+    if request.param != "torch" and not cpu.has_bf16_kernels():
         pytest.skip("no AVX512-BF16")
     path = make_tiny_model(tmp_path_factory.mktemp(request.param), default_model_path, arch)
     engine = LLMEngine(

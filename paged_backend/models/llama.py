@@ -18,17 +18,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paged_backend import cpu_ops
 from paged_backend.attention import AttentionBackend
 from paged_backend.config import ModelConfig
-from paged_backend.cpu_linear import (
+from paged_backend.cpu import ops as cpu_ops
+from paged_backend.cpu.linear import (
     CpuLinear,
     GemmRows,
     Int4Weight,
     linear_shapes,
     replace_linears_,
 )
-from paged_backend.cpu_ops import apply_rotary, torch_rms_norm, torch_silu_and_mul
+from paged_backend.cpu.ops import apply_rotary, torch_rms_norm, torch_silu_and_mul
 from paged_backend.fused_decode import FusedDecode
 
 

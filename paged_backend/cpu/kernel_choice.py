@@ -33,7 +33,9 @@ from pathlib import Path
 
 import torch
 
-from paged_backend import cpu_ops
+from paged_backend.cpu import library
+from paged_backend.cpu import ops as cpu_ops
+from paged_backend.cpu.features import cpu_description
 from paged_backend.file_cache import cache_dir, locked
 
 logger = logging.getLogger(__name__)
@@ -130,10 +132,11 @@ def _best_times(*calls: tuple) -> list[float]:
 def _machine_key() -> str:
     """What the timings depend on: the CPU, the threads, torch (its oneDNN) and the C kernels'
     build (its file name holds a hash of the source, the flags and the CPU's flags)."""
-    library = Path(getattr(cpu_ops.load_library(), "_name", "")).name
-    rule = f"{torch.__version__}|{library}|{_ONEDNN_WINS}"  # a new rule times again
+    lib = library.load_library()
+    built = Path(lib.path).name if lib is not None else ""
+    rule = f"{torch.__version__}|{built}|{_ONEDNN_WINS}"  # a new rule times again
     build = hashlib.sha256(rule.encode()).hexdigest()[:12]
-    return f"{cpu_ops.cpu_description()} / {torch.get_num_threads()} threads / {build}"
+    return f"{cpu_description()} / {torch.get_num_threads()} threads / {build}"
 
 
 def _name(shape: tuple[int, int]) -> str:

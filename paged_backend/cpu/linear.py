@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paged_backend import cpu_ops
+from paged_backend.cpu import ops as cpu_ops
 
 FP16_MAX_ROWS = 2  # the fp16 copy wins up to here (it loses from 4 rows on)
 INT4_MAX_ROWS = 4  # int4 wins up to here (7.7 against 14 ms at 4 rows; it loses at 32)

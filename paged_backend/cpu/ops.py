@@ -1,60 +1,26 @@
-"""Fused RMSNorm (with the residual add), rotary embedding, and decode and shared-prefix
-attention for bf16 models on CPU.
+"""Typed wrappers of the C ops for bf16 models on CPU (`csrc/cpu_ops.c`, built and bound by
+`paged_backend.cpu.library`): fused RMSNorm (with the residual add), rotary embedding and
+SiLU-and-mul, greedy argmax, KV-cache writes, decode attention over the paged cache, attention
+over packed keys (a shared prefix, or a prefill chunk's context) and a GEMM of a few rows. Each
+wrapper checks the dtypes, shapes and layouts its kernel assumes, then calls it by keyword.
 
-At this model size a decode step is mostly per-op dispatch: torch runs `F.rms_norm` on bf16 as
-~8 ops (18-20 µs at 1-32 rows) and rotate-half rotary as 6 (13-27 µs); the residual add is one
-more. `csrc/cpu_ops.c` does each in one call (3-9 µs), rounding to bf16 where those torch ops
-do, so outputs are the same bits but for rare last-bit differences of summation order in the
-norm. It is compiled at first use with the system C compiler (`CC`, else `cc`/`gcc`) into the
-cache directory, keyed by source, flags and CPU; without a compiler the engine keeps torch ops.
+At small batch a decode step is mostly per-op dispatch: torch runs `F.rms_norm` on bf16 as ~8
+ops and rotate-half rotary as 6; the C ops do each in one call, rounding to bf16 where those
+torch ops do, so outputs are the same bits but for rare last-bit differences of summation order
+in the norm. `decode_attention` is one decode step of paged attention (cache writes included)
+in one call a layer, merging a shared prefix's `prefix_attention` result by log-sum-exp.
 
-`prefix_attention` is cascade attention over a shared prefix (a RAG batch's system prompt and
-context, `TorchAttention`'s `_Shared`), on CPUs with AVX512-BF16: QK^T and PV on bf16 dot products
-(exact products, fp32 sums; the probabilities enter PV rounded to bf16, as in flash attention on
-bf16), softmax in fp32, over keys packed once per prefix (`pack_prefix`). At 32 x 9 query heads
-over 944 keys it takes 215 µs on two threads (416 on one) where torch's fp32 flash kernel takes
-445 on two.
-
-`decode_attention` is one decode step of paged attention (cache write included) for the torch
-backend's steps of decodes only (`TorchAttention`), merging a shared prefix's `prefix_attention`
-result by log-sum-exp: one call a layer where the torch path gathers, casts, runs the flash
-kernel and merges in ~15-30 ops. Per layer, with two threads (QK^T on AVX512-BF16 dot products
-where the CPU has them): 192 against 834 µs for 32 sequences of 100 tokens, 4.1 against 9.0 ms
-for 32 of 1,000, 137 against 400 µs for 8 of 300, 202 against 469 for one of 3,000.
-
-Every kernel splits its loops over torch's OpenMP threads (`OPENMP_FLAGS`); the elementwise
-ones only from 32K elements a step (prefill), where waking the second thread pays.
+Every kernel splits its loops over torch's OpenMP threads (`library.OPENMP_FLAGS`); the
+elementwise ones only from 4K elements a step, where waking the second thread pays. Timings
+live in the README's benchmark section, with the CPU they came from.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-from paged_backend.file_cache import cache_dir, locked, notice
-
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.c"
-# torch's own CPU kernels can be capped below what the CPU has (ATEN_CPU_CAPABILITY=avx2 or
-# default), so that one machine stands in for an older one; ours follow the same cap.
-_CAPPED_ARCH = {"avx2": "x86-64-v3", "default": "x86-64-v2"}
-CPU_CAP = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
-FLAGS = ["-O3", f"-march={_CAPPED_ARCH.get(CPU_CAP, 'native')}", "-shared", "-fPIC"]
-# Where torch runs on OpenMP (libgomp on Linux), the kernels build with it too: the loader then
-# reuses torch's already-loaded libgomp.so.1, so their parallel loops run on torch's thread pool,
-# whose threads are still spinning from the last torch op, instead of a second pool fighting it.
-OPENMP_FLAGS = ["-fopenmp"] if torch.backends.openmp.is_available() else []
+from paged_backend.cpu.library import load_library
 
 
 def torch_rms_norm(
@@ -78,124 +44,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-def _cpu_info(field: str) -> str:
-    """The first `field` line's value in /proc/cpuinfo ("" where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(field):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def _cpu_flags() -> str:
-    return _cpu_info("flags")
-
-
-_KERNEL_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-
-
-def cpu_features() -> set[str]:
-    """The CPU's flags the kernels use, less those above the ATEN_CPU_CAPABILITY cap."""
-    flags = set(_cpu_flags().split()) & set(_KERNEL_FEATURES)
-    if CPU_CAP in _CAPPED_ARCH:
-        flags = flags & {"avx2"} if CPU_CAP == "avx2" else set()
-    return flags
-
-
-def cpu_description() -> str:
-    """The CPU's model name and the features the kernels use, so that figures and kernel
-    choices from different machines are never taken as equal."""
-    features = ", ".join(f for f in _KERNEL_FEATURES if f in cpu_features()) or "no AVX2"
-    capped = f", capped by ATEN_CPU_CAPABILITY={CPU_CAP}" if CPU_CAP in _CAPPED_ARCH else ""
-    return f"{_cpu_info('model name') or 'unknown CPU'} ({features}{capped})"
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-@functools.cache
-def load_library() -> ctypes.CDLL | None:
-    """The compiled ops, built on first use; None (and a warning) where that fails."""
-    compiler = _compiler()
-    if compiler is None:
-        logger.warning("no C compiler found: CPU ops stay in torch")
-        return None
-    lib = _build(compiler, FLAGS + OPENMP_FLAGS) or (OPENMP_FLAGS and _build(compiler, FLAGS))
-    if not lib:
-        return None
-    ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.rms_norm_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_float, c_int]
-    lib.rotary_bf16.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, c_int]
-    lib.silu_and_mul_bf16.argtypes = [ptr, ptr, i64, i64, c_int]
-    lib.argmax_rows_f32.argtypes = [ptr, i64, i64, i64, ptr, c_int]
-    lib.store_kv_bf16.argtypes = [*(ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, c_int)]
-    lib.decode_attention_bf16.argtypes = [
-        *(ptr, ptr, ptr, i64, i64, i64),  # q, k, v and their row strides
-        *(ptr, ptr, i64),  # the caches and their head stride
-        *(ptr, i64, ptr, i64),  # block tables, their width, sequence lengths, block size
-        *(i64, i64, i64, i64, ctypes.c_float, ptr, ptr),  # sizes, scale, out, scratch
-        *(i64, c_int),  # scratch row stride, threads
-        *(ptr, i64, ptr, ptr, i64),  # a shared prefix's rows, length, out, lse, rows a head
-        *(i64, ctypes.c_float),  # window, soft-cap
-    ]
-    lib.has_bf16_kernels.restype = c_int
-    if lib.has_bf16_kernels():
-        lib.pack_prefix_bf16.argtypes = [*(ptr, ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, c_int)]
-        lib.gemm_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, c_int, c_int]
-        lib.prefix_attention_bf16.argtypes = [
-            *(ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_float, ptr, ptr, ptr, c_int),
-            *(i64, i64, i64),  # causal: group, offset, window
-            ctypes.c_float,  # soft-cap
-        ]
-        lib.prefill_attention_bf16.argtypes = [
-            *(ptr, i64, i64, i64, i64, i64),  # q, its row stride, tokens, kv heads, group, dim
-            *(ptr, ptr, i64, ctypes.c_float, ptr, i64, ptr, c_int),  # packs ... threads
-            *(i64, i64, ctypes.c_float),  # offset, window, soft-cap
-        ]
-        lib.decode_layers_bf16.argtypes = [
-            *(ptr, ptr, i64, i64, ptr, ptr),  # x, residual, rows, hidden, cos, sin
-            *(i64, ptr, ptr, ptr, i64, ptr),  # layers, weights, caches, head stride, windows
-            *(ptr, i64, ptr, i64),  # block tables, their width, sequence lengths, block size
-            *(i64, i64, i64, i64, i64),  # heads, kv heads, head_dim, rotary_dim, intermediate
-            *(ctypes.c_float, ctypes.c_float),  # eps, scale
-            *(ptr, ptr, i64, c_int),  # work, scores scratch, its row stride, threads
-            *(ptr, ptr, i64, ptr, i64, ptr, ptr),  # the cascade's packs, rows, pos, work
-        ]
-    return lib
-
-
-def _build(compiler: str, flags: list[str]) -> ctypes.CDLL | None:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_flags()]).encode()).hexdigest()
-    try:
-        path = cache_dir() / f"cpu_ops-{key[:16]}.so"
-        if not path.exists():
-            with locked(path.name):
-                if not path.exists():  # not built by another process while we waited
-                    _compile(compiler, flags, path)
-        return ctypes.CDLL(str(path))
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        logger.warning("building %s with %s failed: %s %s", SOURCE, flags, exc, detail)
-        return None
-
-
-def _compile(compiler: str, flags: list[str], path: Path) -> None:
-    notice(f"building the C kernels once into {path} (a few seconds)")
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        built = Path(tmp) / path.name
-        command = [compiler, *flags, "-o", str(built), str(SOURCE), "-lm"]
-        subprocess.run(command, check=True, capture_output=True)
-        os.replace(built, path)  # atomic: a reader never loads half a library
-
-
-def available() -> bool:
-    return load_library() is not None
-
-
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ):
@@ -209,16 +57,16 @@ def rms_norm(
         residual = residual.contiguous()  # kept alive across the call
     new_residual = None if residual is None else torch.empty_like(out)
     load_library().rms_norm_bf16(
-        x.data_ptr(),
-        None if residual is None else residual.data_ptr(),
-        weight.data_ptr(),
-        out.data_ptr(),
-        None if residual is None else new_residual.data_ptr(),
-        rows,
-        dim,
-        x.stride(0),
-        eps,
-        torch.get_num_threads(),
+        x=x.data_ptr(),
+        residual=None if residual is None else residual.data_ptr(),
+        weight=weight.data_ptr(),
+        out=out.data_ptr(),
+        new_residual=None if residual is None else new_residual.data_ptr(),
+        rows=rows,
+        dim=dim,
+        x_stride=x.stride(0),
+        eps=eps,
+        threads=torch.get_num_threads(),
     )
     return out if residual is None else (out, new_residual)
 
@@ -237,8 +85,15 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     rot = cos.shape[-1]
     cos, sin = cos.reshape(tokens, rot).contiguous(), sin.reshape(tokens, rot).contiguous()
     load_library().rotary_bf16(
-        *(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, dim, rot, x.stride(0)),
-        torch.get_num_threads(),
+        x=x.data_ptr(),
+        cos=cos.data_ptr(),
+        sin=sin.data_ptr(),
+        tokens=tokens,
+        heads=heads,
+        dim=dim,
+        rot_dim=rot,
+        x_stride=x.stride(0),
+        threads=torch.get_num_threads(),
     )
     return x
 
@@ -254,8 +109,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return torch_silu_and_mul(x)
     rows, dim = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, dim, dtype=x.dtype)
-    threads = torch.get_num_threads()
-    load_library().silu_and_mul_bf16(x.data_ptr(), out.data_ptr(), rows, dim, threads)
+    load_library().silu_and_mul_bf16(
+        x=x.data_ptr(), out=out.data_ptr(), rows=rows, dim=dim, threads=torch.get_num_threads()
+    )
     return out
 
 
@@ -267,7 +123,14 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
     rows, n = x.shape
     out = torch.empty(rows, dtype=torch.int64)
-    lib.argmax_rows_f32(x.data_ptr(), rows, n, x.stride(0), out.data_ptr(), torch.get_num_threads())
+    lib.argmax_rows_f32(
+        x=x.data_ptr(),
+        rows=rows,
+        n=n,
+        stride=x.stride(0),
+        out=out.data_ptr(),
+        threads=torch.get_num_threads(),
+    )
     return out
 
 
@@ -289,31 +152,19 @@ def store_kv(
     _require(not tokens or int(slots.max()) < num_slots, f"slots must be < {num_slots}")
     k, v, slots = _heads_packed(k), _heads_packed(v), slots.contiguous()
     load_library().store_kv_bf16(
-        *(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(), tokens),
-        *(kv_heads, dim, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0)),
-        torch.get_num_threads(),
+        k=k.data_ptr(),
+        v=v.data_ptr(),
+        k_stride=k.stride(0),
+        v_stride=v.stride(0),
+        slots=slots.data_ptr(),
+        tokens=tokens,
+        kv_heads=kv_heads,
+        dim=dim,
+        k_cache=k_cache.data_ptr(),
+        v_cache=v_cache.data_ptr(),
+        cache_head_stride=k_cache.stride(0),
+        threads=torch.get_num_threads(),
     )
-
-
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor whose memory the kernel is asked (madvise, before the first touch)
-    to back with 2 MiB pages, where Linux allows it (transparent huge pages in `madvise` mode,
-    a common default). The KV cache needs it: a decode step reads each sequence's blocks, a few
-    hundred bytes each, from all over the cache, and on 4 KiB pages nearly every block read
-    missed the TLB (a 32-sequence step of the default model took 39 instead of 35 ms with
-    freshly allocated blocks, 63 instead of 47 once a long run had scattered them)."""
-    tensor = torch.empty(shape, dtype=dtype)
-    start, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-    first = -(-start // _HUGE_PAGE) * _HUGE_PAGE
-    length = (start + size - first) // _HUGE_PAGE * _HUGE_PAGE
-    if length > 0 and hasattr(os, "sched_getaffinity"):  # Linux
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), _MADV_HUGEPAGE)
-    return tensor.zero_()
 
 
 def _heads_packed(x: torch.Tensor) -> torch.Tensor:
@@ -403,21 +254,37 @@ def decode_attention(
     q, k, v = _heads_packed(q), _heads_packed(k), _heads_packed(v)
     out = torch.empty(num_seqs, num_heads, dim, dtype=q.dtype)
     load_library().decode_attention_bf16(
-        *(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0)),
-        *(k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0)),
-        *(block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), block_size),
-        *(num_seqs, num_heads, k_cache.shape[0], dim, dim**-0.5),
-        *(out.data_ptr(), scratch.data_ptr(), scratch.shape[1], scratch.shape[0]),
-        *(None if pos is None else pos.data_ptr(), length),
-        *(None, None, 0) if p_out is None else (p_out.data_ptr(), p_lse.data_ptr(), p_out.shape[1]),
-        *(window or 0, softcap or 0.0),
+        q=q.data_ptr(),
+        k=k.data_ptr(),
+        v=v.data_ptr(),
+        q_stride=q.stride(0),
+        k_stride=k.stride(0),
+        v_stride=v.stride(0),
+        k_cache=k_cache.data_ptr(),
+        v_cache=v_cache.data_ptr(),
+        cache_head_stride=k_cache.stride(0),
+        block_tables=block_tables.data_ptr(),
+        max_blocks=block_tables.shape[1],
+        seq_lens=seq_lens.data_ptr(),
+        block_size=block_size,
+        num_seqs=num_seqs,
+        num_heads=num_heads,
+        num_kv_heads=kv_heads,
+        dim=dim,
+        scale=dim**-0.5,
+        out=out.data_ptr(),
+        scores=scratch.data_ptr(),
+        scores_stride=scratch.shape[1],
+        threads=scratch.shape[0],
+        prefix_pos=None if pos is None else pos.data_ptr(),
+        prefix_len=length,
+        prefix_out=None if p_out is None else p_out.data_ptr(),
+        prefix_lse=None if p_out is None else p_lse.data_ptr(),
+        prefix_rows=0 if p_out is None else p_out.shape[1],
+        window=window or 0,
+        softcap=softcap or 0.0,
     )
     return out
-
-
-def has_bf16_kernels() -> bool:
-    lib = load_library()
-    return lib is not None and bool(lib.has_bf16_kernels())
 
 
 def padded_length(length: int) -> int:
@@ -446,9 +313,17 @@ def pack_prefix(
     kp = torch.empty(num_kv_heads, padded_length(length) * dim, dtype=torch.bfloat16)
     vp = torch.empty_like(kp)
     load_library().pack_prefix_bf16(
-        *(k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), blocks.data_ptr()),
-        *(block_size, length, num_kv_heads, dim, kp.data_ptr(), vp.data_ptr()),
-        torch.get_num_threads(),
+        k_cache=k_cache.data_ptr(),
+        v_cache=v_cache.data_ptr(),
+        cache_head_stride=k_cache.stride(0),
+        blocks=blocks.data_ptr(),
+        block_size=block_size,
+        len=length,
+        heads=num_kv_heads,
+        dim=dim,
+        kp=kp.data_ptr(),
+        vp=vp.data_ptr(),
+        threads=torch.get_num_threads(),
     )
     return kp, vp
 
@@ -473,11 +348,24 @@ def prefix_attention(
     lse = torch.empty(num_kv_heads, rows4)
     threads = torch.get_num_threads()
     work = torch.empty(threads, 6 * padded_length(length))  # 4 rows of fp32 scores and bf16 copies
+    group, offset, window = causal or (0, 0, 0)
     load_library().prefix_attention_bf16(
-        *(q.data_ptr(), num_kv_heads, rows4, dim, kp.data_ptr(), vp.data_ptr(), length),
-        *(dim**-0.5, out.data_ptr(), lse.data_ptr(), work.data_ptr(), threads),
-        *(causal or (0, 0, 0)),
-        softcap or 0.0,
+        q=q.data_ptr(),
+        heads=num_kv_heads,
+        rows=rows4,
+        dim=dim,
+        kp=kp.data_ptr(),
+        vp=vp.data_ptr(),
+        len=length,
+        scale=dim**-0.5,
+        out=out.data_ptr(),
+        lse=lse.data_ptr(),
+        work=work.data_ptr(),
+        threads=threads,
+        causal_group=group,
+        causal_offset=offset,
+        window=window,
+        softcap=softcap or 0.0,
     )
     return out[:, :rows].contiguous(), lse[:, :rows].contiguous()
 
@@ -505,9 +393,23 @@ def prefill_attention(
     threads = torch.get_num_threads()
     work = torch.empty(threads, 6 * padded_length(length))
     load_library().prefill_attention_bf16(
-        *(q.data_ptr(), q.stride(0), tokens, num_kv_heads, heads // num_kv_heads, dim),
-        *(kp.data_ptr(), vp.data_ptr(), length, dim**-0.5, out.data_ptr(), out.stride(0)),
-        *(work.data_ptr(), threads, offset, window or 0, softcap or 0.0),
+        q=q.data_ptr(),
+        q_stride=q.stride(0),
+        tokens=tokens,
+        kv_heads=num_kv_heads,
+        group=heads // num_kv_heads,
+        dim=dim,
+        kp=kp.data_ptr(),
+        vp=vp.data_ptr(),
+        len=length,
+        scale=dim**-0.5,
+        out=out.data_ptr(),
+        out_stride=out.stride(0),
+        work=work.data_ptr(),
+        threads=threads,
+        offset=offset,
+        window=window or 0,
+        softcap=softcap or 0.0,
     )
 
 
@@ -527,7 +429,14 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, out_dtype: torch.dtype) -> torch
     n = packed.shape[0] * 16
     out = torch.empty(rows, n, dtype=out_dtype)
     load_library().gemm_bf16(
-        *(x.data_ptr(), rows, x.stride(0), packed.data_ptr(), n, k, out.data_ptr()),
-        *(out_dtype == torch.bfloat16, torch.get_num_threads()),
+        x=x.data_ptr(),
+        rows=rows,
+        x_stride=x.stride(0),
+        wp=packed.data_ptr(),
+        n=n,
+        k=k,
+        out=out.data_ptr(),
+        out_bf16=out_dtype == torch.bfloat16,
+        threads=torch.get_num_threads(),
     )
     return out
