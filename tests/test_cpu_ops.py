@@ -518,3 +518,23 @@ def test_the_kv_cache_lies_on_huge_pages():
     if "[madvise]" in THP.read_text():
         plain = torch.zeros(32, 1024, 1024, dtype=torch.bfloat16)
         assert _mapping_of(plain.data_ptr() + (32 << 20))["THPeligible"] == "0"
+
+
+def test_the_library_is_called_by_the_c_parameter_names():
+    """Each exported C function's parameters are read from its definition, and a call must name
+    each of them: a missing, misspelt or extra name raises before C runs."""
+    protos = library.prototypes(library.SOURCE.read_text())
+    _, params = protos["silu_and_mul_bf16"]
+    assert [name for name, _ in params] == ["x", "out", "rows", "dim", "threads"]
+    assert protos["has_bf16_kernels"][1] == ()
+    if not cpu.available():
+        pytest.skip("no C compiler")
+    lib = cpu.load_library()
+    x = torch.randn(2, 32).to(BF16)
+    out = torch.empty(2, 16, dtype=BF16)
+    args = dict(x=x.data_ptr(), out=out.data_ptr(), rows=2, dim=16, threads=1)
+    for bad in ({**args, "extra": 1}, {k: v for k, v in args.items() if k != "dim"}):
+        with pytest.raises(TypeError, match="silu_and_mul_bf16"):
+            lib.silu_and_mul_bf16(**bad)
+    lib.silu_and_mul_bf16(**dict(reversed(args.items())))  # any order of names
+    assert torch.equal(out, cpu_ops.torch_silu_and_mul(x))
