@@ -30,15 +30,12 @@ K/V of every sequence, read once); FLOPs count the causal attention actually nee
 Agreement: attention against a float64 reference (the SDPA result's own error beside it);
 the other kernels against their torch reference; reshape_and_cache must match exactly.
 Exit code: 0 when every check agrees and the tests pass, 1 otherwise; without CUDA, 2, or 0
-with `--allow-no-gpu`. paged_backend need not be installed: this checkout is used, with
-`paged_backend.kernels` found in kernels/ as setuptools maps it.
+with `--allow-no-gpu`. paged_backend need not be installed: this checkout is used.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.abc
-import importlib.util
 import json
 import math
 import os
@@ -50,7 +47,6 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from importlib.machinery import ModuleSpec
 from pathlib import Path
 
 import torch
@@ -70,31 +66,10 @@ FUSED_TOL = {"atol": 2e-2, "rtol": 1.6e-2}
 
 
 # ---- using this checkout ----------------------------------------------------------------------
-class _KernelsFinder(importlib.abc.MetaPathFinder):
-    """Finds `paged_backend.kernels` in kernels/ when the package is not installed."""
-
-    def find_spec(
-        self,
-        fullname: str,
-        path: Sequence[str] | None = None,
-        target: object = None,
-    ) -> ModuleSpec | None:
-        if fullname != "paged_backend.kernels":
-            return None
-        kernels = REPO / "kernels"
-        return importlib.util.spec_from_file_location(
-            fullname,
-            kernels / "__init__.py",
-            submodule_search_locations=[str(kernels)],
-        )
-
-
 def use_this_checkout() -> None:
-    """Import paged_backend, kernels included, from this checkout, installed or not."""
+    """Import paged_backend, its Triton kernels included, from this checkout, installed or not."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    if not any(isinstance(finder, _KernelsFinder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _KernelsFinder())  # before an installed package's mapping
 
 
 # ---- model shapes and results -----------------------------------------------------------------
@@ -451,7 +426,7 @@ def reference_f64(
 
 
 def bench_attention(case: AttentionCase, opts: TimingOptions, peak_tbps: float) -> Row:
-    from paged_backend.kernels.attention import unified_attention
+    from paged_backend.attention.triton.attention import unified_attention
 
     torch.manual_seed(SEED)
     inputs = make_paged_inputs(case)
@@ -548,7 +523,7 @@ def cache_ref(
 def bench_reshape_and_cache(
     shape: ModelShape, num_tokens: int, opts: TimingOptions, peak_tbps: float
 ) -> Row:
-    from paged_backend.kernels.cache import reshape_and_cache
+    from paged_backend.attention.triton.cache import reshape_and_cache
 
     torch.manual_seed(SEED)
     kvh, d = shape.num_kv_heads, shape.head_dim
@@ -635,7 +610,7 @@ def bench_pair(
 def bench_rms_norm(
     shape: ModelShape, num_tokens: int, opts: TimingOptions, peak_tbps: float
 ) -> Row:
-    from paged_backend.kernels.fused import rms_norm, rms_norm_ref
+    from paged_backend.attention.triton.fused import rms_norm, rms_norm_ref
 
     torch.manual_seed(SEED)
     eps = 1e-5
@@ -671,7 +646,7 @@ def rope_tables(num_tokens: int, head_dim: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def bench_rotary(shape: ModelShape, num_tokens: int, opts: TimingOptions, peak_tbps: float) -> Row:
-    from paged_backend.kernels.fused import rotary_embedding, rotary_embedding_ref
+    from paged_backend.attention.triton.fused import rotary_embedding, rotary_embedding_ref
 
     torch.manual_seed(SEED)
     x_bytes = num_tokens * shape.num_heads * shape.head_dim * DTYPE.itemsize
@@ -699,7 +674,7 @@ def bench_rotary(shape: ModelShape, num_tokens: int, opts: TimingOptions, peak_t
 def bench_silu_and_mul(
     shape: ModelShape, num_tokens: int, opts: TimingOptions, peak_tbps: float
 ) -> Row:
-    from paged_backend.kernels.fused import silu_and_mul, silu_and_mul_ref
+    from paged_backend.attention.triton.fused import silu_and_mul, silu_and_mul_ref
 
     torch.manual_seed(SEED)
     nbytes = 3 * num_tokens * shape.intermediate * DTYPE.itemsize  # gate, up in; out

@@ -42,8 +42,8 @@ def main() -> None:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
 
-    # Run away from the repository: its top-level `kernels/` package would shadow the `kernels`
-    # package transformers (imported by vLLM and its subprocesses) looks for.
+    # Run away from the repository, so that nothing in it shadows a package vLLM and its
+    # subprocesses import.
     os.chdir(tempfile.gettempdir())
     sys.path[:] = [p for p in sys.path if p not in ("", ".", os.path.dirname(__file__))]
 

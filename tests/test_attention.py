@@ -10,7 +10,7 @@ import torch
 
 from paged_backend import cpu
 from paged_backend.attention import AttentionMetadata
-from paged_backend.torch_attention import TorchAttention, _attend, _attend_matmul, _merge
+from paged_backend.attention.torch_backend import TorchAttention, _attend, _attend_matmul, _merge
 
 KVH, GROUP, D = 3, 3, 32
 

@@ -8,7 +8,7 @@ import pytest
 from conftest import longrope, make_tiny_model
 
 from paged_backend import LLM, SamplingParams, cpu
-from paged_backend.fused_decode import FusedDecode
+from paged_backend.attention import FusedDecode
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

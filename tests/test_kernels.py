@@ -31,10 +31,11 @@ if DEVICE == "cpu" and TRITON_IMPORTED_EARLIER:
     )
 
 from paged_backend.attention import AttentionMetadata  # noqa: E402
-from paged_backend.kernels.attention import unified_attention  # noqa: E402
-from paged_backend.kernels.backend import TritonAttention  # noqa: E402
-from paged_backend.kernels.cache import reshape_and_cache  # noqa: E402
-from paged_backend.kernels.fused import (  # noqa: E402
+from paged_backend.attention.torch_backend import TorchAttention  # noqa: E402
+from paged_backend.attention.triton.attention import unified_attention  # noqa: E402
+from paged_backend.attention.triton.backend import TritonAttention  # noqa: E402
+from paged_backend.attention.triton.cache import reshape_and_cache  # noqa: E402
+from paged_backend.attention.triton.fused import (  # noqa: E402
     rms_norm,
     rms_norm_ref,
     rotary_embedding,
@@ -42,7 +43,6 @@ from paged_backend.kernels.fused import (  # noqa: E402
     silu_and_mul,
     silu_and_mul_ref,
 )
-from paged_backend.torch_attention import TorchAttention  # noqa: E402
 
 ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -376,7 +376,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from paged_backend.kernels import attention, cache, fused
+from paged_backend.attention.triton import attention, cache, fused
 
 def check(kernel, pointers, constexprs, floats=()):
     signature = {}

@@ -15,8 +15,9 @@ import torch
 
 from paged_backend import cpu
 from paged_backend.attention import AttentionMetadata
+from paged_backend.attention.planner import CDecodePlan
+from paged_backend.attention.torch_backend import TorchAttention
 from paged_backend.cpu import ops as cpu_ops
-from paged_backend.torch_attention import CDecodePlan, TorchAttention
 
 needs_ops = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
 BF16 = torch.bfloat16

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paged_backend.attention import AttentionBackend
+from paged_backend.attention import AttentionBackend, FusedDecode
 from paged_backend.config import ModelConfig
 from paged_backend.cpu import ops as cpu_ops
 from paged_backend.cpu.linear import (
@@ -29,7 +29,6 @@ from paged_backend.cpu.linear import (
     replace_linears_,
 )
 from paged_backend.cpu.ops import apply_rotary, torch_rms_norm, torch_silu_and_mul
-from paged_backend.fused_decode import FusedDecode
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,7 @@ def make_ops(kind: str) -> Ops:
         return Ops(torch_rms_norm, apply_rotary, torch_silu_and_mul)
     if kind == "cpu":
         return Ops(cpu_ops.rms_norm, cpu_ops.rotary_embedding, cpu_ops.silu_and_mul)
-    from paged_backend.kernels import rms_norm, rotary_embedding, silu_and_mul
+    from paged_backend.attention.triton import rms_norm, rotary_embedding, silu_and_mul
 
     return Ops(rms_norm, rotary_embedding, silu_and_mul)
 

@@ -11,13 +11,18 @@ modules.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from paged_backend import cpu
-from paged_backend.attention import AttentionMetadata
+from paged_backend.attention.backend import AttentionMetadata
+from paged_backend.attention.planner import CDecodePlan
 from paged_backend.cpu import ops as cpu_ops
-from paged_backend.torch_attention import CDecodePlan, TorchAttention
+
+if TYPE_CHECKING:
+    from paged_backend.attention.torch_backend import TorchAttention
 
 
 class FusedDecode:

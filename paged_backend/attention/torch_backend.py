@@ -1,111 +1,25 @@
-"""The torch attention backend (CPU and reference): plans a step once for all layers, then
-attends each layer through block tables, with the C kernels of `paged_backend.cpu_ops` where
-they run (decode steps, shared prefixes, prefill chunks in bf16).
+"""The torch attention backend (CPU and reference): plans a step once for all layers
+(`planner`), then attends each layer through block tables, with the C kernels of
+`paged_backend.cpu.ops` where they run (decode steps, shared prefixes, prefill chunks in bf16).
 """
 
 from __future__ import annotations
-
-from collections import Counter
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from paged_backend.attention import AttentionMetadata, KVCache
-from paged_backend.block_pool import FREED_BLOCK
+from paged_backend.attention.backend import AttentionMetadata, KVCache
+from paged_backend.attention.planner import (
+    CDecodePlan,
+    SharedPrefix,
+    additive,
+    plan_step,
+)
 from paged_backend.cpu import ops as cpu_ops
 from paged_backend.cpu.memory import zeros_on_huge_pages
 
-_MIN_SHARED_BLOCKS = 2  # shorter shared prefixes are not worth a separate pass
 _PREFIX_COPY_MAX_BYTES = 128 << 20  # fp32 copies of a shared prefix's K/V kept across steps
-
-
-@dataclass
-class _Shared:
-    """Cascade attention: a prefix of blocks every member sequence holds and has fully in its
-    context, attended once for all their query rows."""
-
-    rows: torch.Tensor  # flattened token rows of the member sequences
-    blocks: torch.Tensor  # the shared block ids
-
-
-@dataclass
-class _Decodes:
-    blocks: torch.Tensor  # [nd * n] block ids (each sequence's blocks after its shared prefix, or
-    # from the first block its window reaches)
-    mask: torch.Tensor  # [nd, 1, 1, n * block_size] additive: 0 where the key is in context
-    members: torch.Tensor | None  # decode indices that take part in the shared prefix
-    shared_pos: torch.Tensor | None  # ... and the positions of their rows in `_Shared.rows`
-
-
-@dataclass
-class _Prefill:
-    start: int
-    end: int
-    blocks: torch.Tensor | None  # blocks from `first_key` on; None: attend to the new k/v only
-    mask: torch.Tensor | None  # [1, 1, q_len * group, keys] additive causal (and window) mask;
-    # without `blocks`, built by the first soft-capped layer (SDPA cannot soft-cap)
-    shared_pos: torch.Tensor | None  # positions of this sequence's rows in `_Shared.rows`
-    num_keys: int = 0  # tokens from `first_key` to the end of the chunk
-    offset: int = 0  # keys before the chunk's first token, from `first_key` (its cached context)
-
-
-@dataclass
-class CDecodePlan:
-    """A step of decodes only, for `cpu_ops.decode_attention` (and `cpu_ops.prefix_attention`
-    for a shared prefix)."""
-
-    block_tables: torch.Tensor  # int32 [S, width], contiguous
-    seq_lens: torch.Tensor  # int32 [S]
-    scratch: torch.Tensor  # fp32 scores of one kv head's queries over the longest context, a
-    # row for each thread
-    shared: _Shared | None
-    prefix_pos: torch.Tensor | None  # int32 [S]: each sequence's row in `shared.rows`, or -1
-    window: int | None
-
-
-@dataclass
-class _TorchPrepared:
-    shared: _Shared | None
-    decodes: _Decodes | None
-    prefills: list[_Prefill]
-    window: int | None
-
-
-def _window_start(position: int, window: int | None) -> int:
-    """The first key position the query at `position` sees."""
-    return 0 if window is None else max(0, position - window + 1)
-
-
-def _shared_prefix(meta: AttentionMetadata, before_writes: bool) -> tuple[list[int], int]:
-    """The sequences that share the most common leading block, and how many leading blocks they
-    all share within their cached context (0 when cascading is not worth it). A request admitted
-    on a cache hit may hold, in its context, a block that another request writes in this step.
-    Where the cascade runs `before_writes` (the C decode kernel writes the step's K/V, the
-    cascade has run by then), the prefix stops before the first block this step writes into."""
-    tables = meta.block_tables_cpu
-    bs = meta.block_size
-    qsl = meta.query_start_loc
-    context_blocks = [
-        (seq_len - (qsl[i + 1] - qsl[i])) // bs for i, seq_len in enumerate(meta.seq_lens)
-    ]
-    firsts = Counter(tables[i, 0] for i, c in enumerate(context_blocks) if c > 0)
-    firsts.pop(FREED_BLOCK, None)
-    if not firsts:
-        return [], 0
-    first, count = firsts.most_common(1)[0]
-    if count < 2:
-        return [], 0
-    members = [i for i, c in enumerate(context_blocks) if c > 0 and tables[i, 0] == first]
-    limit = min(context_blocks[i] for i in members)
-    sub = tables[members, :limit]
-    same = (sub == sub[0]).all(axis=0)
-    if before_writes:
-        slots = meta.slot_mapping.cpu().numpy()
-        same &= ~np.isin(sub[0], slots[slots >= 0] // bs)
-    num = int(limit if same.all() else same.argmin())
-    return (members, num) if num >= _MIN_SHARED_BLOCKS else ([], 0)
 
 
 def _attend(
@@ -158,10 +72,6 @@ def _rows_first(q_rows: torch.Tensor) -> torch.Tensor:
     """[n, kvh, g, d] token rows -> [1, kvh, n * g, d]: one KV head's queries together."""
     _, kvh, _, d = q_rows.shape
     return q_rows.permute(1, 0, 2, 3).reshape(1, kvh, -1, d)
-
-
-def _additive(allowed: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 class TorchAttention:
@@ -237,7 +147,7 @@ class TorchAttention:
         self,
         q: torch.Tensor,
         kv_cache: KVCache,
-        shared: _Shared,
+        shared: SharedPrefix,
         block_size: int,
         softcap: float | None,
     ):
@@ -255,93 +165,13 @@ class TorchAttention:
     def prepare(self, meta: AttentionMetadata) -> None:
         if meta.block_tables_cpu is None:
             meta.block_tables_cpu = meta.block_tables.cpu().numpy()
-        meta.prepared = {window: self._plan(meta, window) for window in self.windows}
-
-    def _plan(self, meta: AttentionMetadata, window: int | None) -> CDecodePlan | _TorchPrepared:
-        """The step's plan for the layers with this `window` (None: global). Windowed layers
-        read only their window's blocks and take no cascade: a shared prefix soon leaves it."""
-        bs, group = meta.block_size, self.group
-        device = meta.block_tables.device
-        qsl = meta.query_start_loc
-        tables = meta.block_tables_cpu
-        nd = meta.num_decodes
-        c_decode = self.c_decode and nd == len(meta.seq_lens)
-        members, num_shared = _shared_prefix(meta, c_decode) if window is None else ([], 0)
-        shared = None
-        skip = [0] * len(meta.seq_lens)  # leading blocks each sequence gets from `shared`
-        row_pos: dict[int, list[int]] = {}  # member -> positions of its rows in `shared.rows`
-        if num_shared:
-            rows: list[int] = []
-            for i in members:
-                skip[i] = num_shared
-                row_pos[i] = list(range(len(rows), len(rows) + qsl[i + 1] - qsl[i]))
-                rows.extend(range(qsl[i], qsl[i + 1]))
-            shared = _Shared(
-                torch.tensor(rows, device=device),
-                torch.from_numpy(tables[members[0], :num_shared]).to(device),
-            )
-        if device.type == "cpu" and window is None:
-            self._track_prefix(meta, tables[members[0], :num_shared] if num_shared else None)
-        if c_decode and (self.c_prefix or not num_shared):
-            return CDecodePlan(
-                torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int32)),
-                torch.tensor(meta.seq_lens, dtype=torch.int32),
-                torch.empty(torch.get_num_threads(), self.group * max(meta.seq_lens)),
-                shared,
-                torch.tensor([row_pos.get(i, [-1])[0] for i in range(nd)], dtype=torch.int32)
-                if shared
-                else None,
-                window,
-            )
-
-        def positions(seqs: list[int]) -> torch.Tensor | None:
-            return torch.tensor([p for i in seqs for p in row_pos[i]], device=device)
-
-        decodes = None
-        if nd:
-            lens = np.array(meta.seq_lens[:nd])
-            lows = np.array([_window_start(n - 1, window) for n in lens])  # first key seen
-            first = np.array(skip[:nd]) if window is None else lows // bs
-            n = int(((lens + bs - 1) // bs - first).max())
-            cols = first[:, None] + np.arange(n)[None, :]
-            blocks = np.take_along_axis(tables[:nd], np.minimum(cols, tables.shape[1] - 1), 1)
-            # Columns past a sequence's last block are masked out: gather block 0 there. A freed
-            # entry inside the range stays -1 and fails the gather.
-            blocks[cols >= ((lens + bs - 1) // bs)[:, None]] = 0
-            key_pos = (cols[:, :, None] * bs + np.arange(bs)[None, None, :]).reshape(nd, -1)
-            mask = ((key_pos < lens[:, None]) & (key_pos >= lows[:, None])).reshape(nd, 1, 1, -1)
-            dec_members = [i for i in range(nd) if i in row_pos]
-            decodes = _Decodes(
-                torch.from_numpy(blocks.reshape(-1)).to(device),
-                _additive(torch.from_numpy(mask).to(device)),
-                torch.tensor(dec_members, device=device) if dec_members else None,
-                positions(dec_members) if dec_members else None,
-            )
-        prefills = []
-        for i in range(nd, len(meta.seq_lens)):
-            start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens[i]
-            context = seq_len - (end - start)
-            if context == 0 and not self.c_prefix and (window is None or end - start <= window):
-                prefills.append(_Prefill(start, end, None, None, None))  # plain causal
-                continue
-            first_block = skip[i] if window is None else _window_start(context, window) // bs
-            first_key = first_block * bs
-            blocks = torch.from_numpy(tables[i, first_block : (seq_len + bs - 1) // bs]).to(device)
-            mask = None
-            if not self.c_prefix:  # the C kernel masks by position
-                q_pos = torch.arange(context, seq_len, device=device)[:, None]
-                k_pos = torch.arange(first_key, first_key + len(blocks) * bs, device=device)
-                allowed = k_pos[None, :] <= q_pos
-                if window is not None:
-                    allowed &= k_pos[None, :] > q_pos - window
-                mask = _additive(allowed.repeat_interleave(group, dim=0))[None, None]
-            shared_pos = positions([i]) if i in row_pos else None
-            prefills.append(
-                _Prefill(
-                    start, end, blocks, mask, shared_pos, seq_len - first_key, context - first_key
-                )
-            )
-        return _TorchPrepared(shared, decodes, prefills, window)
+        meta.prepared = {}
+        for window in self.windows:
+            plan = plan_step(meta, window, self.group, self.c_decode, self.c_prefix)
+            if meta.block_tables.device.type == "cpu" and window is None:
+                shared = plan.shared
+                self._track_prefix(meta, None if shared is None else shared.blocks.numpy())
+            meta.prepared[window] = plan
 
     def forward(
         self,
@@ -451,7 +281,7 @@ class TorchAttention:
                 if p.blocks is None:  # soft-capped, no context: over the chunk's own k/v
                     if p.mask is None:
                         causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril_()
-                        p.mask = _additive(causal.repeat_interleave(group, dim=0))[None, None]
+                        p.mask = additive(causal.repeat_interleave(group, dim=0))[None, None]
                     keys = k[p.start : p.end].float().transpose(0, 1).unsqueeze(0)
                     vals = v[p.start : p.end].float().transpose(0, 1).unsqueeze(0)
                 else:

@@ -11,12 +11,26 @@ BLOCK_T = 32  # tokens per program
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
     num_tokens,
-    stride_k_t, stride_k_h, stride_k_d,
-    stride_v_t, stride_v_h, stride_v_d,
-    stride_kc_b, stride_kc_s, stride_kc_h, stride_kc_d,
-    stride_vc_b, stride_vc_s, stride_vc_h, stride_vc_d,
+    stride_k_t,
+    stride_k_h,
+    stride_k_d,
+    stride_v_t,
+    stride_v_h,
+    stride_v_d,
+    stride_kc_b,
+    stride_kc_s,
+    stride_kc_h,
+    stride_kc_d,
+    stride_vc_b,
+    stride_vc_s,
+    stride_vc_h,
+    stride_vc_d,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -30,14 +44,20 @@ def _reshape_and_cache_kernel(
     block = slot // BLOCK_SIZE
     in_block = slot % BLOCK_SIZE
 
-    k = tl.load(k_ptr + (offs_t * stride_k_t + head * stride_k_h)[:, None]
-                + offs_d[None, :] * stride_k_d, mask=mask)
-    v = tl.load(v_ptr + (offs_t * stride_v_t + head * stride_v_h)[:, None]
-                + offs_d[None, :] * stride_v_d, mask=mask)
-    kc_offs = (block * stride_kc_b + in_block * stride_kc_s + head * stride_kc_h)[:, None] \
-        + offs_d[None, :] * stride_kc_d
-    vc_offs = (block * stride_vc_b + in_block * stride_vc_s + head * stride_vc_h)[:, None] \
-        + offs_d[None, :] * stride_vc_d
+    k = tl.load(
+        k_ptr + (offs_t * stride_k_t + head * stride_k_h)[:, None] + offs_d[None, :] * stride_k_d,
+        mask=mask,
+    )
+    v = tl.load(
+        v_ptr + (offs_t * stride_v_t + head * stride_v_h)[:, None] + offs_d[None, :] * stride_v_d,
+        mask=mask,
+    )
+    kc_offs = (block * stride_kc_b + in_block * stride_kc_s + head * stride_kc_h)[:, None] + offs_d[
+        None, :
+    ] * stride_kc_d
+    vc_offs = (block * stride_vc_b + in_block * stride_vc_s + head * stride_vc_h)[:, None] + offs_d[
+        None, :
+    ] * stride_vc_d
     tl.store(k_cache_ptr + kc_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + vc_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -58,9 +78,16 @@ def reshape_and_cache(
     block_size = k_cache.shape[1]
     grid = (triton.cdiv(num_tokens, BLOCK_T), num_kv_heads)
     _reshape_and_cache_kernel[grid](
-        k, v, k_cache, v_cache, slot_mapping,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
         num_tokens,
-        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),

@@ -15,9 +15,17 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
-    hidden, eps,
-    stride_x, stride_r, stride_o, stride_nr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    new_residual_ptr,
+    hidden,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_nr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -34,12 +42,14 @@ def _rms_norm_kernel(
     # Round to the activation dtype before the weight, like the reference.
     normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (w * normed).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_ptr + row * stride_o + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x [T, hidden] (contiguous rows); with `residual`, of x + residual.
 
@@ -50,8 +60,13 @@ def rms_norm(
     out = torch.empty_like(x)
     new_residual = torch.empty_like(x) if residual is not None else None
     _rms_norm_kernel[(num_rows,)](
-        x, residual, weight, out, new_residual,
-        hidden, eps,
+        x,
+        residual,
+        weight,
+        out,
+        new_residual,
+        hidden,
+        eps,
         x.stride(0),
         residual.stride(0) if residual is not None else 0,
         out.stride(0),
@@ -63,7 +78,10 @@ def rms_norm(
 
 
 def rms_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     h = x if residual is None else x + residual
     hf = h.float()
@@ -73,11 +91,19 @@ def rms_norm_ref(
 
 @triton.jit
 def _rotary_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr,
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
     num_heads,
-    stride_x_t, stride_x_h, stride_x_d,
-    stride_c_t, stride_s_t,
-    stride_o_t, stride_o_h, stride_o_d,
+    stride_x_t,
+    stride_x_h,
+    stride_x_d,
+    stride_c_t,
+    stride_s_t,
+    stride_o_t,
+    stride_o_h,
+    stride_o_d,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -121,9 +147,15 @@ def rotary_embedding(q_or_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
         out = torch.empty_like(q_or_k, memory_format=torch.contiguous_format)
     half = rotary_dim // 2
     _rotary_kernel[(num_tokens,)](
-        q_or_k, cos, sin, out,
+        q_or_k,
+        cos,
+        sin,
+        out,
         num_heads,
-        *q_or_k.stride(), cos.stride(0), sin.stride(0), *out.stride(),
+        *q_or_k.stride(),
+        cos.stride(0),
+        sin.stride(0),
+        *out.stride(),
         HALF=half,
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_HALF=triton.next_power_of_2(half),
@@ -132,7 +164,9 @@ def rotary_embedding(q_or_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 
 
 def rotary_embedding_ref(
-    q_or_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    q_or_k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
 ) -> torch.Tensor:
     num_tokens, rotary_dim = q_or_k.shape[0], cos.shape[-1]
     cos = cos.reshape(num_tokens, 1, rotary_dim)
@@ -145,9 +179,11 @@ def rotary_embedding_ref(
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr,
+    x_ptr,
+    out_ptr,
     inter,
-    stride_x, stride_o,
+    stride_x,
+    stride_o,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -166,7 +202,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = x.new_empty(num_tokens, inter)
     block = min(1024, triton.next_power_of_2(inter))
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-        x, out, inter, x.stride(0), out.stride(0), BLOCK=block,
+        x,
+        out,
+        inter,
+        x.stride(0),
+        out.stride(0),
+        BLOCK=block,
     )
     return out
 

@@ -1,6 +1,5 @@
-"""Attention over the paged KV cache: the backend interface, and `get_backend` to pick one (the
-torch backend for CPU and reference, `paged_backend.torch_attention`; the Triton one for CUDA,
-`paged_backend.kernels.backend`).
+"""Attention over the paged KV cache: the interface every backend implements, the step's
+metadata, and the check of the block tables a step reads.
 
 Each backend owns its KV cache layout (`allocate_kv_cache`). A step's flattened batch puts
 decode sequences (query length 1) first; `AttentionMetadata` describes it once for all layers.
@@ -97,22 +96,3 @@ class AttentionBackend(Protocol):
         entries of the block tables before that may be stale (freed blocks) and are not read.
         With a `softcap` (Gemma 2), each scaled score s becomes tanh(s / softcap) * softcap
         before the softmax."""
-
-
-def get_backend(
-    name: str,
-    num_heads: int,
-    num_kv_heads: int,
-    c_decode: bool = False,
-    c_prefix: bool = False,
-    windows: tuple[int | None, ...] = (None,),
-) -> AttentionBackend:
-    if name == "torch":
-        from paged_backend.torch_attention import TorchAttention
-
-        return TorchAttention(num_heads, num_kv_heads, c_decode, c_prefix, windows)
-    if name == "triton":
-        from paged_backend.kernels.backend import TritonAttention
-
-        return TritonAttention()
-    raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {name!r}")

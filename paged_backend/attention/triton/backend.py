@@ -7,9 +7,9 @@ from itertools import pairwise
 
 import torch
 
-from paged_backend.attention import AttentionMetadata, KVCache
-from paged_backend.kernels.attention import unified_attention
-from paged_backend.kernels.cache import reshape_and_cache
+from paged_backend.attention.backend import AttentionMetadata, KVCache
+from paged_backend.attention.triton.attention import unified_attention
+from paged_backend.attention.triton.cache import reshape_and_cache
 
 
 @dataclass
@@ -28,8 +28,9 @@ class TritonAttention:
 
     name = "triton"
 
-    def allocate_kv_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim,
-                          dtype, device) -> list[KVCache]:
+    def allocate_kv_cache(
+        self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device
+    ) -> list[KVCache]:
         """Per layer K and V as `[num_blocks, block_size, num_kv_heads, head_dim]` views."""
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -45,15 +46,29 @@ class TritonAttention:
         )
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-        meta: AttentionMetadata, window: int | None = None, softcap: float | None = None,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         prep: _TritonPrepared = meta.prepared
         reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         return unified_attention(
-            q, k_cache, v_cache, out, prep.query_start_loc, prep.seq_lens, meta.block_tables,
-            q.shape[-1] ** -0.5, max_query_len=prep.max_query_len, window=window,
+            q,
+            k_cache,
+            v_cache,
+            out,
+            prep.query_start_loc,
+            prep.seq_lens,
+            meta.block_tables,
+            q.shape[-1] ** -0.5,
+            max_query_len=prep.max_query_len,
+            window=window,
             softcap=softcap,
         )

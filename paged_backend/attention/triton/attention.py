@@ -39,16 +39,32 @@ def _find_seq(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _unified_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
     scale_log2,  # softmax scale * log2(e): the kernel works with exp2
     num_seqs,
     window,  # > 0: sliding window, a query sees its last `window` keys; 0: all
-    stride_q_t, stride_q_h, stride_q_d,
-    stride_o_t, stride_o_h, stride_o_d,
-    stride_k_b, stride_k_s, stride_k_h, stride_k_d,
-    stride_v_b, stride_v_s, stride_v_h, stride_v_d,
-    stride_bt_s, stride_bt_b,
+    stride_q_t,
+    stride_q_h,
+    stride_q_d,
+    stride_o_t,
+    stride_o_h,
+    stride_o_d,
+    stride_k_b,
+    stride_k_s,
+    stride_k_h,
+    stride_k_d,
+    stride_v_b,
+    stride_v_s,
+    stride_v_h,
+    stride_v_d,
+    stride_bt_s,
+    stride_bt_b,
     BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
@@ -80,8 +96,9 @@ def _unified_attention_kernel(
     row_mask = (offs_m < BLOCK_Q * GROUP) & (query_pos < query_len)
     d_mask = offs_d < HEAD_DIM
 
-    q_offs = ((q_start + query_pos) * stride_q_t + head * stride_q_h)[:, None] \
-        + offs_d[None, :] * stride_q_d
+    q_offs = ((q_start + query_pos) * stride_q_t + head * stride_q_h)[:, None] + offs_d[
+        None, :
+    ] * stride_q_d
     q_mask = row_mask[:, None] & d_mask[None, :]
     q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(tl.float32)
 
@@ -104,24 +121,32 @@ def _unified_attention_kernel(
     for start_n in range((first_key // TILE_N) * TILE_N, num_keys, TILE_N):
         key_pos = start_n + offs_n
         key_mask = (key_pos < num_keys) & (key_pos >= first_key)
-        block = tl.load(block_table_row + (key_pos // BLOCK_SIZE) * stride_bt_b,
-                        mask=key_mask, other=0).to(tl.int64)
+        block = tl.load(
+            block_table_row + (key_pos // BLOCK_SIZE) * stride_bt_b, mask=key_mask, other=0
+        ).to(tl.int64)
         in_block = key_pos % BLOCK_SIZE
 
-        k_offs = (block * stride_k_b + in_block * stride_k_s + kv_head * stride_k_h)[None, :] \
-            + offs_d[:, None] * stride_k_d
-        k = tl.load(k_cache_ptr + k_offs, mask=d_mask[:, None] & key_mask[None, :],
-                    other=0.0).to(tl.float32)
-        v_offs = (block * stride_v_b + in_block * stride_v_s + kv_head * stride_v_h)[:, None] \
-            + offs_d[None, :] * stride_v_d
-        v = tl.load(v_cache_ptr + v_offs, mask=key_mask[:, None] & d_mask[None, :],
-                    other=0.0).to(tl.float32)
+        k_offs = (block * stride_k_b + in_block * stride_k_s + kv_head * stride_k_h)[
+            None, :
+        ] + offs_d[:, None] * stride_k_d
+        k = tl.load(k_cache_ptr + k_offs, mask=d_mask[:, None] & key_mask[None, :], other=0.0).to(
+            tl.float32
+        )
+        v_offs = (block * stride_v_b + in_block * stride_v_s + kv_head * stride_v_h)[
+            :, None
+        ] + offs_d[None, :] * stride_v_d
+        v = tl.load(v_cache_ptr + v_offs, mask=key_mask[:, None] & d_mask[None, :], other=0.0).to(
+            tl.float32
+        )
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
         if SOFTCAP_LOG2 > 0:  # C * tanh(s / C), as tanh(x) = 1 - 2 / (e^2x + 1)
             s = SOFTCAP_LOG2 * (1.0 - 2.0 / (tl.exp(2.0 * s / SOFTCAP_LOG2) + 1.0))
-        visible = row_mask[:, None] & (key_pos[None, :] <= visible_to[:, None]) \
+        visible = (
+            row_mask[:, None]
+            & (key_pos[None, :] <= visible_to[:, None])
             & ((window == 0) | (key_pos[None, :] > visible_to[:, None] - window))
+        )
         s = tl.where(visible, s, float("-inf"))
 
         # Online softmax. Padding rows see no key: a shift of 0 keeps their p at 0, not NaN.
@@ -135,8 +160,9 @@ def _unified_attention_kernel(
 
     # Padding rows have l == 0; they are not stored, the guard only avoids computing 0/0.
     acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    o_offs = ((q_start + query_pos) * stride_o_t + head * stride_o_h)[:, None] \
-        + offs_d[None, :] * stride_o_d
+    o_offs = ((q_start + query_pos) * stride_o_t + head * stride_o_h)[:, None] + offs_d[
+        None, :
+    ] * stride_o_d
     tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -177,12 +203,21 @@ def unified_attention(
     # Every sequence gets at least its cdiv(query_len, block_q) tiles (see _find_seq).
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _unified_attention_kernel[grid](
-        q, k_cache, v_cache, out,
-        query_start_loc, seq_lens, block_tables,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_tables,
         scale * LOG2E,
         num_seqs,
         window or 0,
-        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
+        *q.stride(),
+        *out.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *block_tables.stride(),
         BLOCK_SIZE=block_size,
         GROUP=group,
         HEAD_DIM=head_dim,
