@@ -20,7 +20,6 @@ from torch import nn
 
 from paged_backend import cpu_ops
 from paged_backend.attention import AttentionBackend
-from paged_backend.config import ModelConfig
 from paged_backend.cpu_linear import (
     CpuLinear,
     GemmRows,
@@ -30,6 +29,7 @@ from paged_backend.cpu_linear import (
 )
 from paged_backend.cpu_ops import apply_rotary, torch_rms_norm, torch_silu_and_mul
 from paged_backend.fused_decode import FusedDecode
+from paged_backend.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
