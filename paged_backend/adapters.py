@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paged_backend.async_engine import AsyncEngine
-from paged_backend.config import EngineConfig, ModelConfig
+from paged_backend.config import EngineConfig
 from paged_backend.errors import EngineOverloadedError
 from paged_backend.model_loader import model_name, resolve_model_path
+from paged_backend.models.config import ModelConfig
 from paged_backend.outputs import CompletionOutput, Logprob, RequestOutput
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.shared_engines import RAY_ARGS, get_engine, release_engine

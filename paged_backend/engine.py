@@ -15,11 +15,12 @@ import torch
 
 from paged_backend import metrics
 from paged_backend.chat_template import apply_chat_template, check_chat_messages
-from paged_backend.config import EngineConfig, ModelConfig
+from paged_backend.config import EngineConfig
 from paged_backend.detokenizer import IncrementalDetokenizer
 from paged_backend.kv_cache_manager import KVCacheManager
 from paged_backend.model_loader import model_name, resolve_model_path
 from paged_backend.model_runner import ModelRunner
+from paged_backend.models.config import ModelConfig
 from paged_backend.outputs import CompletionOutput, RequestOutput
 from paged_backend.request import Request, RequestStatus
 from paged_backend.sampler import Sampler, to_logprob_dict

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from paged_backend.config import ModelConfig
 from paged_backend.default_model import NAME as DEFAULT_MODEL_NAME
 from paged_backend.default_model import default_model_file, file_sha256
 from paged_backend.file_cache import cache_dir, locked, notice
+from paged_backend.models.config import ModelConfig
 
 # What a model directory needs from a hub repository: no pickle weights, no GGUF variants.
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*"]

@@ -10,11 +10,12 @@ import torch
 from paged_backend import cpu
 from paged_backend.attention import AttentionMetadata, check_block_tables, get_backend
 from paged_backend.block_pool import FREED_BLOCK
-from paged_backend.config import EngineConfig, ModelConfig
+from paged_backend.config import EngineConfig
 from paged_backend.cpu import kernel_choice
 from paged_backend.cpu.linear import GemmRows, can_pack, quantize_linears_int4
 from paged_backend.model_loader import load_safetensors
 from paged_backend.models import LlamaForCausalLM, native_model_class
+from paged_backend.models.config import ModelConfig
 from paged_backend.models.transformers_impl import TransformersForCausalLM
 from paged_backend.request import Request
 

@@ -13,10 +13,10 @@ from conftest import TOKENIZER_FILES, longrope, make_tiny_model
 from safetensors.torch import load_file, save_file
 
 from paged_backend import LLM, SamplingParams, cpu
-from paged_backend.config import ModelConfig
 from paged_backend.cpu import ops as cpu_ops
 from paged_backend.default_model import default_model_file
 from paged_backend.model_loader import resolve_model_path
+from paged_backend.models.config import ModelConfig
 
 PROMPTS = [
     "The capital of France is",

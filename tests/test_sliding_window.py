@@ -14,7 +14,7 @@ from conftest import make_tiny_model
 from test_models import hf_greedy
 
 from paged_backend import LLM, SamplingParams
-from paged_backend.config import ModelConfig
+from paged_backend.models.config import ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

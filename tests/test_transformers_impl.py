@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from test_models import GEMMA2, GEMMA3, hf_greedy
 
 from paged_backend import LLM, SamplingParams
-from paged_backend.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from paged_backend.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

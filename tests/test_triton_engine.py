@@ -46,9 +46,9 @@ def test_fused_kernels_give_the_torch_ops_logits(
 
     from paged_backend.attention import AttentionMetadata
     from paged_backend.attention.torch_backend import TorchAttention
-    from paged_backend.config import ModelConfig
     from paged_backend.model_loader import load_safetensors
     from paged_backend.models import LlamaForCausalLM
+    from paged_backend.models.config import ModelConfig
 
     tiny_model = make_tiny_model(tmp_path, default_model_path, architecture, **overrides)
     config = ModelConfig.from_dir(tiny_model)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_backend.attention import AttentionBackend
-from paged_backend.config import ModelConfig
+from paged_backend.models.config import ModelConfig
 from paged_backend.models.llama import (
     DecoderLayer,
     LlamaForCausalLM,

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_backend.attention import AttentionBackend, FusedDecode
-from paged_backend.config import ModelConfig
 from paged_backend.cpu import ops as cpu_ops
 from paged_backend.cpu.linear import (
     CpuLinear,
@@ -29,6 +28,7 @@ from paged_backend.cpu.linear import (
     replace_linears_,
 )
 from paged_backend.cpu.ops import apply_rotary, torch_rms_norm, torch_silu_and_mul
+from paged_backend.models.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ caching, chunked prefill and preemption work unchanged. transformers builds no a
 the mask function registered with it returns none, and the backend masks by sequence.
 
 Served: models whose transformers class takes the attention interface
-(`_supports_attention_backend`). Refused with the reason: encoder-decoders and models without
-attention there (recurrent state). Sliding-window layers pass their window to the backend, as
-the native models do (`ModelConfig.layer_windows` must agree), and soft-capped layers (Gemma 2)
-their cap.
+(`_supports_attention_backend`). Refused with the reason (`transformers_config.check_servable`):
+encoder-decoders and models without attention there (recurrent state). Sliding-window layers
+pass their window to the backend, as the native models do (`ModelConfig.layer_windows` must
+agree), and soft-capped layers (Gemma 2) their cap.
 """
 
 from __future__ import annotations
@@ -64,23 +64,6 @@ def _register() -> None:
 
     AttentionInterface.register(ATTENTION, _paged_attention)
     AttentionMaskInterface.register(ATTENTION, _no_mask)
-
-
-def check_servable(hf_config, architecture: str) -> None:
-    """Raise ValueError naming the architecture and why, for what this path cannot serve."""
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    reason = None
-    model_class = getattr(transformers, architecture, None)
-    if getattr(hf_config, "is_encoder_decoder", False):
-        reason = "it is an encoder-decoder model"
-    elif model_class is None or architecture not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        reason = "it is not a causal language model that transformers can build"
-    elif not getattr(model_class, "_supports_attention_backend", False):
-        reason = "its transformers class does not take a pluggable attention (recurrent state?)"
-    if reason:
-        raise ValueError(f"cannot serve architecture {architecture}: {reason}")
 
 
 class TransformersForCausalLM(nn.Module):
