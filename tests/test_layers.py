@@ -17,7 +17,6 @@ from __future__ import annotations
 import ast
 import functools
 import tomllib
-import warnings
 from collections.abc import Collection
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
@@ -38,12 +37,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
         *("sampling_params", "completion", "structured_output", "tool_calling"),
         *("chat_template", "detokenizer"),
     ),
-    # Compute: CPU ops and linears, attention backends, Triton kernels (the cpu/ and attention/
-    # packages of #29 and the modules they replace). They read block tables, nothing above.
-    "kernels": (
-        *("cpu", "cpu_ops", "cpu_linear", "kernel_choice", "fused_decode"),
-        *("attention", "torch_attention", "kernels"),
-    ),
+    # Compute: the C library, its ops and linears (cpu/), every attention path (attention/).
+    # They read block tables, nothing above.
+    "kernels": ("cpu", "attention"),
     "kv cache": ("kv_cache_manager",),
     "scheduler": ("scheduler",),
     # The engine's and the model's configuration, the model's modules and weights, sampling.
@@ -55,32 +51,19 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "entry points": ("adapters", "cli", "__init__"),
 }
 
-# Import edges that close a known cycle, ignored by the cycle check only: attention.get_backend
-# imports the backends, which import attention's metadata types. Moving attention into its
-# package (#29, another branch) removes them; then delete this entry (the test warns).
-KNOWN_CYCLE_EDGES = {
-    ("paged_backend.attention", "paged_backend.torch_attention"),
-    ("paged_backend.attention", "paged_backend.kernels.backend"),
-}
-
 
 def _setuptools() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
 
 
 def module_files() -> dict[str, Path]:
-    """Every module of paged_backend and its source file: those under paged_backend/ and under
-    the folders pyproject maps into it (paged_backend.kernels lives in kernels/)."""
-    mapped = _setuptools()["package-dir"]
-    folders = {PACKAGE: ROOT / PACKAGE}
-    folders |= {name: ROOT / d for name, d in mapped.items() if name.startswith(PACKAGE + ".")}
+    """Every module of paged_backend (all of it lives under paged_backend/) and its file."""
     files = {}
-    for package, folder in folders.items():
-        for path in folder.rglob("*.py"):
-            parts = path.relative_to(folder).with_suffix("").parts
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            files[".".join((package, *parts))] = path
+    for path in (ROOT / PACKAGE).rglob("*.py"):
+        parts = path.relative_to(ROOT / PACKAGE).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        files[".".join((PACKAGE, *parts))] = path
     return files
 
 
@@ -167,14 +150,8 @@ def test_every_module_has_a_layer():
 
 
 def test_no_import_cycles():
-    graph = import_graph()
-    for source, target in sorted(KNOWN_CYCLE_EDGES):
-        if target not in graph.get(source, ()):
-            message = f"{source} -> {target} is gone: delete it from KNOWN_CYCLE_EDGES"
-            warnings.warn(message, stacklevel=1)
-    acyclic = {m: {t for t in ts if (m, t) not in KNOWN_CYCLE_EDGES} for m, ts in graph.items()}
     try:
-        TopologicalSorter(acyclic).prepare()
+        TopologicalSorter(import_graph()).prepare()
     except CycleError as error:
         pytest.fail(f"import cycle: {' -> '.join(reversed(error.args[1]))}")
 
