@@ -5,7 +5,8 @@
     python .ci/readme.py examples   # run every command of the "Run it" block, each with a time
                                     # limit and a check of what it printed
 
-Also imported by tests/test_readme.py for the README's Python code blocks.
+Also imported by tests/test_readme.py for the Python code blocks and the links of README.md and
+every docs/*.md page.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 # What each advertised command must print (a regex over its stdout): an example that runs but
 # shows nothing useful fails too. Every command in the "Run it" block needs an entry here.
 EXPECTED = {
@@ -60,8 +63,50 @@ def test_command() -> str:
     return commands("Set up and test")[-1]
 
 
-def python_blocks() -> list[str]:
-    return code_blocks(README.read_text(), "python")
+def pages() -> list[Path]:
+    """The documentation whose code blocks and links are tested: the README, then docs/*.md."""
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def python_blocks() -> dict[str, str]:
+    """Every distinct Python block of the pages, by a name such as `docs/api.md-1` (its page and
+    index). A block shown on two pages (the README's LangChain snippet, again on
+    docs/langchain.md) is named after its first page and runs once."""
+    blocks: dict[str, str] = {}
+    for page in pages():
+        for i, block in enumerate(code_blocks(page.read_text(), "python")):
+            blocks.setdefault(block, f"{page.relative_to(ROOT)}-{i}")
+    return {name: block for block, name in blocks.items()}
+
+
+def prose(page: Path) -> str:
+    """The page without its code blocks, where `](` and `# ` are code, not links and headings."""
+    return re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+
+
+def links(page: Path) -> list[str]:
+    """The page's relative Markdown links (`docs/api.md`, `../README.md#layout`); web addresses
+    are left out."""
+    found = re.findall(r"\]\(([^)\s]+)\)", prose(page))
+    return [link for link in found if not re.match(r"\w+:", link)]
+
+
+def anchors(page: Path) -> set[str]:
+    """The `#anchor` of each heading of the page, spelt as GitHub makes it: lower case, spaces to
+    hyphens, punctuation but hyphens and underscores dropped."""
+    titles = re.findall(r"^#+ (.+?)\s*$", prose(page), re.M)
+    return {re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-") for title in titles}
+
+
+def broken_links(page: Path) -> list[str]:
+    """The page's relative links whose file, or heading within it, does not exist."""
+    broken = []
+    for link in links(page):
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        if not target.is_file() or (anchor and anchor not in anchors(target)):
+            broken.append(link)
+    return broken
 
 
 def run_examples() -> int:

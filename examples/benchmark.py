@@ -343,7 +343,7 @@ def run_vllm(args, ours: Ours, replay: dict[str, list[tuple[list[int], list[int]
     if not args.vllm_python:
         results["vllm"] = (
             "not run: no vLLM Python given (--vllm-python or PAGED_BACKEND_VLLM_PYTHON; "
-            "see the README's Benchmark section)"
+            "see docs/benchmark.md)"
         )
         return
     if not Path(args.vllm_python).exists():

@@ -1,5 +1,5 @@
-"""Reliability under load, cancellations, faults and time: the figures of the README's "Running it
-for many users" section. Each scenario checks its own outcome and the script exits non-zero if
+"""Reliability under load, cancellations, faults and time: the figures of docs/many_users.md
+("Running it for many users"). Each scenario checks its own outcome and the script exits non-zero if
 one fails.
 
 - overload: many concurrent requests from 8 threads and 2 event loops against a KV cache sized

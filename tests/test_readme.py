@@ -1,5 +1,6 @@
-"""Every Python code block of README.md runs as written (a fresh interpreter each, default
-model), so a README edit that breaks a snippet fails here."""
+"""Every Python code block of README.md and docs/*.md runs as written (a fresh interpreter each,
+default model), so a documentation edit that breaks a snippet fails here; and every link between
+those pages leads somewhere."""
 
 from __future__ import annotations
 
@@ -17,17 +18,20 @@ BLOCKS = readme.python_blocks()
 
 def test_readme_has_the_python_blocks_it_advertises():
     assert len(BLOCKS) >= 5
-    assert all("import" in block for block in BLOCKS)  # self-contained, not fragments
+    assert all("import" in block for block in BLOCKS.values())  # self-contained, not fragments
+    on_front_page = [name for name in BLOCKS if name.startswith("README.md")]
+    assert len(on_front_page) >= 2  # one LangChain and one LlamaIndex snippet
+    assert any(name.startswith("docs/") for name in BLOCKS)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
+@pytest.mark.parametrize("block", BLOCKS.values(), ids=BLOCKS.keys())
 def test_readme_python_block_runs(block, tmp_path):
     done = subprocess.run(
         [sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip(), "a README snippet should print what it shows"
+    assert done.stdout.strip(), "a documentation snippet should print what it shows"
 
 
 def test_readme_commands_are_read_from_the_readme():
@@ -39,3 +43,24 @@ def test_readme_commands_are_read_from_the_readme():
     assert readme.test_command().startswith("python -m pytest")
     for command in readme.commands("Run it"):
         assert any(command.startswith(key) for key in readme.EXPECTED), command
+
+
+@pytest.mark.parametrize("page", readme.pages(), ids=lambda page: page.name)
+def test_links_between_the_pages_resolve(page):
+    assert not readme.broken_links(page)
+
+
+def test_readme_is_a_front_page_that_links_every_docs_page():
+    """The README stays short and every docs/ page is reachable from it."""
+    linked = {
+        (readme.ROOT / link.partition("#")[0]).resolve() for link in readme.links(readme.README)
+    }
+    assert set(readme.pages()[1:]) <= linked
+    assert len(readme.README.read_text().splitlines()) <= 150
+
+
+def test_link_checker_catches_a_missing_page_and_a_missing_heading(tmp_path):
+    (tmp_path / "a.md").write_text("# Title here\n\n[ok](#title-here) [page](b.md#nowhere)\n")
+    (tmp_path / "b.md").write_text("# B\n\n[gone](c.md) [web](https://example.com)\n")
+    assert readme.broken_links(tmp_path / "a.md") == ["b.md#nowhere"]
+    assert readme.broken_links(tmp_path / "b.md") == ["c.md"]
