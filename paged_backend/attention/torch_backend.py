@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from paged_backend.attention.backend import AttentionMetadata, KVCache
 from paged_backend.attention.planner import (
     CDecodePlan,
+    DecodeBatch,
+    PrefillChunk,
     SharedPrefix,
     additive,
     plan_step,
@@ -185,109 +187,132 @@ class TorchAttention:
     ) -> torch.Tensor:
         prep = meta.prepared[window]
         if isinstance(prep, CDecodePlan):
-            prefix = None
-            if prep.shared is not None:
-                o, lse = self._c_prefix(q, kv_cache, prep.shared, meta.block_size, softcap)
-                prefix = (prep.prefix_pos, len(prep.shared.blocks) * meta.block_size, o, lse)
-            return cpu_ops.decode_attention(
-                *(q, k, v, kv_cache, prep.block_tables, prep.seq_lens, meta.block_size),
-                *(prep.scratch, prefix, prep.window, softcap),
-            )
-        k_cache, v_cache = kv_cache
-        kvh, _, d = k_cache.shape
-        bs = meta.block_size
+            return self._c_decode(q, k, v, kv_cache, meta.block_size, prep, softcap)
         if self.c_decode or self.c_prefix:  # bf16 caches, the C ops loaded
             cpu_ops.store_kv(k, v, kv_cache, meta.slot_mapping)
         else:
-            k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-            v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-        num_tokens, num_heads, _ = q.shape
-        group = num_heads // kvh
-        scale = d**-0.5
+            kv_cache[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+            kv_cache[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        layer = _Layer(q, k, v, kv_cache, meta.block_size, softcap)
         # fp32 queries for the torch paths; with `c_prefix` only the decodes take one (the C
         # kernels read bf16), so a prefill's rows are not cast for nothing
-        qf = (q[: meta.num_decodes] if self.c_prefix else q).float().view(-1, kvh, group, d)
-        out = torch.empty(num_tokens, kvh, group, d, dtype=q.dtype)  # fp32 results round here
-
-        def gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-            picked = cache.view(kvh, -1, bs, d).index_select(1, blocks)
-            return picked.view(kvh, -1, d).float()
-
-        def by_token(o: torch.Tensor, lse: torch.Tensor, n: int):
-            """`_attend`'s [1, kvh, n * g, *] results back to token rows [n, kvh, g, *]."""
-            o = o.view(kvh, n, group, d).permute(1, 0, 2, 3)
-            return o, lse.view(kvh, n, group).permute(1, 0, 2)
-
-        shared = None
+        layer.qf = (q[: meta.num_decodes] if self.c_prefix else q).float()
+        layer.qf = layer.qf.view(-1, layer.kvh, layer.group, layer.d)
         if prep.shared is not None:
-            s = prep.shared
-            if self.c_prefix:
-                o, lse = (t[None] for t in self._c_prefix(q, kv_cache, s, bs, softcap))
-            else:
-                keys, vals = self.prefix_copy(
-                    k_cache,
-                    lambda: (gather(k_cache, s.blocks)[None], gather(v_cache, s.blocks)[None]),
-                )
-                q_rows = _rows_first(qf.index_select(0, s.rows))
-                o, lse = _attend(q_rows, keys, vals, None, scale, softcap)
-            shared = by_token(o, lse, len(s.rows))
-
-        def with_shared(o, lse, pos: torch.Tensor) -> torch.Tensor:
-            """Merge a result [n, kvh, g, *] with the shared prefix's at its rows `pos`."""
-            return _merge(o, lse, shared[0].index_select(0, pos), shared[1].index_select(0, pos))
-
+            layer.shared = self._shared(layer, prep.shared)
         if prep.decodes is not None:
-            dec = prep.decodes
-            nd = dec.mask.shape[0]
-            keys = gather(k_cache, dec.blocks).view(kvh, nd, -1, d).transpose(0, 1)
-            vals = gather(v_cache, dec.blocks).view(kvh, nd, -1, d).transpose(0, 1)
-            o, lse = _attend(qf[:nd], keys, vals, dec.mask, scale, softcap)  # batch: sequences
-            if dec.members is not None:
-                sel = dec.members
-                o[sel] = with_shared(o[sel], lse[sel], dec.shared_pos)
-            out[:nd] = o
-        for p in prep.prefills:
-            n = p.end - p.start
-            if self.c_prefix:  # bf16 queries over the chunk's packed keys, causal
-                packed = cpu_ops.pack_prefix(kv_cache, p.blocks, bs, p.num_keys)
-                if p.shared_pos is None:  # nothing to merge: straight into `out`, in bf16
-                    cpu_ops.prefill_attention(
-                        q[p.start : p.end],
-                        packed,
-                        p.num_keys,
-                        p.offset,
-                        out[p.start : p.end].view(n, num_heads, d),
-                        prep.window,
-                        softcap,
-                    )
-                    continue
-                q_rows = _rows_first(q[p.start : p.end].view(n, kvh, group, d))[0]
-                causal = (group, p.offset, prep.window or 0)
-                o, lse = cpu_ops.prefix_attention(q_rows, packed, p.num_keys, causal, softcap)
-                o, lse = by_token(o[None], lse[None], n)
-            elif p.blocks is None and softcap is None:
-                # 4-D strided views take torch's flash kernel (3-D inputs fall back to math);
-                # fp32 costs no more there than bf16 and keeps bf16 models on the reference.
-                o = F.scaled_dot_product_attention(
-                    qf[p.start : p.end].view(-1, num_heads, d).transpose(0, 1).unsqueeze(0),
-                    k[p.start : p.end].float().transpose(0, 1).unsqueeze(0),
-                    v[p.start : p.end].float().transpose(0, 1).unsqueeze(0),
-                    is_causal=True,
-                    enable_gqa=group > 1,
-                )
-                out[p.start : p.end] = o[0].transpose(0, 1).reshape(-1, kvh, group, d)
-                continue
+            self._decodes(layer, prep.decodes)
+        for chunk in prep.prefills:
+            if self.c_prefix:
+                self._c_prefill(layer, chunk, prep.window)
             else:
-                if p.blocks is None:  # soft-capped, no context: over the chunk's own k/v
-                    if p.mask is None:
-                        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril_()
-                        p.mask = additive(causal.repeat_interleave(group, dim=0))[None, None]
-                    keys = k[p.start : p.end].float().transpose(0, 1).unsqueeze(0)
-                    vals = v[p.start : p.end].float().transpose(0, 1).unsqueeze(0)
-                else:
-                    keys = gather(k_cache, p.blocks).unsqueeze(0)
-                    vals = gather(v_cache, p.blocks).unsqueeze(0)
-                q_rows = _rows_first(qf[p.start : p.end])
-                o, lse = by_token(*_attend(q_rows, keys, vals, p.mask, scale, softcap), n)
-            out[p.start : p.end] = o if p.shared_pos is None else with_shared(o, lse, p.shared_pos)
-        return out.view(num_tokens, num_heads, d)
+                self._prefill(layer, chunk)
+        return layer.out.view(q.shape)
+
+    def _c_decode(self, q, k, v, kv_cache, bs: int, plan: CDecodePlan, softcap) -> torch.Tensor:
+        prefix = None
+        if plan.shared is not None:
+            o, lse = self._c_prefix(q, kv_cache, plan.shared, bs, softcap)
+            prefix = (plan.prefix_pos, len(plan.shared.blocks) * bs, o, lse)
+        return cpu_ops.decode_attention(
+            *(q, k, v, kv_cache, plan.block_tables, plan.seq_lens, bs),
+            *(plan.scratch, prefix, plan.window, softcap),
+        )
+
+    def _shared(self, layer: _Layer, shared: SharedPrefix):
+        """The shared prefix's attention for its member rows, as token rows [n, kvh, g, *]."""
+        if self.c_prefix:
+            o, lse = self._c_prefix(layer.q, layer.kv_cache, shared, layer.bs, layer.softcap)
+            return layer.by_token(o[None], lse[None], len(shared.rows))
+        keys, vals = self.prefix_copy(
+            layer.kv_cache[0],
+            lambda: tuple(layer.gather(c, shared.blocks)[None] for c in layer.kv_cache),
+        )
+        q_rows = _rows_first(layer.qf.index_select(0, shared.rows))
+        o, lse = _attend(q_rows, keys, vals, None, layer.scale, layer.softcap)
+        return layer.by_token(o, lse, len(shared.rows))
+
+    def _decodes(self, layer: _Layer, dec: DecodeBatch) -> None:
+        """The decodes as one batch of sequences over their gathered, masked keys."""
+        nd, kvh, d = dec.mask.shape[0], layer.kvh, layer.d
+        keys, vals = (
+            layer.gather(c, dec.blocks).view(kvh, nd, -1, d).transpose(0, 1) for c in layer.kv_cache
+        )
+        o, lse = _attend(layer.qf[:nd], keys, vals, dec.mask, layer.scale, layer.softcap)
+        if dec.members is not None:
+            sel = dec.members
+            o[sel] = layer.with_shared(o[sel], lse[sel], dec.shared_pos)
+        layer.out[:nd] = o
+
+    def _c_prefill(self, layer: _Layer, p: PrefillChunk, window: int | None) -> None:
+        """bf16 queries over the chunk's packed keys, causal, in C."""
+        n, kvh, group, d = p.end - p.start, layer.kvh, layer.group, layer.d
+        packed = cpu_ops.pack_prefix(layer.kv_cache, p.blocks, layer.bs, p.num_keys)
+        q = layer.q[p.start : p.end]
+        if p.shared_pos is None:  # nothing to merge: straight into `out`, in bf16
+            out = layer.out[p.start : p.end].view(n, kvh * group, d)
+            cpu_ops.prefill_attention(q, packed, p.num_keys, p.offset, out, window, layer.softcap)
+            return
+        causal = (group, p.offset, window or 0)
+        q_rows = _rows_first(q.view(n, kvh, group, d))[0]
+        o, lse = cpu_ops.prefix_attention(q_rows, packed, p.num_keys, causal, layer.softcap)
+        o, lse = layer.by_token(o[None], lse[None], n)
+        layer.out[p.start : p.end] = layer.with_shared(o, lse, p.shared_pos)
+
+    def _prefill(self, layer: _Layer, p: PrefillChunk) -> None:
+        """A chunk on the torch path: the flash kernel over its own k/v where nothing is cached
+        before it and nothing caps the scores, else `_attend` over its gathered keys."""
+        n, kvh, group, d = p.end - p.start, layer.kvh, layer.group, layer.d
+        if p.blocks is None and layer.softcap is None:
+            # 4-D strided views take torch's flash kernel (3-D inputs fall back to math); fp32
+            # costs no more there than bf16 and keeps bf16 models on the reference.
+            o = F.scaled_dot_product_attention(
+                layer.qf[p.start : p.end].view(n, -1, d).transpose(0, 1).unsqueeze(0),
+                *(t[p.start : p.end].float().transpose(0, 1).unsqueeze(0) for t in layer.kv),
+                is_causal=True,
+                enable_gqa=group > 1,
+            )
+            layer.out[p.start : p.end] = o[0].transpose(0, 1).reshape(-1, kvh, group, d)
+            return
+        if p.blocks is None:  # soft-capped, no context: over the chunk's own k/v
+            if p.mask is None:
+                causal = torch.ones(n, n, dtype=torch.bool, device=layer.q.device).tril_()
+                p.mask = additive(causal.repeat_interleave(group, dim=0))[None, None]
+            keys, vals = (t[p.start : p.end].float().transpose(0, 1)[None] for t in layer.kv)
+        else:
+            keys, vals = (layer.gather(c, p.blocks)[None] for c in layer.kv_cache)
+        q_rows = _rows_first(layer.qf[p.start : p.end])
+        o, lse = _attend(q_rows, keys, vals, p.mask, layer.scale, layer.softcap)
+        o, lse = layer.by_token(o, lse, n)
+        layer.out[p.start : p.end] = (
+            o if p.shared_pos is None else layer.with_shared(o, lse, p.shared_pos)
+        )
+
+
+class _Layer:
+    """One layer's attention over a `TorchPlan`: the tensors every part reads, the shared
+    prefix's result once computed, and `out`, token rows [T, kvh, g, d] in the model's dtype
+    (fp32 results round here)."""
+
+    def __init__(self, q, k, v, kv_cache: KVCache, bs: int, softcap: float | None) -> None:
+        self.q, self.kv, self.kv_cache, self.bs, self.softcap = q, (k, v), kv_cache, bs, softcap
+        self.kvh, _, self.d = kv_cache[0].shape
+        self.group = q.shape[1] // self.kvh
+        self.scale = self.d**-0.5
+        self.qf: torch.Tensor | None = None
+        self.shared: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.out = torch.empty(q.shape[0], self.kvh, self.group, self.d, dtype=q.dtype)
+
+    def gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        picked = cache.view(self.kvh, -1, self.bs, self.d).index_select(1, blocks)
+        return picked.view(self.kvh, -1, self.d).float()
+
+    def by_token(self, o: torch.Tensor, lse: torch.Tensor, n: int):
+        """`_attend`'s [1, kvh, n * g, *] results back to token rows [n, kvh, g, *]."""
+        o = o.view(self.kvh, n, self.group, self.d).permute(1, 0, 2, 3)
+        return o, lse.view(self.kvh, n, self.group).permute(1, 0, 2)
+
+    def with_shared(self, o, lse, pos: torch.Tensor) -> torch.Tensor:
+        """Merge a result [n, kvh, g, *] with the shared prefix's at its rows `pos`."""
+        so, slse = self.shared
+        return _merge(o, lse, so.index_select(0, pos), slse.index_select(0, pos))
