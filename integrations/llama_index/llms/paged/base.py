@@ -45,7 +45,6 @@ from llama_index.core.types import PydanticProgramMode
 
 from paged_backend.adapters import (
     BACKEND_ARGS,
-    SAMPLING_FIELDS,
     EngineHandle,
     StreamedText,
     Submitter,
@@ -182,12 +181,10 @@ class PagedLLM(FunctionCallingLLM):
     def _sampling_params(self, kwargs: dict[str, Any]) -> SamplingParams:
         """Constructor fields, then `additional_kwargs`, then call kwargs; stops from all three
         are merged (a per-call `stop=None` keeps the others)."""
-        fields = type(self).model_fields
-        defaults = {name: getattr(self, name) for name in SAMPLING_FIELDS if name in fields}
         overrides = {**self.additional_kwargs, **kwargs}
         overrides.pop("stop", None)
         stops = (self.additional_kwargs.get("stop"), kwargs.get("stop"))
-        params = build_sampling_params(defaults, overrides, *stops)
+        params = build_sampling_params(self, overrides, *stops)
         if params.n != 1:
             raise ValueError(f"n must be 1 (a LlamaIndex response holds one text), got {params.n}")
         return params
