@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from paged_backend.async_engine import AsyncEngine
 from paged_backend.config import EngineConfig, ModelConfig
+from paged_backend.engine_client import EngineClient
 from paged_backend.errors import EngineOverloadedError
 from paged_backend.model_loader import model_name, resolve_model_path
 from paged_backend.outputs import CompletionOutput, Logprob, RequestOutput
@@ -47,10 +47,10 @@ class EngineHandle:
     def __init__(self, model: str | None, engine_args: dict | None = None) -> None:
         self.model = model
         self.engine_args = dict(engine_args or {})
-        self._engine: AsyncEngine | None = None
+        self._engine: EngineClient | None = None
         self._lock = threading.Lock()
 
-    def get(self) -> AsyncEngine:
+    def get(self) -> EngineClient:
         with self._lock:
             if self._engine is None or self._engine.is_closed:
                 self._engine = get_engine(self.model, **self.engine_args)
@@ -100,7 +100,7 @@ class Submitter:
     request; it is then aborted and `TimeoutError` raised) and `max_retries` (resubmissions
     after `EngineOverloadedError`, with backoff; an admitted request is never sent twice)."""
 
-    engine: AsyncEngine
+    engine: EngineClient
     timeout: float | None = None
     max_retries: int = 0
 
@@ -244,7 +244,7 @@ class StreamedText:
         return self.parser.feed(text, last=out.finished)
 
 
-def _release(engine: AsyncEngine) -> None:
+def _release(engine: EngineClient) -> None:
     if not engine.is_closed:
         release_engine(engine)
 

@@ -10,7 +10,7 @@ from langchain_core.language_models.base import LangSmithParams
 from langchain_core.messages.ai import UsageMetadata
 from pydantic import BaseModel, Field, PrivateAttr, SecretStr, model_validator
 
-from paged_backend import AsyncEngine, CompletionOutput, RequestOutput, SamplingParams
+from paged_backend import CompletionOutput, RequestOutput, SamplingParams
 from paged_backend.adapters import (
     EngineHandle,
     Submitter,
@@ -24,6 +24,7 @@ from paged_backend.adapters import (
     ranked_logprobs,
     sampling_values,
 )
+from paged_backend.engine_client import EngineClient
 
 PROVIDER = "paged"
 
@@ -96,7 +97,7 @@ class PagedParams(BaseModel):
         return self._handle.model_name
 
     @property
-    def engine(self) -> AsyncEngine:
+    def engine(self) -> EngineClient:
         """The shared engine (started on first access), e.g. for `engine.stats()`."""
         return self._handle.get()
 

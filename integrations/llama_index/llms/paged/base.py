@@ -57,9 +57,9 @@ from paged_backend.adapters import (
     pop_request_options,
     ranked_logprobs,
 )
-from paged_backend.async_engine import AsyncEngine
 from paged_backend.chat_template import check_chat_messages
 from paged_backend.engine import check_prompt_text
+from paged_backend.engine_client import EngineClient
 from paged_backend.outputs import CompletionOutput, RequestOutput
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.tool_calling import (
@@ -157,7 +157,7 @@ class PagedLLM(FunctionCallingLLM):
         return "PagedLLM"
 
     @property
-    def engine(self) -> AsyncEngine:
+    def engine(self) -> EngineClient:
         """The shared engine, started on first use (stats, tokenizer, prefix-cache counters)."""
         return self._handle.get()
 
