@@ -17,9 +17,10 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing, closing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from paged_backend.async_engine import AsyncEngine
 from paged_backend.config import EngineConfig
+from paged_backend.engine_client import EngineClient
 from paged_backend.errors import EngineOverloadedError
 from paged_backend.model_loader import model_name, resolve_model_path
 from paged_backend.models.config import ModelConfig
@@ -47,10 +48,10 @@ class EngineHandle:
     def __init__(self, model: str | None, engine_args: dict | None = None) -> None:
         self.model = model
         self.engine_args = dict(engine_args or {})
-        self._engine: AsyncEngine | None = None
+        self._engine: EngineClient | None = None
         self._lock = threading.Lock()
 
-    def get(self) -> AsyncEngine:
+    def get(self) -> EngineClient:
         with self._lock:
             if self._engine is None or self._engine.is_closed:
                 self._engine = get_engine(self.model, **self.engine_args)
@@ -100,7 +101,7 @@ class Submitter:
     request; it is then aborted and `TimeoutError` raised) and `max_retries` (resubmissions
     after `EngineOverloadedError`, with backoff; an admitted request is never sent twice)."""
 
-    engine: AsyncEngine
+    engine: EngineClient
     timeout: float | None = None
     max_retries: int = 0
 
@@ -244,7 +245,7 @@ class StreamedText:
         return self.parser.feed(text, last=out.finished)
 
 
-def _release(engine: AsyncEngine) -> None:
+def _release(engine: EngineClient) -> None:
     if not engine.is_closed:
         release_engine(engine)
 
@@ -262,15 +263,28 @@ def merge_stop(*stops: str | list[str] | None) -> list[str] | None:
     return merged or None
 
 
-def build_sampling_params(defaults: dict, overrides: dict, *stops) -> SamplingParams:
-    """SamplingParams from adapter defaults, then per-call overrides (None means unset), with
-    every stop sequence merged. Unknown override keys raise, naming the allowed ones."""
+def sampling_fields(adapter_cls: type) -> tuple[str, ...]:
+    """The `SamplingParams` fields an adapter class declares as (pydantic) fields of its own, in
+    `SamplingParams`' order; the others are per-call keyword arguments only. Derived, so that a
+    new `SamplingParams` field reaches an adapter by declaring it there, and nowhere else."""
+    return tuple(name for name in SAMPLING_FIELDS if name in adapter_cls.model_fields)
+
+
+def sampling_values(adapter: object) -> dict[str, Any]:
+    """An adapter's own sampling values by `SamplingParams` name; None means unset."""
+    return {name: getattr(adapter, name) for name in sampling_fields(type(adapter))}
+
+
+def build_sampling_params(adapter: object, overrides: dict, *stops) -> SamplingParams:
+    """SamplingParams from an adapter's own sampling fields, then per-call overrides (None
+    means unset), with every stop sequence merged. Unknown override keys raise, naming the
+    allowed ones."""
     unknown = set(overrides) - set(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(
             f"unknown sampling argument(s) {sorted(unknown)}; allowed: {', '.join(SAMPLING_FIELDS)}"
         )
-    values = {k: v for k, v in defaults.items() if k in SAMPLING_FIELDS and v is not None}
+    values = {k: v for k, v in sampling_values(adapter).items() if v is not None}
     values.update({k: v for k, v in overrides.items() if v is not None})
     values["stop"] = merge_stop(values.pop("stop", None), *stops)
     return SamplingParams(**values)

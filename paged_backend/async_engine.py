@@ -20,11 +20,12 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator
 
 from paged_backend import metrics
 from paged_backend.config import EngineConfig
-from paged_backend.engine import LLMEngine, PromptType, check_priority
+from paged_backend.engine import LLMEngine
+from paged_backend.engine_client import EngineClient, PreparedRequest
 from paged_backend.errors import (
     EngineError,
     EngineOverloadedError,
@@ -70,17 +71,19 @@ class _Unread:
 
 
 class _Stream:
-    """Outputs of one request, waited on by a thread or by a coroutine of any event loop. With
-    a `timeout` (seconds for the whole request, the caller's reading included), waiting past
-    it raises TimeoutError, so that the caller aborts the request. Unread outputs are merged
-    (`_Unread`), so it holds O(1) items however far the reader is behind."""
+    """Outputs of one request, waited on by a thread or by a coroutine of any event loop; an
+    error the engine put raises in the reader. With a `timeout` (seconds for the whole
+    request, the caller's reading included), waiting past it raises TimeoutError, so that the
+    caller aborts the request. Unread outputs are merged (`_Unread`), so it holds O(1) items
+    however far the reader is behind. `finished`: the reader has the last output."""
 
     def __init__(self, request_id: str, timeout: float | None = None) -> None:
         self._items: collections.deque[_Unread | BaseException] = collections.deque()
         self._cond = threading.Condition()
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
-        self._request_id, self._timeout = request_id, timeout
+        self.request_id, self._timeout = request_id, timeout
         self._deadline = None if timeout is None else time.monotonic() + timeout
+        self.finished = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
         with self._cond:
@@ -96,7 +99,7 @@ class _Stream:
             with contextlib.suppress(RuntimeError):  # a closed loop: its consumer is gone
                 loop.call_soon_threadsafe(_wake, fut)
 
-    def get(self) -> RequestOutput | BaseException:
+    def get(self) -> RequestOutput:
         with self._cond:
             while True:
                 remaining = self._remaining()
@@ -106,7 +109,7 @@ class _Stream:
                     return self._pop()
                 self._cond.wait(remaining)
 
-    async def get_async(self) -> RequestOutput | BaseException:
+    async def get_async(self) -> RequestOutput:
         while True:
             with self._cond:
                 remaining = self._remaining()
@@ -120,9 +123,11 @@ class _Stream:
             with contextlib.suppress(TimeoutError):  # the loop above raises it, with the id
                 await asyncio.wait_for(fut, remaining)
 
-    def _pop(self) -> RequestOutput | BaseException:
+    def _pop(self) -> RequestOutput:
         item = self._items.popleft()
-        return item.output() if isinstance(item, _Unread) else item
+        out = _raise_if_error(item.output() if isinstance(item, _Unread) else item)
+        self.finished = out.finished
+        return out
 
     def _remaining(self) -> float | None:
         if self._deadline is None:
@@ -131,16 +136,8 @@ class _Stream:
 
     def _timed_out(self) -> TimeoutError:
         return TimeoutError(
-            f"request {self._request_id!r} did not finish within {self._timeout} s; aborted"
+            f"request {self.request_id!r} did not finish within {self._timeout} s; aborted"
         )
-
-
-def check_timeout(timeout: object) -> None:
-    """`timeout`: None or seconds for the whole request, checked before it is queued."""
-    if timeout is None:
-        return
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < 1e9:
-        raise ValueError(f"timeout must be None or a number of seconds > 0, got {timeout!r}")
 
 
 def _wake(fut: asyncio.Future) -> None:
@@ -148,45 +145,10 @@ def _wake(fut: asyncio.Future) -> None:
         fut.set_result(None)
 
 
-class RequestStream(Iterator[RequestOutput]):
-    """A request's outputs for a plain thread. The request is already submitted: `close()`,
-    leaving a `with` block, an error or timeout, or dropping the iterator before its end
-    (also before reading anything) aborts it and frees its blocks."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream) -> None:
-        self.request_id = request_id
-        self._engine, self._stream = engine, stream
-        self._done = False
-
-    def __next__(self) -> RequestOutput:
-        if self._done:
-            raise StopIteration
-        try:
-            out = _raise_if_error(self._stream.get())
-        except BaseException:
-            self.close()
-            raise
-        self._done = out.finished
-        return out
-
-    def close(self) -> None:
-        if not self._done:
-            self._done = True
-            self._engine.abort_sync(self.request_id)
-
-    def __enter__(self) -> RequestStream:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self.close()
-
-
-class AsyncEngine:
+class AsyncEngine(EngineClient[_Stream]):
     """Embeddable streaming engine. Create with `AsyncEngine.from_model(model=None, ...)` or
-    share one per model with `paged_backend.get_engine`."""
+    share one per model with `paged_backend.get_engine`. Requests are validated against the
+    model in the caller's thread: bad input raises there, before anything is queued."""
 
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int = 1024) -> None:
         if max_waiting_requests < 1:
@@ -224,29 +186,12 @@ class AsyncEngine:
         with self._tokenizer_lock:
             return self.engine.apply_chat_template(messages, **kwargs)
 
-    def tokenize(self, prompt: PromptType, *, add_special_tokens: bool = True) -> list[int]:
-        with self._tokenizer_lock:
-            return self.engine.tokenize(prompt, add_special_tokens=add_special_tokens)
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        with self._tokenizer_lock:
-            return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
     # ---- submitting ------------------------------------------------------------------------
-    def _prepare(
-        self, prompt, params, priority, add_special_tokens, timeout
-    ) -> tuple[str | None, list[int], SamplingParams, int]:
-        """Tokenize and validate (grammar compile included): the slow part of a submission,
-        which has no side effect, so that `generate` can run it off the event loop."""
-        check_timeout(timeout)
-        params = params if params is not None else SamplingParams()
-        ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
-        self.engine.validate(ids, params)
-        check_priority(priority)
-        return (prompt if isinstance(prompt, str) else None), ids, params, priority
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.engine.validate(prompt_ids, params)  # grammar compile included: slow
 
-    def _enqueue(self, request: tuple, request_id, timeout) -> tuple[str, _Stream]:
-        """Queue a `_prepare`d request for the engine thread: quick, safe on an event loop."""
+    def _submit(self, request: PreparedRequest, request_id: str | None) -> _Stream:
+        """Queue a request for the engine thread."""
         with self._lock:
             if self._closed:
                 raise EngineShutdownError("the engine has been shut down; create a new one")
@@ -261,56 +206,22 @@ class AsyncEngine:
             request_id = str(request_id)
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
-            stream = self._streams[request_id] = _Stream(request_id, timeout)
-            self._inbox.append(("add", request_id, *request))
+            stream = self._streams[request_id] = _Stream(request_id, request.timeout)
+            self._inbox.append(("add", request_id, request))
         self._wakeup.set()
-        return request_id, stream
+        return stream
 
-    async def generate(
-        self,
-        prompt: PromptType,
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
-        *,
-        priority: int = 0,
-        add_special_tokens: bool = True,
-        timeout: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream `RequestOutput`s (cumulative text and `delta_text`) until finished. Leaving
-        the loop early or cancelling the task aborts the request and frees its blocks; so does
-        `timeout` (seconds for the whole request), which then raises `TimeoutError`.
-        Tokenizing and validating run in a worker thread, not on the caller's event loop."""
-        request = await asyncio.to_thread(
-            self._prepare, prompt, sampling_params, priority, add_special_tokens, timeout
-        )
-        request_id, stream = self._enqueue(request, request_id, timeout)
-        finished = False
-        try:
-            while not finished:
-                out = _raise_if_error(await stream.get_async())
-                finished = out.finished
-                yield out
-        finally:
-            if not finished:
-                self.abort_sync(request_id)
+    def _outputs(self, stream: _Stream) -> Generator[RequestOutput, None, None]:
+        while not stream.finished:
+            yield stream.get()
 
-    def generate_stream(
-        self,
-        prompt: PromptType,
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
-        *,
-        priority: int = 0,
-        add_special_tokens: bool = True,
-        timeout: float | None = None,
-    ) -> Iterator[RequestOutput]:
-        """The same stream for plain threads; closing the iterator early aborts the request."""
-        request = self._prepare(prompt, sampling_params, priority, add_special_tokens, timeout)
-        request_id, stream = self._enqueue(request, request_id, timeout)
-        return RequestStream(self, request_id, stream)
+    async def _aoutputs(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        while not stream.finished:
+            yield await stream.get_async()
 
-    async def abort(self, request_id: str) -> None:
-        self.abort_sync(request_id)
+    def _end(self, stream: _Stream) -> None:
+        if not stream.finished:
+            self.abort_sync(stream.request_id)
 
     def abort_sync(self, request_id: str) -> None:
         """Abort a request; its blocks are freed within one step. Unknown ids are ignored."""
@@ -353,14 +264,18 @@ class AsyncEngine:
         if cmd[0] == "abort":
             self.engine.abort_request(cmd[1])
             return
-        _, request_id, text, ids, params, priority = cmd
+        _, request_id, request = cmd
         with self._lock:
             stream = self._streams.get(request_id)
         if stream is None:
             return  # aborted before it was queued
         try:
             self.engine.add_request(
-                text, params, request_id, priority=priority, prompt_token_ids=ids
+                request.text,
+                request.params,
+                request_id,
+                priority=request.priority,
+                prompt_token_ids=request.prompt_token_ids,
             )
         except Exception as exc:  # e.g. the id clashes with one the engine still holds
             with self._lock:
@@ -404,10 +319,6 @@ class AsyncEngine:
             self._thread.join(timeout)
         for stream in streams.values():
             stream.put(EngineShutdownError("the engine was shut down while the request ran"))
-
-    @property
-    def is_closed(self) -> bool:
-        return self._closed
 
     def stats(self) -> dict:
         stats = self.engine.stats()

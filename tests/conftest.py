@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -73,6 +74,16 @@ def hf_model(default_model_path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
+
+
+def hf_forward(model, input_ids: torch.Tensor, cache, **kwargs):
+    """One forward of a transformers model on its own KV cache: (output, the cache for the next
+    step). transformers 5.x renamed `past_key_values` to `cache` (the old name only warns, for
+    now); the name is read from the model's signature so that both versions work."""
+    params = inspect.signature(model.forward).parameters
+    name = "cache" if "cache" in params else "past_key_values"
+    out = model(input_ids, use_cache=True, **{name: cache}, **kwargs)
+    return out, out[name]
 
 
 CONFIG_CLASSES = {  # the native architectures' config classes in transformers

@@ -385,7 +385,7 @@ def test_unread_outputs_are_merged_into_one(engine):
     )
     stream, reference = _finished_unread(engine, params)
     assert len(reference) > 100  # one output per step when read as they come
-    assert len(stream._stream._items) == 1
+    assert len(stream._handle._items) == 1
     (merged,) = list(stream)
     final = reference[-1]
     assert merged.finished and merged.outputs[0].finish_reason == "length"

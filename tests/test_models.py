@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TOKENIZER_FILES, longrope, make_tiny_model
+from conftest import TOKENIZER_FILES, hf_forward, longrope, make_tiny_model
 from safetensors.torch import load_file, save_file
 
 from paged_backend import LLM, SamplingParams, cpu
@@ -95,13 +94,10 @@ def perturb_vectors(path: Path) -> None:
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy loop with its own KV cache, never stopping at EOS."""
-    # transformers 5.x renamed `past_key_values` to `cache`.
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     ids, cache, tokens = torch.tensor([prompt_ids]), None, []
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            out = model(ids, use_cache=True, **{name: cache})
-            cache = out[name]
+            out, cache = hf_forward(model, ids, cache)
             ids = out.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(ids.item())
     return tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import hf_forward
 
 from paged_backend import SamplingParams
 
@@ -31,14 +32,7 @@ def hf_greedy(hf_model, tokenizer, prompts: list[str], max_new_tokens: int) -> l
     tokens, past = [], None
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            out = hf_model(
-                ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=past,
-                use_cache=True,
-            )
-            past = out.past_key_values
+            out, past = hf_forward(hf_model, ids, past, attention_mask=mask, position_ids=positions)
             ids = out.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(ids[:, 0])
             mask = torch.cat([mask, torch.ones_like(ids)], dim=1)

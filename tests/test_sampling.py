@@ -7,13 +7,13 @@ model, plain-Python formulas for the Sampler).
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections import Counter
 from dataclasses import replace
 
 import pytest
 import torch
+from conftest import hf_forward
 
 from paged_backend import LLM, SamplingParams
 from paged_backend.request import Request
@@ -369,12 +369,10 @@ def test_logit_bias_forces_and_forbids(llm, greedy, temperature):
 
 def hf_penalized_greedy(model, prompt_ids, params: SamplingParams, num: int) -> list[int]:
     """transformers' logits, our reference formula, argmax: an independent greedy loop."""
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     ids, cache, out = torch.tensor([prompt_ids]), None, []
     with torch.no_grad():
         for _ in range(num):
-            result = model(ids, use_cache=True, **{name: cache})
-            cache = result[name]
+            result, cache = hf_forward(model, ids, cache)
             row = reference_adjust(result.logits[0, -1].float(), prompt_ids, out, params, [EOS])
             out.append(int(row.argmax()))
             ids = torch.tensor([[out[-1]]])

@@ -10,9 +10,8 @@ from langchain_core.language_models.base import LangSmithParams
 from langchain_core.messages.ai import UsageMetadata
 from pydantic import BaseModel, Field, PrivateAttr, SecretStr, model_validator
 
-from paged_backend import AsyncEngine, CompletionOutput, RequestOutput, SamplingParams
+from paged_backend import CompletionOutput, RequestOutput, SamplingParams
 from paged_backend.adapters import (
-    SAMPLING_FIELDS,
     EngineHandle,
     Submitter,
     TokenCounts,
@@ -23,7 +22,9 @@ from paged_backend.adapters import (
     model_tokenizer,
     pop_request_options,
     ranked_logprobs,
+    sampling_values,
 )
+from paged_backend.engine_client import EngineClient
 
 PROVIDER = "paged"
 
@@ -96,14 +97,13 @@ class PagedParams(BaseModel):
         return self._handle.model_name
 
     @property
-    def engine(self) -> AsyncEngine:
+    def engine(self) -> EngineClient:
         """The shared engine (started on first access), e.g. for `engine.stats()`."""
         return self._handle.get()
 
     def _sampling_params(self, stop: list[str] | None, kwargs: dict) -> SamplingParams:
         # A SamplingParams field not declared above is a call kwarg only (e.g. a per-call schema).
-        defaults = {name: getattr(self, name, None) for name in SAMPLING_FIELDS}
-        params = build_sampling_params(defaults, kwargs, stop)
+        params = build_sampling_params(self, kwargs, stop)
         if self.max_tokens is None and kwargs.get("max_tokens") is None:
             params = dataclasses.replace(params, max_tokens=None)  # None there means "unset"
         return params
@@ -121,7 +121,7 @@ class PagedParams(BaseModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        sampling = {k: v for k in SAMPLING_FIELDS if (v := getattr(self, k, None)) is not None}
+        sampling = {k: v for k, v in sampling_values(self).items() if v is not None}
         return {"model": self.model, **sampling, "engine_args": self.engine_args}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:

@@ -19,8 +19,9 @@ from langchain_paged.base import (
     completion_metadata,
     usage_metadata,
 )
-from paged_backend import AsyncEngine, RequestOutput
+from paged_backend import RequestOutput
 from paged_backend.adapters import alast_output, last_output
+from paged_backend.engine_client import EngineClient
 
 
 class PagedLLM(PagedParams, BaseLLM):
@@ -135,6 +136,6 @@ def _request_ids(n: int) -> list[str]:
     return [f"langchain-{uuid.uuid4().hex}" for _ in range(n)]
 
 
-def _abort(engine: AsyncEngine, ids: list[str]) -> None:
+def _abort(engine: EngineClient, ids: list[str]) -> None:
     for request_id in ids:
         engine.abort_sync(request_id)  # finished or unknown ids are ignored

@@ -9,7 +9,6 @@ requests.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import operator
@@ -17,19 +16,18 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 
 from paged_backend import metrics
-from paged_backend.async_engine import check_timeout
 from paged_backend.chat_template import apply_chat_template
 from paged_backend.config import EngineConfig
 from paged_backend.distributed.replica import Replica
 from paged_backend.distributed.router import NoReplicaError, Router, check_routing
-from paged_backend.engine import PromptType, check_priority, tokenize_prompt
+from paged_backend.engine_client import EngineClient, PreparedRequest
 from paged_backend.errors import (
     EngineError,
     EngineOverloadedError,
@@ -38,7 +36,6 @@ from paged_backend.errors import (
 )
 from paged_backend.model_loader import model_name, resolve_model_path
 from paged_backend.outputs import RequestOutput
-from paged_backend.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 # Ray restarts a crashed replica process itself (up to 3 times); a replica that is gone for
@@ -55,10 +52,7 @@ class _Call:
     """One request: what its replica is sent, where it runs now, and how far it got."""
 
     request_id: str
-    prompt: PromptType  # as given: text is tokenized again on the replica, as locally
-    prompt_ids: list[int]  # for routing
-    params: SamplingParams
-    options: tuple  # priority, add_special_tokens, timeout
+    request: PreparedRequest  # its token ids are for routing
     replica: int = -1  # -1: not placed (or released)
     stream: ray.ObjectRefGenerator | None = None
     tried: set[int] = field(default_factory=set)
@@ -68,7 +62,7 @@ class _Call:
     ended: bool = False
 
 
-class RayEngine:
+class RayEngine(EngineClient[_Call]):
     """Drop-in for `AsyncEngine` (`generate`, `generate_stream`, `abort`, `stats`,
     `shutdown`, tokenizer helpers) on `num_replicas` Ray actors. Create it with
     `paged_backend.get_engine(model, backend="ray", num_replicas=N, ...)`; `routing` is
@@ -150,39 +144,18 @@ class RayEngine:
         with self._tokenizer_lock:
             return apply_chat_template(self.tokenizer, messages, **kwargs)
 
-    def tokenize(self, prompt: PromptType, *, add_special_tokens: bool = True) -> list[int]:
-        with self._tokenizer_lock:
-            return tokenize_prompt(self.tokenizer, prompt, add_special_tokens)
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        with self._tokenizer_lock:
-            return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
     # ---- submitting ------------------------------------------------------------------------
-    def _prepare(
-        self, prompt, params, add_special_tokens, timeout
-    ) -> tuple[SamplingParams, list[int]]:
-        """Check the request and tokenize it (for routing): the slow part of a submission,
-        which has no side effect, so that `generate` can run it off the event loop."""
-        check_timeout(timeout)
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        return params, self.tokenize(prompt, add_special_tokens=add_special_tokens)
-
-    def _submit(self, prompt, prepared, request_id, priority, add_special_tokens, timeout) -> _Call:
-        """Route and send a `_prepare`d request. The replica validates it: a bad request raises
-        at the first output, as `EngineOverloadedError` does once every live replica refused
-        it."""
-        check_priority(priority)
-        params, ids = prepared
+    def _submit(self, request: PreparedRequest, request_id: str | None) -> _Call:
+        """Route and send a request. The replica validates it against the model: a bad request
+        raises at the first output, as `EngineOverloadedError` does once every live replica
+        refused it."""
         with self._lock:
             if request_id is None:
                 request_id = f"ray-req-{next(self._ids)}"
             request_id = str(request_id)
             if request_id in self._calls:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
-            call = _Call(request_id, prompt, ids, params, (priority, add_special_tokens, timeout))
+            call = _Call(request_id, request)
             self._calls[request_id] = call
         try:
             self._dispatch(call)
@@ -198,61 +171,35 @@ class RayEngine:
         with self._lock:
             if self._closed:
                 raise EngineShutdownError("the engine has been shut down; create a new one")
-            call.replica = self._router.route(call.prompt_ids, call.params, exclude=call.tried)
+            request = call.request
+            call.replica = self._router.route(
+                request.prompt_token_ids, request.params, exclude=call.tried
+            )
             call.tried.add(call.replica)
             actor = self._actors[call.replica]
         call.stream = actor.generate.options(num_returns="streaming").remote(
-            call.prompt, call.params, call.request_id, *call.options
+            request.prompt,
+            request.params,
+            call.request_id,
+            request.priority,
+            request.add_special_tokens,
+            request.timeout,
         )
 
-    async def generate(
-        self,
-        prompt: PromptType,
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
-        *,
-        priority: int = 0,
-        add_special_tokens: bool = True,
-        timeout: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """As `AsyncEngine.generate`: leaving the loop early or cancelling the task aborts the
-        request on its replica. Tokenizing runs in a worker thread, off the event loop."""
-        prepared = await asyncio.to_thread(
-            self._prepare, prompt, sampling_params, add_special_tokens, timeout
-        )
-        call = self._submit(prompt, prepared, request_id, priority, add_special_tokens, timeout)
-        try:
-            while True:
-                try:
-                    async for ref in call.stream:
-                        yield self._received(call, await ref)
-                    return
-                except RayError as exc:
-                    self._fail_over(call, exc)
-        finally:
-            self._end(call)
-
-    def generate_stream(
-        self,
-        prompt: PromptType,
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
-        *,
-        priority: int = 0,
-        add_special_tokens: bool = True,
-        timeout: float | None = None,
-    ) -> Iterator[RequestOutput]:
-        """As `AsyncEngine.generate_stream`: the request is sent now; closing or dropping the
-        iterator before its end aborts it."""
-        prepared = self._prepare(prompt, sampling_params, add_special_tokens, timeout)
-        call = self._submit(prompt, prepared, request_id, priority, add_special_tokens, timeout)
-        return RayRequestStream(self, call)
-
-    def _read(self, call: _Call) -> Iterator[RequestOutput]:
+    def _outputs(self, call: _Call) -> Generator[RequestOutput, None, None]:
         while True:
             try:
                 for ref in call.stream:
                     yield self._received(call, ray.get(ref))
+                return
+            except RayError as exc:
+                self._fail_over(call, exc)
+
+    async def _aoutputs(self, call: _Call) -> AsyncIterator[RequestOutput]:
+        while True:
+            try:
+                async for ref in call.stream:
+                    yield self._received(call, await ref)
                 return
             except RayError as exc:
                 self._fail_over(call, exc)
@@ -308,9 +255,6 @@ class RayEngine:
                 self._router.done(call.replica)
         if not (call.finished or call.stream is None or self._closed):
             ray.cancel(call.stream)  # closes the replica's generator, which aborts the request
-
-    async def abort(self, request_id: str) -> None:
-        self.abort_sync(request_id)
 
     def abort_sync(self, request_id: str) -> None:
         """Abort a request on its replica; its stream ends (finish_reason "abort") within a
@@ -378,10 +322,6 @@ class RayEngine:
             except RayError:
                 continue  # dead, as it should be (or the wait is over)
 
-    @property
-    def is_closed(self) -> bool:
-        return self._closed
-
     def stats(self) -> dict:
         """The replicas' numeric stats summed (`max_batch_size`: the largest), the prefix-cache
         hit rate recomputed from the sums, `replicas` (each one's own, with `alive`) and
@@ -408,36 +348,6 @@ class RayEngine:
             metrics.export(own, self.model_name, self.engine_id, replica=str(stats["replica"]))
         merged.update(engine_id=self.engine_id, replicas=replicas, routing=decisions)
         return merged
-
-
-class RayRequestStream(Iterator[RequestOutput]):
-    """A request's outputs for a plain thread. The request is already sent: `close()`, leaving
-    a `with` block, an error, or dropping the iterator before its end aborts it."""
-
-    def __init__(self, engine: RayEngine, call: _Call) -> None:
-        self.request_id = call.request_id
-        self._engine, self._call = engine, call
-        self._outputs = engine._read(call)
-
-    def __next__(self) -> RequestOutput:
-        try:
-            return next(self._outputs)
-        except BaseException:  # StopIteration included: the request is over either way
-            self.close()
-            raise
-
-    def close(self) -> None:
-        self._outputs.close()
-        self._engine._end(self._call)
-
-    def __enter__(self) -> RayRequestStream:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self.close()
 
 
 def _refresh_gauges(ref: weakref.ref[RayEngine], stopped: threading.Event) -> None:

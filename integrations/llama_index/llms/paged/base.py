@@ -45,7 +45,6 @@ from llama_index.core.types import PydanticProgramMode
 
 from paged_backend.adapters import (
     BACKEND_ARGS,
-    SAMPLING_FIELDS,
     EngineHandle,
     StreamedText,
     Submitter,
@@ -58,9 +57,9 @@ from paged_backend.adapters import (
     pop_request_options,
     ranked_logprobs,
 )
-from paged_backend.async_engine import AsyncEngine
 from paged_backend.chat_template import check_chat_messages
 from paged_backend.engine import check_prompt_text
+from paged_backend.engine_client import EngineClient
 from paged_backend.outputs import CompletionOutput, RequestOutput
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.tool_calling import (
@@ -158,7 +157,7 @@ class PagedLLM(FunctionCallingLLM):
         return "PagedLLM"
 
     @property
-    def engine(self) -> AsyncEngine:
+    def engine(self) -> EngineClient:
         """The shared engine, started on first use (stats, tokenizer, prefix-cache counters)."""
         return self._handle.get()
 
@@ -182,12 +181,10 @@ class PagedLLM(FunctionCallingLLM):
     def _sampling_params(self, kwargs: dict[str, Any]) -> SamplingParams:
         """Constructor fields, then `additional_kwargs`, then call kwargs; stops from all three
         are merged (a per-call `stop=None` keeps the others)."""
-        fields = type(self).model_fields
-        defaults = {name: getattr(self, name) for name in SAMPLING_FIELDS if name in fields}
         overrides = {**self.additional_kwargs, **kwargs}
         overrides.pop("stop", None)
         stops = (self.additional_kwargs.get("stop"), kwargs.get("stop"))
-        params = build_sampling_params(defaults, overrides, *stops)
+        params = build_sampling_params(self, overrides, *stops)
         if params.n != 1:
             raise ValueError(f"n must be 1 (a LlamaIndex response holds one text), got {params.n}")
         return params
