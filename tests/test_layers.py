@@ -46,7 +46,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "model": ("config", "models", "default_model", "model_loader", "sampler"),
     "runner": ("model_runner",),
     "engine": ("engine",),
-    "frontends": ("async_engine", "llm"),
+    "frontends": ("engine_client", "async_engine", "llm"),
     "scale-out": ("distributed", "shared_engines"),
     "entry points": ("adapters", "cli", "__init__"),
 }
