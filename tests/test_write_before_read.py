@@ -34,34 +34,22 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-def _reader_before_writer(long: int = 400, seed: int = 0):
-    """A decode step of four sequences [W, X1, X2, V]. V's new token fills block `shared`, which W
-    (a request admitted on a cache hit of that block) reads in the same step. X1 and X2 are long,
-    so that two threads split the work as (W, X1 | X2, V): V's write comes after a long pair on
-    the other thread, and on one thread after W's read. The cache holds stale values at V's slot.
-    Returns (q, k, v, cache, meta)."""
+def _decode_step(tables: np.ndarray, lens: list[int], num_blocks: int, seed: int):
+    """Random bf16 caches of `num_blocks` blocks, q/k/v for one decode token per sequence (views
+    into fused qkv rows, as the model passes them) and the step's metadata, as (q, k, v, cache,
+    meta)."""
     gen = torch.Generator().manual_seed(seed)
-    w_len, v_len = 2 * BS + 1, 2 * BS  # V fills its second block; W reads it and writes a third
-    x_blocks = -(-long // BS)
-    num_blocks = 3 + 2 * x_blocks + 1
-    shared = [0, 1]
-    tables = np.full((4, max(x_blocks, 3)), -1, dtype=np.int32)
-    tables[0, :3] = [*shared, 2]
-    tables[1, :x_blocks] = np.arange(3, 3 + x_blocks)
-    tables[2, :x_blocks] = np.arange(3 + x_blocks, 3 + 2 * x_blocks)
-    tables[3, :2] = shared
-    lens = [w_len, long, long, v_len]
+    s, heads = len(lens), KV_HEADS * GROUP
     slots = [int(tables[i, (n - 1) // BS]) * BS + (n - 1) % BS for i, n in enumerate(lens)]
     cache = tuple(
         torch.randn(KV_HEADS, num_blocks * BS, DIM, generator=gen).to(BF16) for _ in range(2)
     )
-    heads = KV_HEADS * GROUP
-    qkv = torch.randn(4, (heads + 2 * KV_HEADS) * DIM, generator=gen).to(BF16)
+    qkv = torch.randn(s, (heads + 2 * KV_HEADS) * DIM, generator=gen).to(BF16)
     q, k, v = qkv.split([heads * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=1)
-    q, k, v = q.view(4, heads, DIM), k.view(4, -1, DIM), v.view(4, -1, DIM)
+    q, k, v = q.view(s, heads, DIM), k.view(s, -1, DIM), v.view(s, -1, DIM)
     meta = AttentionMetadata(
-        num_decodes=4,
-        query_start_loc=list(range(5)),
+        num_decodes=s,
+        query_start_loc=list(range(s + 1)),
         seq_lens=lens,
         block_tables=torch.from_numpy(tables),
         slot_mapping=torch.tensor(slots),
@@ -69,6 +57,23 @@ def _reader_before_writer(long: int = 400, seed: int = 0):
         block_tables_cpu=tables,
     )
     return q, k, v, cache, meta
+
+
+def _reader_before_writer(long: int = 400, seed: int = 0):
+    """A decode step of four sequences [W, X1, X2, V]. V's new token fills block `shared`, which W
+    (a request admitted on a cache hit of that block) reads in the same step. X1 and X2 are long,
+    so that two threads split the work as (W, X1 | X2, V): V's write comes after a long pair on
+    the other thread, and on one thread after W's read. The cache holds stale values at V's slot.
+    Returns (q, k, v, cache, meta)."""
+    w_len, v_len = 2 * BS + 1, 2 * BS  # V fills its second block; W reads it and writes a third
+    x_blocks = -(-long // BS)
+    shared = [0, 1]
+    tables = np.full((4, max(x_blocks, 3)), -1, dtype=np.int32)
+    tables[0, :3] = [*shared, 2]
+    tables[1, :x_blocks] = np.arange(3, 3 + x_blocks)
+    tables[2, :x_blocks] = np.arange(3 + x_blocks, 3 + 2 * x_blocks)
+    tables[3, :2] = shared
+    return _decode_step(tables, [w_len, long, long, v_len], 3 + 2 * x_blocks + 1, seed)
 
 
 def _c_decode(q, k, v, cache, meta) -> torch.Tensor:
@@ -108,24 +113,8 @@ def _cascade_over_a_block_written_now(seed: int = 0):
     share them; block 2 is V's, whose token fills it in this step (V's first blocks are private
     copies of 0 and 1: V was computed beside their owner, before either was cached). A cascade
     over blocks 0-2 would read block 2 before the decode kernel writes V's slot."""
-    gen = torch.Generator().manual_seed(seed)
     tables = np.array([[0, 1, 2, 3], [0, 1, 2, 4], [5, 6, 2, -1]], dtype=np.int32)
-    lens = [3 * BS + 1, 3 * BS + 1, 3 * BS]
-    slots = [int(tables[i, (n - 1) // BS]) * BS + (n - 1) % BS for i, n in enumerate(lens)]
-    cache = tuple(torch.randn(KV_HEADS, 7 * BS, DIM, generator=gen).to(BF16) for _ in range(2))
-    heads = KV_HEADS * GROUP
-    q = torch.randn(3, heads, DIM, generator=gen).to(BF16)
-    k, v = (torch.randn(3, KV_HEADS, DIM, generator=gen).to(BF16) for _ in range(2))
-    meta = AttentionMetadata(
-        num_decodes=3,
-        query_start_loc=list(range(4)),
-        seq_lens=lens,
-        block_tables=torch.from_numpy(tables),
-        slot_mapping=torch.tensor(slots),
-        block_size=BS,
-        block_tables_cpu=tables,
-    )
-    return q, k, v, cache, meta
+    return _decode_step(tables, [3 * BS + 1, 3 * BS + 1, 3 * BS], 7, seed)
 
 
 @pytest.mark.parametrize(
