@@ -103,7 +103,7 @@ class Scheduler:
             request = self.waiting[i]
             computed, num_hit = self.kv.get_computed_blocks(request)
             num_new = self._chunk(request.num_tokens - num_hit, budget)
-            if num_new == 0:
+            if num_new == 0 or self._prefix_pending(request, len(computed)):
                 i += 1
                 continue
             if not self.kv.allocate_slots(request, num_new, computed):
@@ -128,6 +128,24 @@ class Scheduler:
             out.num_scheduled[request] = num_new
             budget -= num_new
         return out
+
+    def _prefix_pending(self, request: Request, num_hit_blocks: int) -> bool:
+        """Whether the block after a waiting request's cache hits is one that a running
+        request's prefill computes in a later step. The request then waits for it to become a
+        hit instead of computing a private copy: RAG prompts queued behind a first one with the
+        same long context (whose prefill runs in chunks) would otherwise each compute the part
+        not yet cached, and would no longer share it (a shared prefix is attended once for all
+        the sequences that hold the same blocks)."""
+        hashes = request.block_hashes if self.kv.enable_caching else ()
+        if num_hit_blocks >= len(hashes):
+            return False
+        wanted = hashes[num_hit_blocks]
+        bs = self.kv.block_size
+        return any(
+            wanted in r.block_hashes[r.num_hashed_blocks : r.num_prompt_tokens // bs]
+            for r in self.running
+            if r.num_computed_tokens < r.num_prompt_tokens
+        )
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> int:
         """Free a running request's blocks and requeue it; returns the budget it gave back.

@@ -200,6 +200,27 @@ def test_short_request_behind_long_prompts_starts_in_the_next_step(policy):
     assert kv.pool.num_free == kv.num_blocks
 
 
+@pytest.mark.parametrize("threshold", [0, 16])
+def test_prompts_behind_a_chunked_prefill_of_their_context_wait_for_it(threshold):
+    """RAG prompts queued behind a first one with the same long context, whose prefill runs in
+    chunks (the budget, or the long-prefill cap): each waits for the context to be cached
+    rather than compute a private copy of the part still missing, so the context is computed
+    once and every request holds the same blocks (one cascade serves them all)."""
+    kv = KVCacheManager(num_blocks=200, block_size=16, enable_caching=True)
+    scheduler = Scheduler(kv, 8, 64, "fcfs", long_prefill_token_threshold=threshold)
+    context = list(range(1000, 1160))  # 10 blocks
+    reqs = [Request(f"r{i}", [*context, i, i + 1], SamplingParams(max_tokens=2)) for i in range(4)]
+    for r in reqs:
+        scheduler.add(r)
+    while scheduler.has_unfinished():
+        run_step(scheduler)
+        if all(r.status is RequestStatus.RUNNING for r in reqs):
+            tables = [kv.block_tables[r.request_id][:10] for r in reqs]
+            assert all(t == tables[0] for t in tables)  # the same physical context blocks
+    assert [r.num_cached_tokens for r in reqs] == [0, 160, 160, 160]
+    assert kv.pool.num_free == kv.num_blocks
+
+
 @pytest.mark.parametrize("threshold", [-1, 1.5, "16", True])
 def test_bad_long_prefill_token_threshold_names_the_field(threshold):
     with pytest.raises(ValueError, match=r"long_prefill_token_threshold must be None or 0"):
