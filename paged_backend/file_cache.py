@@ -1,6 +1,6 @@
 """The on-disk cache (converted models, the compiled C ops): where it lives, who may write to
-it, a lock for processes that fill it at once, and a line on stderr for the slow first-time work
-that fills it, so a first start does not look hung.
+it, a lock for processes that fill it at once, and the `paged-backend:` status lines on stderr
+(the slow first-time work that fills it, so a first start does not look hung).
 
 What is in the cache gets loaded into this process (a shared library, model weights), so the
 directory must be ours alone: it is created owner-only and refused if another user owns it or
@@ -48,6 +48,15 @@ def locked(name: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def notice(message: str) -> None:
-    """Tell the user about work that takes seconds to minutes and happens once."""
+_shown: set[str] = set()  # the `once` keys of the notices this process printed
+
+
+def notice(message: str, *, once: str | None = None) -> None:
+    """Tell the user about work that takes seconds to minutes, or a condition worth knowing. A
+    notice with a `once` key prints once per process: each engine start in it would meet the
+    condition again, and a repeated line says nothing new."""
+    if once is not None:
+        if once in _shown:
+            return
+        _shown.add(once)
     print(f"paged-backend: {message}", file=sys.stderr, flush=True)

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from paged_backend import LLM, EngineConfig, cpu
+from paged_backend import LLM, EngineConfig, cpu, file_cache
 from paged_backend.cpu import kernel_choice
 
 needs_gemm = pytest.mark.skipif(
@@ -37,6 +37,22 @@ def test_timings_taken_on_a_busy_machine_are_not_kept(private_cache, monkeypatch
     kernel_choice.gemm_max_rows({(64, 96)})
     kernel_choice.gemm_max_rows({(64, 96)})
     assert timed == [64, 64, 64]
+
+
+@needs_gemm
+def test_a_busy_machine_is_told_once_a_process(
+    private_cache, monkeypatch, capsys, tiny_model, one_thread
+):
+    """Each engine start on a busy machine times again; the user hears why once, as a status
+    line like the download and conversion ones."""
+    monkeypatch.setattr(kernel_choice, "_time_shape", lambda n, k: 8)
+    monkeypatch.setattr(kernel_choice, "_others_share", lambda before, after: 0.52)
+    monkeypatch.setattr(file_cache, "_shown", set())  # as in a fresh process
+    for _ in range(2):
+        LLM(model=str(tiny_model), dtype="bfloat16", num_kv_blocks=32)
+    told = [line for line in capsys.readouterr().err.splitlines() if "CPUs busy" in line]
+    assert len(told) == 1, told
+    assert told[0].startswith("paged-backend: other programs kept 52% of the CPUs busy")
 
 
 @needs_gemm

@@ -18,8 +18,9 @@ The result is cached per CPU, thread count, torch, C-kernel build and rule under
 so later starts read it instead of timing (about a second). Timings taken while other processes
 load the machine mislead (a thread of either kernel waits for a core): when others used more
 than `_BUSY_SHARE` of the CPUs meanwhile, the choice serves this engine only and is timed again
-at the next start. `EngineConfig.cpu_gemm_max_rows` forces a choice, and deleting
-`kernel_choice.json` in the cache dir times again.
+at the next start; a `notice` says so once a process (every engine start on a busy machine would
+repeat it). `EngineConfig.cpu_gemm_max_rows` forces a choice, and deleting `kernel_choice.json`
+in the cache dir times again.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 from paged_backend.cpu import library
 from paged_backend.cpu import ops as cpu_ops
 from paged_backend.cpu.features import cpu_description
-from paged_backend.file_cache import cache_dir, locked
+from paged_backend.file_cache import cache_dir, locked, notice
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +64,11 @@ def gemm_max_rows(shapes: set[tuple[int, int]]) -> dict[tuple[int, int], int]:
                 logger.info("linear %s: the C GEMM serves steps of up to %d rows", shape, rows)
             others = _others_share(before, _cpu_seconds())
             if others > _BUSY_SHARE:
-                logger.warning(
-                    "other processes used %.0f%% of the CPUs while the linears were timed: the "
-                    "kernel choice serves this engine only and is timed again at the next start",
-                    100 * others,
+                notice(
+                    f"other programs kept {others:.0%} of the CPUs busy while the engine picked "
+                    "its fastest CPU kernels; the pick may be off, so it is not saved and later "
+                    "starts pick again (answers do not change, only speed)",
+                    once="busy kernel timing",
                 )
             else:
                 entries[key] = timed
