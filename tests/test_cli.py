@@ -1,7 +1,9 @@
 """`paged-backend`: user mistakes are one `error:` line and exit code 2; sampling is random run
-to run unless `--seed` is given."""
+to run unless `--seed` is given; `--help` shows every flag's default."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -36,6 +38,50 @@ def test_unparsable_flag_is_one_line(capsys):
 def test_debug_shows_the_exception(tmp_path):
     with pytest.raises(FileNotFoundError):
         main(["generate", "Hi", "--model", str(tmp_path / "nope"), "--debug"])
+
+
+def _help(capsys, *command: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--help"])
+    assert exit_info.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # one line: wrapping moves with the width
+
+
+SAMPLING_DEFAULTS = {
+    "--model": "the embedded SmolLM2-135M-Instruct",
+    "--dtype": "auto",
+    "--max-tokens": "256",
+    "--temperature": "0.7",
+    "--top-p": "0.95",
+    "--top-k": "0",
+    "--min-p": "0.0",
+    "--repetition-penalty": "1.0",
+    "--seed": "random each run",
+    "--stop": "none",
+}
+DEFAULTS = {
+    "generate": SAMPLING_DEFAULTS,
+    "chat": {
+        **SAMPLING_DEFAULTS,
+        "--system": "none",
+        "--message": "interactive, one message per line",
+    },
+    "download": {"--wheel": "download it"},
+}
+
+
+@pytest.mark.parametrize("command", sorted(DEFAULTS))
+def test_help_shows_each_flags_default(capsys, command):
+    text = _help(capsys, command)
+    for flag, default in DEFAULTS[command].items():
+        # the flag's own entry (no other flag before its default) ends with it
+        entry = rf"\s{flag} [A-Z_{{}},0-9a-z]*\s(?:(?! --).)*?\(default: {re.escape(default)}\)"
+        assert re.search(entry, text), (flag, default, text)
+    assert text.count("(default:") == len(DEFAULTS[command])  # none twice, no "False"
+
+
+def test_top_level_help_says_where_the_defaults_are(capsys):
+    assert "paged-backend COMMAND --help" in _help(capsys)
 
 
 def _generate(capsys, tiny_model, *extra: str) -> str:
