@@ -78,7 +78,9 @@ def tokenize_prompt(tokenizer, prompt: PromptType, add_special_tokens: bool = Tr
             raise ValueError(
                 f"prompt is not valid Unicode text: {exc.reason} at position {exc.start}"
             ) from None
-        return tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+        # verbose=False: past the tokenizer's model_max_length transformers would warn of
+        # "indexing errors"; the engine's own limit, max_model_len, is checked in `validate`.
+        return tokenizer(prompt, add_special_tokens=add_special_tokens, verbose=False).input_ids
     if isinstance(prompt, Sequence) and not isinstance(prompt, _BYTES):
         return list(prompt)
     hint = " (decode bytes to a str first)" if isinstance(prompt, _BYTES) else ""
