@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from paged_backend.chat_formats import load_tokenizer
 from paged_backend.config import EngineConfig
 from paged_backend.engine_client import EngineClient
 from paged_backend.errors import EngineOverloadedError
@@ -313,8 +314,9 @@ def model_context_window(model: str | None, engine_args: dict) -> int:
 
 
 @functools.lru_cache(maxsize=16)
-def model_tokenizer(model: str | None, revision: str | None = None):
-    """The model's own tokenizer, for counting tokens without loading weights or a KV cache."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(_model_path(model, revision))
+def model_tokenizer(
+    model: str | None, revision: str | None = None, chat_template: str | None = None
+):
+    """The model's own tokenizer, with the chat template the engine renders, for counting
+    tokens without loading weights or a KV cache."""
+    return load_tokenizer(_model_path(model, revision), chat_template)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from jinja2 import TemplateError
 
+from paged_backend.chat_formats import missing_template_error
+
 
 def check_chat_messages(messages: list[dict]) -> None:
     """A chat must give text to answer, as a completion prompt must: a conversation without
@@ -40,7 +42,10 @@ def _is_empty(content: object) -> bool:
 
 def apply_chat_template(tokenizer, messages: list[dict], **kwargs) -> str:
     """`tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)`, folding a leading
-    system turn into the first user turn where the template refuses a system role."""
+    system turn into the first user turn where the template refuses a system role. A model
+    without a template (nor a known family's) is refused in one line saying how to pass one."""
+    if not tokenizer.chat_template and kwargs.get("chat_template") is None:
+        raise missing_template_error(tokenizer)
     kwargs.setdefault("add_generation_prompt", True)
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_backend.chat_formats import check_chat_template
 from paged_backend.cpu.features import cpu_features
 from paged_backend.cpu.ops import GEMM_MAX_ROWS
 
@@ -50,8 +51,11 @@ class EngineConfig:
     cpu_kernels: bool | None = None
     cpu_gemm_max_rows: int | None = None
     model_impl: str = "auto"
+    # A Jinja chat template that wins over the model's own and its family's (chat_formats).
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
+        check_chat_template(self.chat_template)
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(
                 f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_backend import metrics
+from paged_backend.chat_formats import load_tokenizer
 from paged_backend.chat_template import apply_chat_template, check_chat_messages
 from paged_backend.config import EngineConfig
 from paged_backend.detokenizer import IncrementalDetokenizer
@@ -112,9 +113,7 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model, config.revision)
         self.model_name = model_name(config.model)
         self.model_config = ModelConfig.from_dir(self.model_path, config.model_impl)
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path, config.chat_template)
         self.max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
         with torch_threads(config.num_threads):  # kernel timing and warm-up run as steps do
             self.runner = ModelRunner(

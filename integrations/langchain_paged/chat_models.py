@@ -120,7 +120,8 @@ class ChatPaged(PagedParams, BaseChatModel):
         self, messages: list[BaseMessage], tools: Sequence[Any] | None = None
     ) -> int:
         """Prompt tokens of `messages` as the engine sees them: chat template and tools."""
-        tokenizer = model_tokenizer(self.model, self.engine_args.get("revision"))
+        args = self.engine_args
+        tokenizer = model_tokenizer(self.model, args.get("revision"), args.get("chat_template"))
         apply = partial(apply_chat_template, tokenizer)
         specs = [convert_to_openai_tool(t) for t in tools] if tools else None
         prompt = render_chat(apply, tokenizer.chat_template, messages, specs)

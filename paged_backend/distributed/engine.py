@@ -23,6 +23,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 
 from paged_backend import metrics
+from paged_backend.chat_formats import load_tokenizer
 from paged_backend.chat_template import apply_chat_template
 from paged_backend.config import EngineConfig
 from paged_backend.distributed.replica import Replica
@@ -83,11 +84,9 @@ class RayEngine(EngineClient[_Call]):
         EngineConfig(model=model, **{k: v for k, v in engine_args.items() if k != _QUEUE_ARG})
         if not ray.is_initialized():
             ray.init()  # the cluster RAY_ADDRESS or `ray start` runs, else a local one
-        from transformers import AutoTokenizer
-
         self.model_name = model_name(model)
         path = resolve_model_path(model, engine_args.get("revision"))
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = load_tokenizer(path, engine_args.get("chat_template"))
         self._tokenizer_lock = threading.Lock()
         self._model, self._engine_args = model, engine_args
         self._actor_class = ray.remote(Replica)

@@ -73,6 +73,9 @@ from paged_backend.tool_calling import (
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
 
+# Engine arguments `PagedLLM` also takes as keywords of its own (the others go in `engine_args`).
+_MOVED_ARGS = (*BACKEND_ARGS, "chat_template")
+
 
 class PagedLLM(FunctionCallingLLM):
     """LlamaIndex chat/completion model on the embedded paged-backend engine.
@@ -130,7 +133,8 @@ class PagedLLM(FunctionCallingLLM):
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Engine arguments (dtype, num_kv_blocks, max_model_len, ...; backend='ray' "
-        "with num_replicas, routing, ray_actor_options for replicas on a Ray cluster).",
+        "with num_replicas, routing, ray_actor_options for replicas on a Ray cluster; "
+        "chat_template for a model that has none).",
     )
 
     _handle: EngineHandle = PrivateAttr()
@@ -139,11 +143,11 @@ class PagedLLM(FunctionCallingLLM):
     @classmethod
     def _collect_backend_args(cls, values: Any) -> Any:
         """`PagedLLM(backend="ray", num_replicas=2)` is `PagedLLM(engine_args={"backend": "ray",
-        "num_replicas": 2})`, as in the LangChain adapter."""
-        if not isinstance(values, dict) or not set(BACKEND_ARGS) & set(values):
+        "num_replicas": 2})`, as in the LangChain adapter; `chat_template` likewise."""
+        if not isinstance(values, dict) or not set(_MOVED_ARGS) & set(values):
             return values
-        rest = {k: v for k, v in values.items() if k not in BACKEND_ARGS}
-        moved = {k: v for k, v in values.items() if k in BACKEND_ARGS}
+        rest = {k: v for k, v in values.items() if k not in _MOVED_ARGS}
+        moved = {k: v for k, v in values.items() if k in _MOVED_ARGS}
         return {**rest, "engine_args": {**(rest.get("engine_args") or {}), **moved}}
 
     def model_post_init(self, context: Any, /) -> None:
