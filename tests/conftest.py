@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -208,3 +210,20 @@ def shared_fp32_engine():
     engine = get_engine(None, **FP32_ENGINE_ARGS)
     yield engine
     release_engine(engine)
+
+
+@contextlib.contextmanager
+def transformers_log(caplog):
+    """transformers' warnings at its default verbosity, into `caplog`: its logger does not
+    propagate to caplog's root handler, and the environment may have raised its level."""
+    import transformers
+
+    library_logger = logging.getLogger("transformers")
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_warning()
+    library_logger.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        library_logger.removeHandler(caplog.handler)
+        transformers.logging.set_verbosity(verbosity)

@@ -8,7 +8,7 @@ import asyncio
 import uuid
 
 import pytest
-from conftest import FP32_ENGINE_ARGS, assert_all_blocks_free
+from conftest import FP32_ENGINE_ARGS, assert_all_blocks_free, transformers_log
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -279,3 +279,17 @@ def test_constructor_stop_survives_stop_none_in_chat():
     reply = chat(stop=["!"]).invoke("Hello", stop=None)
     assert "!" not in reply.content
     assert reply.response_metadata["stop_reason"] == "!"
+
+
+def test_counting_a_long_text_gives_no_indexing_warning(tiny_model, tmp_path, caplog):
+    """Counting tokens is no request: past the tokenizer's model_max_length transformers would
+    warn of "indexing errors" (once per tokenizer: a fresh model path gets a fresh one)."""
+    fresh = tmp_path / "model"
+    fresh.mkdir()
+    for f in tiny_model.iterdir():
+        (fresh / f.name).symlink_to(f)
+    long = "word " * 9000
+    with transformers_log(caplog):
+        assert PagedLLM(model=str(fresh)).get_num_tokens(long) > 8192
+        assert ChatPaged(model=str(fresh)).get_num_tokens_from_messages([HumanMessage(long)]) > 8192
+    assert not [r for r in caplog.records if "indexing errors" in r.getMessage()], caplog.text

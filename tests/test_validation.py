@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
+from conftest import transformers_log
 
 from paged_backend import LLM, AsyncEngine, SamplingParams
 from paged_backend import sampling_params as sp
@@ -46,21 +45,12 @@ def test_bad_prompt_rejected_before_work(llm, prompt, error, match):
 def test_a_prompt_past_the_tokenizers_limit_gets_only_our_error(tiny_model, caplog):
     """transformers warns of "indexing errors" when a prompt is longer than the tokenizer's
     model_max_length (8192 here); the engine's limit is max_model_len, and it says so itself."""
-    import transformers
-
     fresh = LLM(model=str(tiny_model), dtype="float32", max_model_len=128, num_kv_blocks=64)
-    library_logger = logging.getLogger("transformers")  # it does not propagate to caplog's root
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_warning()  # the default, whatever the environment says
-    library_logger.addHandler(caplog.handler)
-    try:
+    with transformers_log(caplog):
         long = "word " * 9000
         assert len(fresh.engine.tokenize(long)) > fresh.engine.tokenizer.model_max_length
         with pytest.raises(ValueError, match=r"must be shorter than max_model_len \(128\)"):
             fresh.generate([long], GOOD, use_tqdm=False)
-    finally:
-        library_logger.removeHandler(caplog.handler)
-        transformers.logging.set_verbosity(verbosity)
     assert not [r for r in caplog.records if "indexing errors" in r.getMessage()], caplog.text
 
 
