@@ -521,6 +521,23 @@ def test_the_kv_cache_lies_on_huge_pages():
         assert _mapping_of(plain.data_ptr() + (32 << 20))["THPeligible"] == "0"
 
 
+def _rss_mib() -> int:
+    return int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text())[1]) >> 10
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="no /proc")
+def test_the_kv_cache_commits_memory_as_it_is_used():
+    """Allocating the cache writes nothing: its pages are committed at their first touch, and
+    read as zeros until written."""
+    before = _rss_mib()
+    cache = zeros_on_huge_pages((2, 4, 32 << 20), torch.bfloat16)  # 512 MiB
+    assert _rss_mib() - before < 64
+    cache[0, 0, : 16 << 20] = 1.0  # 32 MiB written
+    grown = _rss_mib() - before
+    assert 32 <= grown < 96
+    assert not cache[1].any() and cache.dtype == torch.bfloat16 and cache.is_contiguous()
+
+
 def test_the_library_is_called_by_the_c_parameter_names():
     """Each exported C function's parameters are read from its definition, and a call must name
     each of them: a missing, misspelt or extra name raises before C runs."""
