@@ -1,4 +1,4 @@
-"""Fused C ops for bf16 models on CPU (`paged_backend.cpu_ops`): RMSNorm with the residual add,
+"""Fused C ops for bf16 models on CPU (`paged_backend.cpu.ops`): RMSNorm with the residual add,
 rotary and SiLU-and-mul give the torch ops' values (rotary, SiLU-and-mul and the residual bit for
 bit, the norm within a last-bit difference of summation order) at decode and prefill sizes (one
 thread, and both threads from 32K elements), decode, shared-prefix and causal prefill attention

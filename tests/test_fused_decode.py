@@ -1,6 +1,7 @@
-"""The fused decode step (`paged_backend.fused_decode`): steps of decodes only run every layer in
-one C call and give the same bits as the modules (tokens and log-probabilities), with global and
-sliding-window layers; other steps, and models it does not fit, run the modules."""
+"""The fused decode step (`paged_backend.attention.fused_decode`): steps of decodes only run
+every layer in one C call and give the same bits as the modules (tokens and log-probabilities),
+with global and sliding-window layers; other steps, and models it does not fit, run the
+modules."""
 
 from __future__ import annotations
 

@@ -149,8 +149,8 @@ class FusedDecode:
         copies, the shared rows, and work space; nothing without a shared prefix."""
         shared = plan.shared
         if shared is None:
-            none = dict(prefix_k=None, prefix_v=None, prefix_len=0, shared_rows=None)
-            return {**none, "num_shared": 0, "prefix_pos": None, "prefix_work": None}, ()
+            args = dict(prefix_k=None, prefix_v=None, prefix_len=0, shared_rows=None)
+            return dict(args, num_shared=0, prefix_pos=None, prefix_work=None), ()
         packs = [
             None
             if layer.self_attn.window

@@ -106,7 +106,7 @@ class TorchAttention:
         c_prefix: bool = False,
         windows: tuple[int | None, ...] = (None,),
     ) -> None:
-        """For bf16 caches, C kernels (`paged_backend.cpu_ops`): with `c_prefix`, a shared prefix
+        """For bf16 caches, C kernels (`paged_backend.cpu.ops`): with `c_prefix`, a shared prefix
         is attended by `prefix_attention`; with `c_decode`, steps of decodes only run
         `decode_attention` (those with a shared prefix only with `c_prefix` too). `windows`: the
         layers' windows (None: global), one step plan each."""

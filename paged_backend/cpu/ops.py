@@ -177,7 +177,7 @@ def _require(ok: bool, what: str) -> None:
     """The C kernels take raw pointers and trust every size and layout: a call that breaks one
     raises here instead of reading or writing past a tensor."""
     if not ok:
-        raise ValueError(f"cpu_ops: {what}")
+        raise ValueError(f"paged_backend.cpu.ops: {what}")
 
 
 def _check_cache(kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int, int]:

@@ -34,7 +34,7 @@ from paged_backend.models.config import ModelConfig
 @dataclass(frozen=True)
 class Ops:
     """The elementwise pieces of a layer: torch ops, fused C ops (bf16 on CPU, see
-    `paged_backend.cpu_ops`) or fused Triton kernels (GPU). `rms_norm(x, weight, eps, residual)`
+    `paged_backend.cpu.ops`) or fused Triton kernels (GPU). `rms_norm(x, weight, eps, residual)`
     with a residual returns (normed, x + residual); `rotary` rotates the first
     `cos.shape[-1]` dims of each head (all but for a partial rotary), maybe in place;
     `act_and_mul` is the MLP's gated activation, act(gate) * up. `head_norm` normalizes q and k
