@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from paged_backend.grammar_matcher import allocate_bitmask
+
 if TYPE_CHECKING:
-    import xgrammar as xgr
+    from paged_backend.grammar_matcher import GrammarMatcher
 
 # Bytes tried first, in this order, when several are allowed: a quote ends a string (outside
 # one, an empty string is the shortest value), brackets close, `0` is the shortest number.
@@ -46,7 +48,7 @@ def _rank(byte: int) -> int:
 _RANK = np.array([_rank(b) for b in range(256)])
 
 
-def _may_stop(state: xgr.GrammarMatcher) -> bool:
+def _may_stop(state: GrammarMatcher) -> bool:
     """Whether the grammar's root is complete: a stop token may end the output here."""
     return state.is_completed() or state.is_terminated()
 
@@ -79,7 +81,7 @@ class CompletionFinder:
         self._vocab_size = vocab_size
         self._encode = encode
 
-    def find(self, matcher: xgr.GrammarMatcher, *, thorough: bool) -> bytes | None:
+    def find(self, matcher: GrammarMatcher, *, thorough: bool) -> bytes | None:
         """A text after which `matcher` may stop (b"" if it may stop now), None when there is
         none within the search's bounds: the greedy completion, or with `thorough` the
         shortest (a best-first search over the pieces, bounded by the greedy completion)."""
@@ -110,11 +112,9 @@ class CompletionFinder:
         return best
 
     def _bitmask(self):
-        import xgrammar as xgr
+        return allocate_bitmask(1, self._vocab_size)
 
-        return xgr.allocate_token_bitmask(1, self._vocab_size)
-
-    def _children(self, state: xgr.GrammarMatcher, bitmask) -> _Pieces | None:
+    def _children(self, state: GrammarMatcher, bitmask) -> _Pieces | None:
         """The pieces worth appending to `state`, best first; None when it may stop here."""
         if _may_stop(state):
             return None
@@ -134,7 +134,7 @@ class CompletionFinder:
         solid = [b for b in solid if not 48 <= b <= 57 or b == digits[0]]
         return _Pieces(tuple(bytes([b]) for b in (solid or allowed)), free_text)
 
-    def _greedy(self, matcher: xgr.GrammarMatcher, bitmask) -> bytes | None:
+    def _greedy(self, matcher: GrammarMatcher, bitmask) -> bytes | None:
         """Follows the best-ranked piece that closes something (a quote or bracket outside
         string content) or leads to a state allowing other bytes, the best one when none
         does: ends a number or a string, then closes what is open."""
@@ -176,7 +176,7 @@ class CompletionFinder:
             ids = [self._token_of_byte[b] for b in text[cut:]]
         return head + ids
 
-    def completes(self, matcher: xgr.GrammarMatcher, text: bytes) -> bool:
+    def completes(self, matcher: GrammarMatcher, text: bytes) -> bool:
         """Whether `matcher` may stop after `text`."""
         probe = matcher.fork()
         return probe.accept_string(text) and _may_stop(probe)
@@ -204,7 +204,7 @@ class BudgetGuard:
         one once the completion needs them all."""
         return self.tokens[0] if self.tokens and len(self.tokens) >= budget else None
 
-    def admit(self, matcher: xgr.GrammarMatcher, token: int, budget: int) -> int:
+    def admit(self, matcher: GrammarMatcher, token: int, budget: int) -> int:
         """`token` if a completion of fewer than `budget` tokens follows it, else the
         completion's next token (a stop token when the output is complete already). The
         completion moves on past the returned token; `matcher` itself is not advanced."""
@@ -242,7 +242,7 @@ class BudgetGuard:
         self._set(self.text[len(self._finder.piece(first)) :], self.tokens[1:])
         return first
 
-    def _completions_after(self, after: xgr.GrammarMatcher, piece: bytes):
+    def _completions_after(self, after: GrammarMatcher, piece: bytes):
         """Completions of the state `after` a token that wrote `piece`, cheapest to find first:
         the rest of the current one where the token follows it; where it wrote whitespace or
         content first (`"a` in a string, an email's `@`), the current one from just past the

@@ -13,9 +13,8 @@ from paged_backend.outputs import Logprob
 from paged_backend.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from xgrammar import GrammarMatcher
-
     from paged_backend.completion import BudgetGuard
+    from paged_backend.grammar_matcher import GrammarMatcher
 
 _arrivals = itertools.count()
 

@@ -1,19 +1,16 @@
-"""Structured output (constrained decoding) with xgrammar, with vLLM's `StructuredOutputsParams`.
+"""Structured output (constrained decoding) with llguidance, with vLLM's `StructuredOutputsParams`.
 
 A request's spec is compiled once per engine (cached by its canonical form) when the request is
 validated, so a bad schema, regex or grammar raises before anything is queued. Each sequence
 gets its own `GrammarMatcher`: the sampler masks the logits of constrained rows to the tokens
 the matcher allows, and the engine advances the matcher with every token it appends.
 
-xgrammar is the `[structured]` extra, imported on the first constrained request: every
-xgrammar release requires triton on Linux x86-64 (~1 GB, for its GPU mask kernel), which an
-engine that never constrains its output should not have to install.
+llguidance is the `[structured]` extra, imported on the first constrained request.
 """
 
 from __future__ import annotations
 
 import json as jsonlib
-import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -24,28 +21,31 @@ import numpy as np
 import torch
 
 from paged_backend.completion import BudgetGuard, CompletionFinder
+from paged_backend.grammar_matcher import (
+    GrammarMatcher,
+    GrammarTokenizer,
+    allocate_bitmask,
+    llguidance_module,
+)
+from paged_backend.json_bounds import bounded_schema, compile_options
+from paged_backend.structural_tags import structural_tag_lark
 
 if TYPE_CHECKING:
-    import xgrammar as xgr
+    import llguidance
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
-_ANY_OBJECT_SCHEMA = '{"type": "object"}'
-_CACHE_SIZE = 256  # compiled specs kept per engine; xgrammar keeps its own cache under ours
-# No unbounded runs inside a JSON value: at most this much whitespace between two tokens (room
-# for pretty-printing a few levels deep), and at most this many digits in each part of a number
-# (a double holds ~15 significant digits: longer runs are a model looping, and would otherwise
-# go on until max_tokens).
-MAX_WHITESPACE_RUN = 12
-MAX_NUMBER_DIGITS = 15
+_CACHE_SIZE = 256  # compiled specs kept per engine
 
 
 @dataclass
 class StructuredOutputsParams:
     """Constrain the output to exactly one of: a JSON schema (`json`: a dict, a JSON string or a
     pydantic model class), any JSON object (`json_object=True`), a regular expression (`regex`),
-    one of a list of strings (`choice`), an EBNF grammar in xgrammar's syntax (`grammar`,
-    start rule `root`) or an xgrammar structural tag (`structural_tag`, a dict or JSON string:
-    free text with constrained tagged regions, which is how tool calls are constrained).
+    one of a list of strings (`choice`), a grammar (`grammar`: EBNF in GBNF's / xgrammar's
+    syntax with start rule `root`, or llguidance's Lark with start rule `start`) or a
+    structural tag in xgrammar's format (`structural_tag`, a dict or JSON string: free text with
+    constrained tagged regions, which is how tool calls are constrained; see
+    `paged_backend.structural_tags`).
     `disable_any_whitespace` makes JSON compact: small models may otherwise emit whitespace
     between tokens for a long time."""
 
@@ -134,15 +134,17 @@ class GrammarCache:
         self.stop_token_ids = stop_token_ids
         self._vocab_size = vocab_size
         self._tokenizer = tokenizer
+        self._grammar_tokenizer = GrammarTokenizer(tokenizer, vocab_size, stop_token_ids)
         self._first_tokens: dict[str, int] = {}
-        self._compiled: OrderedDict[tuple, tuple[xgr.CompiledGrammar, _Shortest]] = OrderedDict()
+        self._compiled: OrderedDict[tuple, tuple[llguidance.LLMatcher, _Shortest]] = OrderedDict()
         self._lock = threading.Lock()  # guards only the dict: compiles may run concurrently
 
-    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        """The compiled grammar of `params`; raises ValueError if the spec is invalid."""
+    def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """The compiled grammar of `params` (a matcher at its start, never advanced: each
+        sequence gets a copy); raises ValueError if the spec is invalid."""
         return self._entry(params)[0]
 
-    def _entry(self, params: StructuredOutputsParams) -> tuple[xgr.CompiledGrammar, _Shortest]:
+    def _entry(self, params: StructuredOutputsParams) -> tuple[llguidance.LLMatcher, _Shortest]:
         """The compiled grammar of `params` and the shortest completion of its start (text and
         token ids, or None where the search gave up), both once per spec."""
         with self._lock:
@@ -151,7 +153,8 @@ class GrammarCache:
                 self._compiled.move_to_end(params.key)
                 return entry
         compiled = self._compile(*params.key)
-        text = self._finder.find(_xgrammar().GrammarMatcher(compiled), thorough=True)
+        start = GrammarMatcher(compiled.deep_copy(), self._grammar_tokenizer, self.stop_token_ids)
+        text = self._finder.find(start, thorough=True)
         entry = (compiled, None if text is None else (text, self._finder.tokens(text)))
         with self._lock:
             self._compiled[params.key] = entry
@@ -159,43 +162,21 @@ class GrammarCache:
                 self._compiled.popitem(last=False)
         return entry
 
-    @cached_property
-    def _info(self) -> xgr.TokenizerInfo:
-        # `vocab_size` is the model's: ids the tokenizer does not know are never allowed.
-        return _xgrammar().TokenizerInfo.from_huggingface(
-            self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self.stop_token_ids
-        )
-
-    @cached_property
-    def _compiler(self) -> xgr.GrammarCompiler:
-        return _xgrammar().GrammarCompiler(self._info)
-
-    def _compile(self, kind: str, spec: str, compact: bool) -> xgr.CompiledGrammar:
+    def _compile(self, kind: str, spec: str, compact: bool) -> llguidance.LLMatcher:
+        llg = llguidance_module()
         try:
-            if kind in ("json", "json_object"):
-                grammar = _xgrammar().Grammar.from_json_schema(
-                    spec if kind == "json" else _ANY_OBJECT_SCHEMA,
-                    any_whitespace=not compact,
-                    max_whitespace_cnt=None if compact else MAX_WHITESPACE_RUN,
-                )
-                return self._compiler.compile_grammar(json_ebnf(grammar))
-            if kind == "regex":
-                return self._compiler.compile_regex(spec)
-            if kind == "structural_tag":  # tool calls: JSON inside tags, its numbers bounded too
-                grammar = _xgrammar().Grammar.from_structural_tag(spec)
-                return self._compiler.compile_grammar(json_ebnf(grammar))
-            if kind == "choice":
-                # JSON string literals are valid EBNF string literals.
-                alternatives = (jsonlib.dumps(c, ensure_ascii=False) for c in jsonlib.loads(spec))
-                return self._compiler.compile_grammar("root ::= " + " | ".join(alternatives))
-            return self._compiler.compile_grammar(spec)
-        except RuntimeError as exc:  # xgrammar reports every invalid spec this way
-            raise ValueError(f"invalid structured_outputs.{kind}: {_clean(exc)}") from None
+            grammar = _grammar(llg, kind, spec, compact)
+        except ValueError as exc:
+            raise ValueError(f"invalid structured_outputs.{kind}: {exc}") from None
+        matcher = llg.LLMatcher(self._grammar_tokenizer.ll, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"invalid structured_outputs.{kind}: {_clean(matcher.get_error())}")
+        return matcher
 
     @cached_property
     def _finder(self) -> CompletionFinder:
         return CompletionFinder(
-            self._info.decoded_vocab,
+            self._grammar_tokenizer.decoded_vocab,
             self._vocab_size,
             lambda text: self._tokenizer.encode(text, add_special_tokens=False),
         )
@@ -214,7 +195,7 @@ class GrammarCache:
         shortest = self._entry(params)[1]
         return None if shortest is None else BudgetGuard(self._finder, *shortest)
 
-    def forced_token(self, matcher: xgr.GrammarMatcher) -> int | None:
+    def forced_token(self, matcher: GrammarMatcher) -> int | None:
         """The first token of the text the grammar forces next (a key, `": "`, a closing
         bracket), as the tokenizer would write it; None when the grammar leaves a choice.
         Constrained models otherwise spell forced keys in odd fragments ("s", "et", "u",
@@ -229,77 +210,60 @@ class GrammarCache:
                 self._first_tokens[forced] = token
         return token
 
-    def matcher(
-        self, params: StructuredOutputsParams, stop_token_ids: list[int]
-    ) -> xgr.GrammarMatcher:
+    def matcher(self, params: StructuredOutputsParams, stop_token_ids: list[int]) -> GrammarMatcher:
         """A fresh matcher whose grammar ends with EOS or one of the request's stop tokens."""
         extra = [t for t in stop_token_ids if t not in self.stop_token_ids]
-        return _xgrammar().GrammarMatcher(
-            self.compile(params), override_stop_tokens=self.stop_token_ids + extra
+        return GrammarMatcher(
+            self.compile(params).deep_copy(), self._grammar_tokenizer, self.stop_token_ids + extra
         )
 
 
-def json_ebnf(grammar: xgr.Grammar) -> str:
-    """`grammar` (xgrammar's JSON rules inside) as EBNF text, corrected where xgrammar's rules
-    let a model write JSON that does not parse or loop without end:
-    - the digit runs of its number rules are bounded: `[0-9]*` after a leading digit and
-      `digits{1, -1}` (fraction, exponent) get `MAX_NUMBER_DIGITS` at most;
-    - the characters of a string with a length bound exclude control characters, which JSON
-      strings may hold only escaped (xgrammar's rule excludes only `"`, `\\`, CR and LF);
-    - U+0080-U+00FF are written `\\u00HH`: xgrammar prints them `\\xHH` but reads `\\x` with
-      every hex digit that follows (`"\\xe9a"`, printed for "éa", reads as U+0E9A).
-      Compiling the Grammar object itself goes through the same printer and is wrong alike."""
-    text = re.sub(
-        r"\\(\\|x([0-9a-fA-F]{2}))",
-        lambda m: m[0] if m[1] == "\\" else "\\u00" + m[2],
-        str(grammar),
-    )
-    text = text.replace(_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER)
-    rules = []
-    for rule in text.splitlines():
-        if rule.startswith(("basic_number", "basic_integer")):
-            rule = rule.replace("[0-9]*", f"[0-9]{{0, {MAX_NUMBER_DIGITS - 1}}}")
-            rule = rule.replace("{1, -1}", f"{{1, {MAX_NUMBER_DIGITS}}}")
-        rules.append(rule)
-    return "\n".join(rules)
+def _grammar(llg, kind: str, spec: str, compact: bool) -> str:
+    """llguidance's grammar text for a spec (`StructuredOutputsParams.key`)."""
+    if kind in ("json", "json_object"):
+        schema = jsonlib.loads(spec) if kind == "json" else {"type": "object"}
+        return llg.LLMatcher.grammar_from_json_schema(
+            bounded_schema(schema), overrides=compile_options(compact)
+        )
+    if kind == "regex":  # \d, \w and \s are ASCII, as xgrammar and JSON schema read them
+        return llg.LLMatcher.grammar_from_lark(f"start: /{llg.regex_to_lark(spec, 'dws')}/")
+    if kind == "choice":  # JSON string literals are valid Lark string literals
+        choices = (jsonlib.dumps(c, ensure_ascii=False) for c in jsonlib.loads(spec))
+        return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(choices))
+    if kind == "structural_tag":
+        try:
+            tag = jsonlib.loads(spec)
+        except ValueError as exc:
+            raise ValueError(f"not valid JSON: {exc}") from None
+        return llg.LLMatcher.grammar_from_lark(structural_tag_lark(tag, compact))
+    try:  # EBNF in GBNF's / xgrammar's syntax (start rule `root`), or Lark (start rule `start`)
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        return llg.LLMatcher.grammar_from_lark(any_to_lark(spec))
+    except Exception as exc:  # the converter raises what its parser meets
+        raise ValueError(str(exc)) from None
 
 
-_BOUNDED_STRING_CHARACTER = r"[^\"\\\r\n]"
-_JSON_STRING_CHARACTER = r"[^\0-\u001f\"\\]"
-
-
-def _xgrammar():
-    try:
-        import xgrammar
-    except ImportError:
-        raise ImportError(
-            "structured output (structured_outputs, tool calls, with_structured_output) needs "
-            "xgrammar: pip install 'paged-backend[structured]'"
-        ) from None
-    return xgrammar
-
-
-def _clean(exc: RuntimeError) -> str:
-    """xgrammar's message without its C++ log prefix ("[10:38:29] /project/cpp/x.cc:94: ")."""
-    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip())
+def _clean(message: str) -> str:
+    """llguidance's first line, which says what is wrong (the rest is parser state)."""
+    return message.strip().splitlines()[0] if message.strip() else "rejected by llguidance"
 
 
 @torch.inference_mode()  # the model's logits are inference tensors: in place only in here
 def apply_grammar_bitmask(
     logits: torch.Tensor,
     rows: list[int],
-    matchers: list[xgr.GrammarMatcher],
+    matchers: list[GrammarMatcher],
     forced_tokens: list[int | None] | None = None,
 ) -> None:
     """Set to -inf, in place, the logits of `rows` that their matcher does not allow; other rows
     are not touched. `logits` is as wide as the model's vocabulary. A row's allowed forced token
     (`GrammarCache.forced_token`), when given, is the only one left.
 
-    The bitmask is unpacked with numpy and applied with `masked_fill_` rather than with xgrammar's
-    `apply_token_bitmask_inplace`: its CPU kernel took 5.3 ms for 32 rows of 49152 where this
-    takes 1.6 ms (masks recorded from a JSON-schema batch)."""
+    The bitmask is unpacked with numpy and applied with `masked_fill_`: 1.6 ms for 32 rows of
+    49152, where xgrammar's CPU kernel took 5.3 ms (masks recorded from a JSON-schema batch)."""
     vocab = logits.shape[1]
-    bitmask = _xgrammar().allocate_token_bitmask(len(rows), vocab)
+    bitmask = allocate_bitmask(len(rows), vocab)
     for i, matcher in enumerate(matchers):
         matcher.fill_next_token_bitmask(bitmask, i)
     # Bit t of a row is bit t % 8 of byte t // 8 on a little-endian host: bitorder="little".

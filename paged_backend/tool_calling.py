@@ -12,7 +12,7 @@ gets the tools and the history as they are. Any other template (SmolLM2's has no
 gets the tools described in the system message, earlier calls written into the assistant turns
 in the same format, and tool results as user turns inside `<tool_response>` tags.
 
-The call format is enforced by constrained decoding with an xgrammar structural tag: once the
+The call format is enforced by constrained decoding with a structural tag: once the
 model writes `<tool_call>`, only a call of one of the tools with arguments valid for its schema
 can follow. With a required or named tool choice the whole output is such calls.
 """

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from paged_backend import LLM, SamplingParams, StructuredOutputsParams
 
-pytest.importorskip("xgrammar")
+pytest.importorskip("llguidance")
 
 LEAVES = st.one_of(
     st.just({"type": "string"}),

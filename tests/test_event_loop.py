@@ -21,7 +21,7 @@ ENGINE_ARGS = dict(dtype="float32", num_kv_blocks=64)
 TICK_S = 0.005
 # The largest heartbeat gaps allowed. Off the loop, what is left are C calls that hold the GIL
 # in the worker thread: loading the tokenizer (Rust, 70-330 ms on the busy 2-core test machine)
-# and xgrammar's tokenizer tables (~50 ms). On the loop (the old code) the engine start below
+# and llguidance's tokenizer tables. On the loop (the old code) the engine start below
 # stalled it 510-680 ms, and a first structured request 500 ms.
 MAX_START_GAP_S = 0.4
 MAX_COMPILE_GAP_S = 0.2

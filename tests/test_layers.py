@@ -34,7 +34,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # What a request is, asks for and gets back; helpers everything uses.
     "core data": (
         *("errors", "outputs", "file_cache", "metrics", "block_pool", "request"),
-        *("sampling_params", "completion", "structured_output", "tool_calling"),
+        *("sampling_params", "grammar_matcher", "json_bounds", "structural_tags"),
+        *("completion", "structured_output", "tool_calling"),
         *("chat_template", "chat_formats", "detokenizer"),
     ),
     # Compute: the C library, its ops and linears (cpu/), every attention path (attention/).

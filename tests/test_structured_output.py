@@ -15,12 +15,8 @@ from conftest import make_tiny_model
 from pydantic import BaseModel, ConfigDict, Field
 
 from paged_backend import LLM, AsyncEngine, SamplingParams, StructuredOutputsParams
-from paged_backend.structured_output import (
-    MAX_NUMBER_DIGITS,
-    MAX_WHITESPACE_RUN,
-    GrammarCache,
-    apply_grammar_bitmask,
-)
+from paged_backend.json_bounds import MAX_FRACTION_DIGITS, MAX_INTEGER_DIGITS, MAX_WHITESPACE_RUN
+from paged_backend.structured_output import GrammarCache, apply_grammar_bitmask
 
 try:
     import jsonschema
@@ -335,9 +331,10 @@ def test_equal_specs_share_one_compilation(default_model_path):
     assert cache.compile(compact) is not cache.compile(specs[0])
 
 
-def test_bitmask_matches_xgrammars_kernel_on_constrained_rows_only(default_model_path):
+def test_bitmask_bans_exactly_what_the_matcher_rejects_on_constrained_rows_only(
+    default_model_path,
+):
     import torch
-    import xgrammar as xgr
     from transformers import AutoTokenizer
 
     vocab = 49280  # wider than the tokenizer: the extra ids must be banned too
@@ -348,14 +345,16 @@ def test_bitmask_matches_xgrammars_kernel_on_constrained_rows_only(default_model
     rows = [0, 2, 3]
     with torch.inference_mode():  # as the model runner's logits are
         logits = torch.randn(5, vocab)
-    expected = logits.clone()
-    bitmask = xgr.allocate_token_bitmask(5, vocab)
-    for row, matcher in zip(rows, matchers, strict=True):
-        matcher.fill_next_token_bitmask(bitmask, row)
-    xgr.apply_token_bitmask_inplace(expected, bitmask, indices=rows)
+    before = logits.clone()
     apply_grammar_bitmask(logits, rows, matchers)
-    assert torch.equal(logits, expected)
-    assert torch.isfinite(logits[[1, 4]]).all()
+    assert torch.equal(logits[[1, 4]], before[[1, 4]])
+    for row, matcher in zip(rows, matchers, strict=True):
+        kept = torch.isfinite(logits[row]).nonzero().flatten().tolist()
+        assert torch.equal(logits[row, kept], before[row, kept])
+        assert 0 < len(kept) < 49152
+        probe = [t for t in range(0, 49152, 97)] + kept[:50]  # a sample of both kinds
+        for token in probe:
+            assert matcher.fork().accept_token(token) == (token in kept), token
     assert torch.isinf(logits[rows][:, 49152:]).all()
 
 
@@ -453,10 +452,10 @@ async def test_async_engine_rejects_bad_specs_in_the_callers_thread(wide_model):
         engine.shutdown()
 
 
-def test_without_xgrammar_only_constrained_requests_fail(tiny_model, monkeypatch, one_thread):
-    """xgrammar is the `[structured]` extra: an engine without it serves plain requests and
+def test_without_llguidance_only_constrained_requests_fail(tiny_model, monkeypatch, one_thread):
+    """llguidance is the `[structured]` extra: an engine without it serves plain requests and
     refuses a constrained one at submission, saying what to install."""
-    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` now raises
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # `import llguidance` now raises
     llm = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=16)
     plain = SamplingParams(temperature=0, max_tokens=4)
     assert len(llm.generate("Hello", plain, use_tqdm=False)[0].outputs[0].token_ids) == 4
@@ -474,8 +473,9 @@ NUMBERS = {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItem
 @pytest.mark.parametrize(
     ("compact", "prefix", "run", "limit"),
     [
-        (False, "[1.", "1", MAX_NUMBER_DIGITS),  # a fraction's digits
-        (False, "[1", "2", MAX_NUMBER_DIGITS - 1),  # an integer part's digits after the first
+        (False, "[1.", "1", MAX_FRACTION_DIGITS),  # a fraction's digits
+        (False, "[1", "2", MAX_INTEGER_DIGITS - 1),  # an integer part's digits after the first
+        (False, "[-", "3", MAX_INTEGER_DIGITS),  # a negative number's
         (False, "[", " ", MAX_WHITESPACE_RUN),  # whitespace between two tokens
         (True, "[1, ", " ", 0),  # compact: the separator's one space, no more
     ],
@@ -494,9 +494,9 @@ def test_no_unbounded_run_inside_a_json_value(default_model_path, compact, prefi
 
 @pytest.mark.parametrize("value", ["éa", "ÿ0", "aéF", "ບb", "你好", "😀1"])
 def test_non_ascii_literals_survive_the_grammar_rewrite(default_model_path, value):
-    """xgrammar prints "é" followed by a hex digit as `\\xe9a`, which it reads back as one
-    other character: a schema's non-ASCII enum must still allow exactly its own text, in a
-    JSON schema and inside a tool call."""
+    """A schema's non-ASCII enum allows exactly its own text, in a JSON schema and inside a tool
+    call (xgrammar, the engine's grammar library before llguidance, printed "é" followed by a
+    hex digit as `\\xe9a`, which it read back as one other character)."""
     from transformers import AutoTokenizer
 
     from paged_backend.tool_calling import tool_call_constraint
@@ -530,7 +530,7 @@ def test_no_unbounded_number_inside_a_tool_call(default_model_path):
     for choice in ("auto", "required"):
         matcher = cache.matcher(tool_call_constraint(tools, choice, False), [])
         head = '<tool_call>\n{"name": "f", "arguments": {"x": 1'
-        assert matcher.accept_string(head + "2" * (MAX_NUMBER_DIGITS - 1))
+        assert matcher.accept_string(head + "2" * (MAX_INTEGER_DIGITS - 1))
         assert not matcher.accept_string("2")
         assert matcher.accept_string("}}\n</tool_call>")
 
@@ -547,4 +547,4 @@ def test_a_model_pushed_to_loop_on_digits_still_ends_in_json(tiny_model, one_thr
     text = llm.generate("Numbers:", params, use_tqdm=False)[0].outputs[0].text
     values = json.loads(text)
     assert 1 <= len(values) <= 4
-    assert all(len(part) <= MAX_NUMBER_DIGITS for part in re.findall(r"\d+", text))
+    assert all(len(part) <= MAX_INTEGER_DIGITS for part in re.findall(r"\d+", text))

@@ -1,0 +1,181 @@
+"""A grammar's state for one sequence, on llguidance (the `[structured]` extra).
+
+llguidance is the Rust grammar engine behind vLLM's `guidance` backend and llama.cpp's optional
+constrained decoding; it needs no triton (xgrammar requires it on Linux x86-64, ~1 GB). Its
+`LLMatcher` works on token ids; `GrammarMatcher` adds what the engine and the completion search
+need: forks, text appended as bytes, and stop tokens a request adds to the model's EOS (a grammar
+that may end allows each of them, and taking one ends the grammar as EOS would).
+
+Token bitmasks are int32 rows of `ceil(vocab / 32)` words; bit `t % 32` of word `t // 32`
+allows token `t`. Ids past the tokenizer's vocabulary are never allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    import llguidance
+
+
+def llguidance_module():
+    """llguidance, or an ImportError saying which extra brings it."""
+    try:
+        import llguidance
+    except ImportError:
+        raise ImportError(
+            "structured output (structured_outputs, tool calls, with_structured_output) needs "
+            "llguidance: pip install 'paged-backend[structured]'"
+        ) from None
+    return llguidance
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+class GrammarTokenizer:
+    """One engine's tokenizer as llguidance sees it, built once (~0.5 s) on first use."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self._hf = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self._ll: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()  # two threads must not build it twice
+
+    @property
+    def ll(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._ll is None:
+                self._ll = self._build()
+            return self._ll
+
+    def _build(self) -> llguidance.LLTokenizer:
+        """llguidance's tables for the tokenizer, built in three calls that each hold the GIL
+        ~0.1 s; built in one (`llguidance.hf.from_tokenizer`), they held it 0.25-0.33 s and
+        stalled an event loop in another thread that long:
+        - each token's bytes, read by llguidance from the tokenizer's JSON without the BPE
+          merges (~50k), whose parsing took half the time;
+        - the tables from those bytes, with this tokenizer's own `encode` (merges and all:
+          llguidance spells forced text in the tokenizer's canonical tokens);
+        - the vocabulary slices that make masks fast."""
+        llg = llguidance_module()
+        backend = getattr(self._hf, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(
+                "structured output needs a fast (Rust) tokenizer; this model's is "
+                f"{type(self._hf).__name__}"
+            )
+        spec = json.loads(backend.to_str())
+        spec["padding"] = spec["truncation"] = None
+        if spec["model"].get("type") == "BPE":
+            spec["model"]["merges"] = []
+        spelling = llg.LLTokenizer(json.dumps(spec), n_vocab=self.vocab_size, slices=[])
+        tables = llg.LLTokenizer(
+            llg.TokenizerWrapper(_Vocabulary(spelling, self._hf, self.stop_token_ids)),
+            n_vocab=self.vocab_size,
+            eos_token=self.stop_token_ids,
+            slices=[],
+        )
+        return tables.with_slices(llg.LLTokenizer.general_slices())
+
+    @cached_property
+    def decoded_vocab(self) -> list[bytes]:
+        """Each token id's bytes (b"" for special tokens and ids past the tokenizer)."""
+        ll = self.ll
+        return [
+            b"" if ll.is_special_token(t) else ll.decode_bytes([t]) for t in range(ll.vocab_size)
+        ] + [b""] * (self.vocab_size - ll.vocab_size)
+
+    def encode_bytes(self, text: bytes) -> list[int]:
+        return self.ll.tokenize_bytes(text)
+
+
+class _Vocabulary:
+    """A tokenizer as llguidance's `TokenizerWrapper` reads one."""
+
+    def __init__(self, spelling: llguidance.LLTokenizer, tokenizer, stop_token_ids: list[int]):
+        size = spelling.vocab_size
+        self.tokens = [spelling.decode_bytes([t]) for t in range(size)]
+        self.special_token_ids = [t for t in range(size) if spelling.is_special_token(t)]
+        self.eos_token_id = stop_token_ids[0]
+        self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: bytes) -> list[int]:
+        return self._tokenizer.encode(text.decode("utf-8", "replace"), add_special_tokens=False)
+
+
+class GrammarMatcher:
+    """A sequence's position in its grammar. `stop_token_ids` end the grammar where it may end:
+    the model's EOS ids (the tokenizer's) and the request's own."""
+
+    def __init__(
+        self,
+        matcher: llguidance.LLMatcher,
+        tokenizer: GrammarTokenizer,
+        stop_token_ids: list[int],
+    ) -> None:
+        self._m = matcher
+        self._tok = tokenizer
+        self.stop_token_ids = stop_token_ids
+        self._extra_stops = [t for t in stop_token_ids if t not in tokenizer.stop_token_ids]
+        self._ended = False  # a stop token was taken
+
+    def fork(self) -> GrammarMatcher:
+        fork = GrammarMatcher(self._m.deep_copy(), self._tok, self.stop_token_ids)
+        fork._ended = self._ended
+        return fork
+
+    def accept_token(self, token: int) -> bool:
+        """Advance past `token`; False, and no change, if the grammar forbids it."""
+        if token in self.stop_token_ids:
+            if not self._m.is_accepting():
+                return False
+            self._ended = self._m.consume_token(
+                self._tok.stop_token_ids[0] if token in self._extra_stops else token
+            )
+            return self._ended
+        return self._consume([token])
+
+    def accept_string(self, text: str | bytes) -> bool:
+        """Advance past `text`; False, and no change, if the grammar forbids it."""
+        data = text.encode() if isinstance(text, str) else text
+        return not data or self._consume(self._tok.encode_bytes(data))
+
+    def _consume(self, tokens: list[int]) -> bool:
+        # A rejected token would leave llguidance's matcher in its error state for good.
+        return self._m.validate_tokens(tokens) == len(tokens) and self._m.consume_tokens(tokens)
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        words = bitmask[row]
+        self._m.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        if self._extra_stops and self._m.is_accepting():
+            for token in self._extra_stops:
+                words[token // 32] |= _bit(token % 32)
+
+    def find_jump_forward_string(self) -> str:
+        """The text the grammar forces next ("" when it leaves a choice), cut before a
+        character it forces only in part."""
+        return self._m.compute_ff_bytes().decode("utf-8", "ignore")
+
+    def is_completed(self) -> bool:
+        """Whether the grammar may end here (a stop token is allowed)."""
+        return self._m.is_accepting()
+
+    def is_terminated(self) -> bool:
+        """Whether the grammar took its stop token: nothing may follow. (Where the grammar
+        cannot go on, as after a top-level string's closing quote, only a stop token may
+        follow, and it has not ended yet.)"""
+        return self._ended
+
+
+def _bit(i: int) -> int:
+    """Bit `i` of an int32 word, as the signed value torch stores."""
+    return (1 << i) - (1 << 32) if i == 31 else 1 << i
