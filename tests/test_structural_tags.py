@@ -14,8 +14,12 @@ from paged_backend.structured_output import GrammarCache
 pytest.importorskip("llguidance")
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-TAG = {"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": SCHEMA},
-       "end": "</f>"}  # fmt: skip
+TAG = {
+    "type": "tag",
+    "begin": "<f>",
+    "content": {"type": "json_schema", "json_schema": SCHEMA},
+    "end": "</f>",
+}
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +56,17 @@ TRIGGERED = {"type": "triggered_tags", "triggers": ["<f>"], "tags": [TAG]}
             {"type": "tags_with_separator", "tags": [TAG], "separator": "\n", "at_least_one": True},
             '<f>{"n": 1}</f>\n<f>{"n": 2}</f>',
             True,
-        ),  # fmt: skip
+        ),
         (
             {"type": "tags_with_separator", "tags": [TAG], "separator": "\n", "at_least_one": True},
             "",
             False,
-        ),  # fmt: skip
+        ),
         (
             {"type": "tag", "begin": "<t>", "content": {"type": "any_text"}, "end": "</t>"},
             "<t>anything at all</t>",
             True,
-        ),  # fmt: skip
+        ),
         (
             {
                 "type": "sequence",
@@ -73,7 +77,7 @@ TRIGGERED = {"type": "triggered_tags", "triggers": ["<f>"], "tags": [TAG]}
             },
             "A:42",
             True,
-        ),  # fmt: skip
+        ),
         (
             {
                 "type": "or",
@@ -84,7 +88,7 @@ TRIGGERED = {"type": "triggered_tags", "triggers": ["<f>"], "tags": [TAG]}
             },
             "z",
             False,
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_structural_tag_formats(cache, fmt, text, ok):
@@ -111,7 +115,7 @@ def test_vllms_older_form_is_a_triggered_tag(cache):
         (
             {"type": "tag", "begin": "<f>", "content": {"type": "const_string"}, "end": ""},
             "value must be a string",
-        ),  # fmt: skip
+        ),
         ({"type": "sequence", "elements": [{"type": "any_text"}, TAG]}, "any_text"),
     ],
 )
