@@ -25,9 +25,11 @@ DOCS = ROOT / "docs"
 EXPECTED = {
     "paged-backend generate": r"\w{3}",
     "paged-backend chat": r"\w{3}",
-    "python examples/langchain_rag.py": r"\[asked again\] [1-9]\d* of \d+ prompt tokens came "
-    r"from the prefix cache",
-    "python examples/llamaindex_rag.py": r"prefix-cache hit rate [1-9]\d*%",
+    # The RAG examples: the retrieved context, then the answer, then the prefix cache's share.
+    "python examples/langchain_rag.py": r"\[context\] \S(.|\n)*A: \S(.|\n)*\[asked again\] "
+    r"[1-9]\d* of \d+ prompt tokens came from the prefix cache",
+    "python examples/llamaindex_rag.py": r"\[context\] \w+ \(\d\.\d\d\): \S(.|\n)*A: \S(.|\n)*"
+    r"prefix-cache hit rate [1-9]\d*%",
     "python examples/tool_calling.py": r"call get_weather\(\{'city': 'Oslo'\}\) -> Oslo: light "
     r"snow(.|\n)*call add\(\{'a': 17, 'b': 25\}\) -> 42",
     "python examples/benchmark.py": r"\[rag\]\s+ours .* tok/s(.|\n)*ours \d+\.\dx",

