@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from paged_backend.completion import BudgetGuard, CompletionFinder
+from paged_backend.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -130,7 +131,7 @@ class GrammarCache:
     """Compiles specs for one engine's tokenizer and hands out matchers. Thread-safe: callers
     validate requests in their own threads while the engine thread creates matchers."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
         self.stop_token_ids = stop_token_ids
         self._vocab_size = vocab_size
         self._tokenizer = tokenizer
@@ -163,7 +164,7 @@ class GrammarCache:
     def _info(self) -> xgr.TokenizerInfo:
         # `vocab_size` is the model's: ids the tokenizer does not know are never allowed.
         return _xgrammar().TokenizerInfo.from_huggingface(
-            self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self.stop_token_ids
+            self._tokenizer.hf, vocab_size=self._vocab_size, stop_token_ids=self.stop_token_ids
         )
 
     @cached_property
