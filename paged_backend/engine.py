@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from paged_backend import metrics
-from paged_backend.chat_formats import load_tokenizer
 from paged_backend.chat_template import apply_chat_template, check_chat_messages
 from paged_backend.config import EngineConfig
 from paged_backend.detokenizer import IncrementalDetokenizer
@@ -28,6 +27,7 @@ from paged_backend.sampler import Sampler, to_logprob_dict
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.scheduler import Scheduler
 from paged_backend.structured_output import GrammarCache
+from paged_backend.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 PromptType = str | Sequence[int]
@@ -68,7 +68,9 @@ def check_prompt_text(prompt: str) -> None:
         raise ValueError("prompt must be a non-empty string or token id list, got ''")
 
 
-def tokenize_prompt(tokenizer, prompt: PromptType, add_special_tokens: bool = True) -> list[int]:
+def tokenize_prompt(
+    tokenizer: Tokenizer, prompt: PromptType, add_special_tokens: bool = True
+) -> list[int]:
     """A prompt's token ids: text tokenized, token ids as given (`LLMEngine.validate`, which
     every entry runs, checks them). Bytes are refused: `b"hi"` would read as token ids."""
     if isinstance(prompt, str):
@@ -79,9 +81,7 @@ def tokenize_prompt(tokenizer, prompt: PromptType, add_special_tokens: bool = Tr
             raise ValueError(
                 f"prompt is not valid Unicode text: {exc.reason} at position {exc.start}"
             ) from None
-        # verbose=False: past the tokenizer's model_max_length transformers would warn of
-        # "indexing errors"; the engine's own limit, max_model_len, is checked in `validate`.
-        return tokenizer(prompt, add_special_tokens=add_special_tokens, verbose=False).input_ids
+        return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     if isinstance(prompt, Sequence) and not isinstance(prompt, _BYTES):
         return list(prompt)
     hint = " (decode bytes to a str first)" if isinstance(prompt, _BYTES) else ""
@@ -113,7 +113,7 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model, config.revision)
         self.model_name = model_name(config.model)
         self.model_config = ModelConfig.from_dir(self.model_path, config.model_impl)
-        self.tokenizer = load_tokenizer(self.model_path, config.chat_template)
+        self.tokenizer = Tokenizer(self.model_path, config.chat_template)
         self.max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
         with torch_threads(config.num_threads):  # kernel timing and warm-up run as steps do
             self.runner = ModelRunner(

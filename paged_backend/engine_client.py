@@ -62,7 +62,7 @@ class EngineClient(ABC, Generic[H]):
     request; subclasses set `tokenizer`, `model_name`, `max_model_len`, `_tokenizer_lock` and
     `_closed`."""
 
-    tokenizer: Any  # a transformers tokenizer
+    tokenizer: Any  # paged_backend.tokenizer.Tokenizer
     model_name: str
     max_model_len: int
     _tokenizer_lock: threading.Lock

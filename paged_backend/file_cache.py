@@ -9,6 +9,7 @@ others may write to it (anyone who can write there could run code in our process
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import sys
 from collections.abc import Iterator
@@ -46,6 +47,26 @@ def locked(name: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def read_checked(path: Path) -> bytes | None:
+    """What `write_checked` stored at `path`; None where there is no such file or its content no
+    longer matches the digest stored with it (cut short, overwritten): the caller rebuilds it
+    rather than trust it."""
+    try:
+        digest, _, data = path.read_bytes().partition(b"\n")
+    except OSError:
+        return None
+    return data if digest == hashlib.sha256(data).hexdigest().encode() else None
+
+
+def write_checked(path: Path, data: bytes) -> None:
+    """Store `data` at `path` (under `cache_dir()`) after its sha256, atomically: a reader sees
+    the whole file or none, and `read_checked` refuses one that changed afterwards."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(hashlib.sha256(data).hexdigest().encode() + b"\n" + data)
+    os.replace(tmp, path)
 
 
 _shown: set[str] = set()  # the `once` keys of the notices this process printed

@@ -22,6 +22,8 @@ import torch
 if TYPE_CHECKING:
     import llguidance
 
+    from paged_backend.tokenizer import Tokenizer
+
 
 def llguidance_module():
     """llguidance, or an ImportError saying which extra brings it."""
@@ -42,8 +44,8 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 class GrammarTokenizer:
     """One engine's tokenizer as llguidance sees it, built once (~0.5 s) on first use."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
-        self._hf = tokenizer
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._ll: llguidance.LLTokenizer | None = None
@@ -66,19 +68,16 @@ class GrammarTokenizer:
           llguidance spells forced text in the tokenizer's canonical tokens);
         - the vocabulary slices that make masks fast."""
         llg = llguidance_module()
-        backend = getattr(self._hf, "backend_tokenizer", None)
+        backend = self._tokenizer.backend_tokenizer
         if backend is None:
-            raise ValueError(
-                "structured output needs a fast (Rust) tokenizer; this model's is "
-                f"{type(self._hf).__name__}"
-            )
+            raise ValueError("structured output needs a fast (Rust) tokenizer; this model has none")
         spec = json.loads(backend.to_str())
         spec["padding"] = spec["truncation"] = None
         if spec["model"].get("type") == "BPE":
             spec["model"]["merges"] = []
         spelling = llg.LLTokenizer(json.dumps(spec), n_vocab=self.vocab_size, slices=[])
         tables = llg.LLTokenizer(
-            llg.TokenizerWrapper(_Vocabulary(spelling, self._hf, self.stop_token_ids)),
+            llg.TokenizerWrapper(_Vocabulary(spelling, self._tokenizer, self.stop_token_ids)),
             n_vocab=self.vocab_size,
             eos_token=self.stop_token_ids,
             slices=[],
@@ -105,7 +104,7 @@ class _Vocabulary:
         self.tokens = [spelling.decode_bytes([t]) for t in range(size)]
         self.special_token_ids = [t for t in range(size) if spelling.is_special_token(t)]
         self.eos_token_id = stop_token_ids[0]
-        self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
+        self.bos_token_id = None  # llguidance reads it for prompts, which it never sees here
         self._tokenizer = tokenizer
 
     def __call__(self, text: bytes) -> list[int]:

@@ -23,6 +23,7 @@ MAX_INTEGER_DIGITS = 15
 MAX_FRACTION_DIGITS = 10  # llguidance takes `multipleOf` down to 1e-10 exactly
 
 _LIMIT = 10**MAX_INTEGER_DIGITS - 1
+_MIN_WIDTH = 1e-6
 _ANY_NAME = "paged_backend_any_value"
 _ANY = {"$ref": f"#/$defs/{_ANY_NAME}"}
 _ANNOTATIONS = {
@@ -96,9 +97,12 @@ def _bound_number(node: dict) -> dict:
     low, high = node.get("minimum"), node.get("maximum")
     if (low is not None and low > _LIMIT) or (high is not None and high < -_LIMIT):
         return node  # the schema asks for numbers beyond the bound: its own range stands
-    node["minimum"] = -_LIMIT if low is None else max(low, -_LIMIT)
-    node["maximum"] = _LIMIT if high is None else min(high, _LIMIT)
+    node["minimum"] = low = -_LIMIT if low is None else max(low, -_LIMIT)
+    node["maximum"] = high = _LIMIT if high is None else min(high, _LIMIT)
     types = node["type"]
-    if "number" in ([types] if isinstance(types, str) else types) and "multipleOf" not in node:
+    # A range narrower than this pins the value already; llguidance checks `multipleOf` against
+    # it in binary floating point, and [32.12, 32.12] would hold no multiple of 1e-10.
+    number = "number" in ([types] if isinstance(types, str) else types)
+    if number and "multipleOf" not in node and high - low > _MIN_WIDTH:
         node["multipleOf"] = 10.0**-MAX_FRACTION_DIGITS
     return node

@@ -21,7 +21,8 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        """The model's transformers tokenizer (loaded now if no chat loaded it before)."""
+        return self.engine.tokenizer.hf
 
     def generate(
         self,

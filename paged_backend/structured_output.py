@@ -29,6 +29,7 @@ from paged_backend.grammar_matcher import (
 )
 from paged_backend.json_bounds import bounded_schema, compile_options
 from paged_backend.structural_tags import structural_tag_lark
+from paged_backend.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import llguidance
@@ -130,7 +131,7 @@ class GrammarCache:
     """Compiles specs for one engine's tokenizer and hands out matchers. Thread-safe: callers
     validate requests in their own threads while the engine thread creates matchers."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
         self.stop_token_ids = stop_token_ids
         self._vocab_size = vocab_size
         self._tokenizer = tokenizer

@@ -4,6 +4,8 @@ to run unless `--seed` is given; `--help` shows every flag's default."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -101,3 +103,17 @@ def test_chat_message_prints_a_reply(capsys, tiny_model, one_thread):
     args = ["chat", "--model", str(tiny_model), "--message", "Hello", "--max-tokens", "8"]
     assert main([*args, "--temperature", "0"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_the_command_exits_with_mains_code_and_output(tmp_path, tiny_model):
+    """The command leaves the process at once after `main` (`entry`): its output and exit code
+    must come out whole all the same."""
+    command = [sys.executable, "-m", "paged_backend.cli", "generate", "Once upon"]
+    ok = subprocess.run(
+        [*command, "--model", str(tiny_model), "--max-tokens", "4", "--seed", "1"],
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0 and ok.stdout.endswith("\n"), ok.stderr  # its last write
+    bad = subprocess.run([*command, "--model", str(tmp_path / "nope")], capture_output=True)
+    assert bad.returncode == 2 and bad.stderr.decode().startswith("error: ")

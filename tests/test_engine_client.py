@@ -17,8 +17,8 @@ from paged_backend.engine_client import EngineClient, PreparedRequest, RequestSt
 
 
 class _Tokenizer:
-    def __call__(self, text: str, add_special_tokens: bool = True, verbose: bool = True):
-        return type("Encoding", (), {"input_ids": [ord(c) for c in text]})()
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
 
 
 @dataclass

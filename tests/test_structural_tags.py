@@ -143,6 +143,8 @@ def test_a_schemas_own_bounds_stand(cache):
     assert _accepts(cache, big, str(10**17 + 7))
     tight = StructuredOutputsParams(json={"type": "number", "minimum": 0, "maximum": 1})
     assert _accepts(cache, tight, "0.25") and not _accepts(cache, tight, "2")
+    pinned = StructuredOutputsParams(json={"type": "number", "minimum": 32.12, "maximum": 32.12})
+    assert _accepts(cache, pinned, "32.12")  # no room for the fraction bound's multipleOf
     halves = StructuredOutputsParams(json={"type": "number", "multipleOf": 0.5})
     assert _accepts(cache, halves, "2.5") and not _accepts(cache, halves, "2.25")
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from paged_backend import LLM, AsyncEngine, SamplingParams, StructuredOutputsParams
 from paged_backend.json_bounds import MAX_FRACTION_DIGITS, MAX_INTEGER_DIGITS, MAX_WHITESPACE_RUN
 from paged_backend.structured_output import GrammarCache, apply_grammar_bitmask
+from paged_backend.tokenizer import Tokenizer
 
 try:
     import jsonschema
@@ -308,9 +309,7 @@ def test_sampling_params_takes_only_structured_outputs_params():
 
 
 def test_equal_specs_share_one_compilation(default_model_path):
-    from transformers import AutoTokenizer
-
-    cache = GrammarCache(AutoTokenizer.from_pretrained(default_model_path), 49152, [2])
+    cache = GrammarCache(Tokenizer(default_model_path), 49152, [2])
     schema = Person.model_json_schema()
     specs = [
         StructuredOutputsParams(json=schema),
@@ -335,10 +334,9 @@ def test_bitmask_bans_exactly_what_the_matcher_rejects_on_constrained_rows_only(
     default_model_path,
 ):
     import torch
-    from transformers import AutoTokenizer
 
     vocab = 49280  # wider than the tokenizer: the extra ids must be banned too
-    cache = GrammarCache(AutoTokenizer.from_pretrained(default_model_path), vocab, [2])
+    cache = GrammarCache(Tokenizer(default_model_path), vocab, [2])
     matchers = [cache.matcher(StructuredOutputsParams(json=Person), []) for _ in range(3)]
     matchers[1].accept_string('{"name": "Al')  # inside a string: most tokens allowed
     matchers[2].accept_string('{"name": "Al", "age": 1')
@@ -483,9 +481,7 @@ NUMBERS = {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItem
 def test_no_unbounded_run_inside_a_json_value(default_model_path, compact, prefix, run, limit):
     """The grammar itself ends a number or a whitespace run: a model looping on one cannot
     go on until max_tokens and leave JSON that does not parse."""
-    from transformers import AutoTokenizer
-
-    cache = GrammarCache(AutoTokenizer.from_pretrained(default_model_path), 49152, [2])
+    cache = GrammarCache(Tokenizer(default_model_path), 49152, [2])
     spec = StructuredOutputsParams(json=NUMBERS, disable_any_whitespace=compact)
     matcher = cache.matcher(spec, [])
     assert matcher.accept_string(prefix + run * limit)
@@ -497,11 +493,9 @@ def test_non_ascii_literals_survive_the_grammar_rewrite(default_model_path, valu
     """A schema's non-ASCII enum allows exactly its own text, in a JSON schema and inside a tool
     call (xgrammar, the engine's grammar library before llguidance, printed "é" followed by a
     hex digit as `\\xe9a`, which it read back as one other character)."""
-    from transformers import AutoTokenizer
-
     from paged_backend.tool_calling import tool_call_constraint
 
-    cache = GrammarCache(AutoTokenizer.from_pretrained(default_model_path), 49152, [2])
+    cache = GrammarCache(Tokenizer(default_model_path), 49152, [2])
     literal = json.dumps(value, ensure_ascii=False)
     parameters = {"type": "object", "properties": {"x": {"enum": [value]}}, "required": ["x"]}
     tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
@@ -520,11 +514,9 @@ def test_non_ascii_literals_survive_the_grammar_rewrite(default_model_path, valu
 
 def test_no_unbounded_number_inside_a_tool_call(default_model_path):
     """Tool calls' arguments are JSON inside tags: their numbers are bounded the same way."""
-    from transformers import AutoTokenizer
-
     from paged_backend.tool_calling import tool_call_constraint
 
-    cache = GrammarCache(AutoTokenizer.from_pretrained(default_model_path), 49152, [2])
+    cache = GrammarCache(Tokenizer(default_model_path), 49152, [2])
     parameters = {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}
     tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
     for choice in ("auto", "required"):

@@ -23,7 +23,6 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 
 from paged_backend import metrics
-from paged_backend.chat_formats import load_tokenizer
 from paged_backend.chat_template import apply_chat_template
 from paged_backend.config import EngineConfig
 from paged_backend.distributed.replica import Replica
@@ -37,6 +36,7 @@ from paged_backend.errors import (
 )
 from paged_backend.model_loader import model_name, resolve_model_path
 from paged_backend.outputs import RequestOutput
+from paged_backend.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 # Ray restarts a crashed replica process itself (up to 3 times); a replica that is gone for
@@ -86,7 +86,7 @@ class RayEngine(EngineClient[_Call]):
             ray.init()  # the cluster RAY_ADDRESS or `ray start` runs, else a local one
         self.model_name = model_name(model)
         path = resolve_model_path(model, engine_args.get("revision"))
-        self.tokenizer = load_tokenizer(path, engine_args.get("chat_template"))
+        self.tokenizer = Tokenizer(path, engine_args.get("chat_template"))
         self._tokenizer_lock = threading.Lock()
         self._model, self._engine_args = model, engine_args
         self._actor_class = ray.remote(Replica)

@@ -10,12 +10,23 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 from paged_backend.models.gemma_config import GEMMA_ARCHITECTURES, gemma_fields
 from paged_backend.models.llama_config import LLAMA_ARCHITECTURES, llama_fields, longrope
 from paged_backend.models.transformers_config import layer_windows, transformers_fields
 
 SUPPORTED_ARCHITECTURES = LLAMA_ARCHITECTURES + GEMMA_ARCHITECTURES
+
+
+def plain_llama(raw: dict, arch: str, family: dict | None) -> bool:
+    """Whether transformers' config of this model is its config.json over `LlamaConfig`'s
+    defaults, of which we read one (`tie_word_embeddings`, False): a Llama without LongRoPE
+    (whose factors transformers resolves). Such a config is read without transformers, whose
+    import takes 1-2 s of a start; tests check that both readings agree."""
+    scaling = (family or {}).get("rope_scaling")
+    longrope = scaling is not None and scaling["rope_type"] == "longrope"
+    return arch == "LlamaForCausalLM" and raw.get("model_type") == "llama" and not longrope
 
 
 @dataclass
@@ -130,9 +141,12 @@ class ModelConfig:
         # Llama's rope is read from config.json before transformers reads it, so that a rope
         # type we lack is named even where transformers cannot read the config.
         family = None if arch in GEMMA_ARCHITECTURES else llama_fields(raw, arch, config_file)
-        from transformers import AutoConfig
+        if plain_llama(raw, arch, family):
+            text_config = SimpleNamespace(**{"tie_word_embeddings": False, **raw})
+        else:
+            from transformers import AutoConfig
 
-        text_config = AutoConfig.from_pretrained(config_file.parent).get_text_config()
+            text_config = AutoConfig.from_pretrained(config_file.parent).get_text_config()
         family = family or gemma_fields(text_config, arch, config_file)
         eos = raw.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])

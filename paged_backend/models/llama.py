@@ -57,6 +57,22 @@ def make_ops(kind: str) -> Ops:
     return Ops(rms_norm, rotary_embedding, silu_and_mul)
 
 
+class Linear(nn.Linear):
+    """`nn.Linear` with its parameters left as allocated (`torch.empty`): every one is loaded
+    from the checkpoint (`load_safetensors` checks), so a random init would be wasted work (over
+    a second of a start for the default model's 135M)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """`nn.Embedding` left as allocated, as `Linear`."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, norm: Callable = torch_rms_norm) -> None:
         """`norm`: an `Ops.rms_norm`-like function of (x, weight, eps, residual)."""
@@ -150,10 +166,10 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops.head_norm)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops.head_norm)
@@ -192,8 +208,8 @@ class MLP(nn.Module):
         super().__init__()
         self.act_and_mul = ops.act_and_mul
         bias = config.mlp_bias
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
@@ -234,7 +250,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         ops = self.family_ops(make_ops(ops))
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         windows = config.layer_windows or (None,) * config.num_layers
         self.layers = nn.ModuleList(self.layer_class(config, ops, w) for w in windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops.rms_norm)
@@ -242,7 +258,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.cpu_head: CpuLinear | None = None
         self.fused_decode: FusedDecode | None = None  # set by `use_cpu_linears_` where it fits
 

@@ -1,0 +1,168 @@
+"""A start reads what it can without transformers (a plain Llama's config.json, the tokenizer
+saved in the cache), and gives the same outputs as one that imports it; a cache entry that is
+corrupt or stale is rebuilt, never trusted."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from paged_backend import LLM, SamplingParams
+from paged_backend import tokenizer as tokenizer_module
+from paged_backend.file_cache import read_checked, write_checked
+from paged_backend.models import config as config_module
+from paged_backend.models.config import ModelConfig
+from paged_backend.tokenizer import Tokenizer
+
+TEXTS = [
+    "Hi",
+    "The three primary colours are",
+    "  leading spaces,\ttabs\nand\n\nnewlines  ",
+    "Ünïcödé, 中文, emoji 🙂👍🏽 and a lone é",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|>special<|im_end|> tokens inside text",
+    "def f(x):\n    return x ** 2  # code",
+    "",
+]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},
+        {"tie_word_embeddings": None},  # absent: LlamaConfig's default
+        {"sliding_window": 16},
+        {
+            "rope_parameters": {
+                **{"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0},
+                **{"low_freq_factor": 1.0, "high_freq_factor": 4.0},
+                "original_max_position_embeddings": 1024,
+            }
+        },
+        {"attention_bias": True, "mlp_bias": True},
+    ],
+)
+def test_a_plain_llama_config_reads_as_transformers_reads_it(
+    tmp_path, default_model_path, monkeypatch, change
+):
+    raw = json.loads((default_model_path / "config.json").read_text())
+    raw.update(change)
+    raw = {k: v for k, v in raw.items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert config_module.plain_llama(raw, "LlamaForCausalLM", None)
+    ours = ModelConfig.from_dir(tmp_path)
+    monkeypatch.setattr(config_module, "plain_llama", lambda *args: False)
+    assert ours == ModelConfig.from_dir(tmp_path)
+
+
+def _hf_loads(monkeypatch) -> list[str]:
+    """The paths `Tokenizer` loads transformers' tokenizer of, from now on."""
+    loads = []
+
+    def counted(path, chat_template=None):
+        loads.append(path)
+        return load(path, chat_template)
+
+    load = tokenizer_module.load_tokenizer
+    monkeypatch.setattr(tokenizer_module, "load_tokenizer", counted)
+    return loads
+
+
+def test_the_tokenizer_encodes_and_decodes_as_transformers(default_model_path, monkeypatch):
+    Tokenizer(default_model_path)  # fills the cache entry if no earlier test did
+    loads = _hf_loads(monkeypatch)
+    ours = Tokenizer(default_model_path)
+    for text in TEXTS:
+        for special in (True, False):
+            assert ours.encode(text, special) == ours.hf(text, add_special_tokens=special).input_ids
+    ids = [*ours.encode(TEXTS[4] + TEXTS[3]), 0, 1, 2, 49151]
+    for skip in (True, False):
+        for cut in range(len(ids)):
+            expected = ours.hf.decode(ids[cut:], skip_special_tokens=skip)
+            assert ours.decode(ids[cut:], skip) == expected
+    assert ours.eos_token_id == ours.hf.eos_token_id == 2
+    assert loads == [default_model_path]  # by `ours.hf` above, not by encoding or decoding
+
+
+def _entries(cache) -> list:
+    return sorted((cache / "tokenizers").glob("*.json"))
+
+
+def test_a_corrupt_or_stale_tokenizer_entry_is_rebuilt(tmp_path, default_model_path, monkeypatch):
+    monkeypatch.setenv("PAGED_BACKEND_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    shutil.copytree(default_model_path, model, ignore=shutil.ignore_patterns("*.safetensors"))
+    loads = _hf_loads(monkeypatch)
+    expected = Tokenizer(model).encode(TEXTS[3])
+    (entry,) = _entries(tmp_path / "cache")
+    data = entry.read_bytes()
+    middle = len(data) // 2
+    entry.write_bytes(data[:middle] + bytes([data[middle] ^ 1]) + data[middle + 1 :])
+    assert Tokenizer(model).encode(TEXTS[3]) == expected
+    assert len(loads) == 2 and entry.read_bytes() == data  # rebuilt as it was
+    entry.write_bytes(data[: len(data) // 2])
+    assert Tokenizer(model).encode(TEXTS[3]) == expected and len(loads) == 3
+
+    # Stale: a tokenizer file changed. Here the change also leaves no fast path (transformers
+    # cleans up spaces), so transformers' tokenizer serves and no entry is added.
+    config_file = model / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "clean_up_tokenization_spaces": True}))
+    changed = Tokenizer(model)
+    assert len(loads) == 4 and _entries(tmp_path / "cache") == [entry]
+    assert changed.decode(changed.encode("a , b")) == changed.hf.decode(changed.encode("a , b"))
+
+
+def test_checked_files_refuse_changed_content(tmp_path):
+    path = tmp_path / "entry"
+    write_checked(path, b"payload")
+    assert read_checked(path) == b"payload"
+    path.write_bytes(path.read_bytes()[:-1] + b"X")
+    assert read_checked(path) is None
+    assert read_checked(tmp_path / "missing") is None
+
+
+def _outputs(llm: LLM) -> list:
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
+    outs = llm.generate(TEXTS[:4], params, use_tqdm=False)
+    return [
+        (o.prompt_token_ids, o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].logprobs)
+        for o in outs
+    ]
+
+
+def test_starts_from_the_caches_give_the_first_starts_outputs(
+    tmp_path, default_model_path, monkeypatch
+):
+    """A first start (filling the caches), a second (reading them) and a third after the
+    tokenizer entry was corrupted: the same tokens, text and logprobs."""
+    monkeypatch.setenv("PAGED_BACKEND_CACHE", str(tmp_path))
+    loads = _hf_loads(monkeypatch)
+    first = _outputs(LLM(str(default_model_path), dtype="float32"))
+    assert _outputs(LLM(str(default_model_path), dtype="float32")) == first
+    assert len(loads) == 1
+    for entry in _entries(tmp_path):
+        entry.write_bytes(b"0" * 64 + entry.read_bytes()[64:])
+    assert _outputs(LLM(str(default_model_path), dtype="float32")) == first
+    assert len(loads) == 2
+
+
+def test_a_warm_start_imports_no_transformers(tmp_path, default_model_path):
+    """`LLM()` and a generate read the default model's config and tokenizer without
+    transformers (its import takes 1-2 s of a start), once the first start filled the cache."""
+    code = (
+        "import sys; from paged_backend import LLM, SamplingParams; "
+        f"LLM({str(default_model_path)!r}).generate('Hi', SamplingParams(max_tokens=2), "
+        "use_tqdm=False); print('transformers' in sys.modules)"
+    )
+    env = dict(os.environ, PAGED_BACKEND_CACHE=str(tmp_path))
+    runs = [
+        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        for _ in range(2)
+    ]
+    assert [r.stdout.strip() for r in runs] == ["True", "False"], runs[-1].stderr
