@@ -47,7 +47,9 @@ class SpeculativeConfig:
                 f"speculative_config['method'] must be 'ngram', got {spec.get('method')!r}"
             )
         lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
-        lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
         k = spec.get("num_speculative_tokens")
         _check_int("num_speculative_tokens", k, 1, MAX_SPECULATIVE_TOKENS)
         _check_int("prompt_lookup_min", lo, 1, None)
