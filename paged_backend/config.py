@@ -14,6 +14,58 @@ from paged_backend.cpu.ops import GEMM_MAX_ROWS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODEL_IMPLS = ("auto", "native", "transformers")
+MAX_SPECULATIVE_TOKENS = 32  # more drafts than this only add rejected rows to a step
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Drafting by prompt lookup (vLLM's `ngram` method, with its names): each step, a greedy
+    sequence drafts up to `num_speculative_tokens` tokens that followed an earlier occurrence of
+    its last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`), verified in the
+    same forward. Built from the `speculative_config` dict by `from_dict`, which validates it."""
+
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    method: str = "ngram"
+
+    @classmethod
+    def from_dict(cls, spec: object) -> SpeculativeConfig:
+        """vLLM's defaults: a missing lookup bound takes the other's value; both missing, 5."""
+        if not isinstance(spec, dict):
+            raise ValueError(
+                f"speculative_config must be None or a dict, got {type(spec).__name__}"
+            )
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown keys {unknown}; allowed: {sorted(known)}"
+            )
+        if spec.get("method") != "ngram":
+            raise ValueError(
+                f"speculative_config['method'] must be 'ngram', got {spec.get('method')!r}"
+            )
+        lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        k = spec.get("num_speculative_tokens")
+        _check_int("num_speculative_tokens", k, 1, MAX_SPECULATIVE_TOKENS)
+        _check_int("prompt_lookup_min", lo, 1, None)
+        _check_int("prompt_lookup_max", hi, lo, None)
+        return cls(k, lo, hi)
+
+
+def _check_int(name: str, value: object, low: int, high: int | None) -> None:
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or value < low
+        or (high is not None and value > high)
+    ):
+        allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"speculative_config['{name}'] must be an int {allowed}, got {value!r}")
 
 
 @dataclass
@@ -53,9 +105,16 @@ class EngineConfig:
     model_impl: str = "auto"
     # A Jinja chat template that wins over the model's own and its family's (chat_formats).
     chat_template: str | None = None
+    # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
+    # "prompt_lookup_max": b} (vLLM's), or a SpeculativeConfig; None: no drafting.
+    speculative_config: dict | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         check_chat_template(self.chat_template)
+        if self.speculative_config is not None and not isinstance(
+            self.speculative_config, SpeculativeConfig
+        ):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(
                 f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}"

@@ -21,11 +21,13 @@ from paged_backend.kv_cache_manager import KVCacheManager
 from paged_backend.model_loader import model_name, resolve_model_path
 from paged_backend.model_runner import ModelRunner
 from paged_backend.models.config import ModelConfig
+from paged_backend.ngram_proposer import NgramProposer
 from paged_backend.outputs import CompletionOutput, RequestOutput
 from paged_backend.request import Request, RequestStatus
-from paged_backend.sampler import Sampler, to_logprob_dict
+from paged_backend.sampler import Sampler, SamplerOutput, to_logprob_dict
 from paged_backend.sampling_params import SamplingParams
-from paged_backend.scheduler import Scheduler
+from paged_backend.scheduler import Scheduler, SchedulerOutput
+from paged_backend.spec_decode import accept_greedy
 from paged_backend.structured_output import GrammarCache
 from paged_backend.tokenizer import Tokenizer
 
@@ -131,6 +133,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.scheduling_policy,
             config.long_prefill_token_threshold,
+            self._proposer(),
         )
         self.eos_token_ids = self._eos_ids()
         self.grammars = GrammarCache(
@@ -149,7 +152,18 @@ class LLMEngine:
         self.max_batch_size = 0
         self.num_generated_tokens = 0
         self.num_steps = 0
+        self.num_draft_tokens = 0  # drafted tokens verified, of which accepted:
+        self.num_accepted_tokens = 0
+        self.num_drafting_steps = 0  # (sequence, step) pairs with drafts
         self.fault_hook: Callable[[str, list[str]], None] | None = None  # see _inject_fault
+
+    def _proposer(self) -> NgramProposer | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        return NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+        )
 
     def _eos_ids(self) -> list[int]:
         ids = list(self.model_config.eos_token_ids)
@@ -313,29 +327,67 @@ class LLMEngine:
         try:
             tables = [self.kv.block_ids(r) for r, _ in scheduled]
             self._inject_fault("forward", [r for r, _ in scheduled])
-            logits, sampling = self.runner.execute(scheduled, tables)
+            logits, sampling = self.runner.execute(scheduled, tables, sched.drafts)
             sampled_requests = [scheduled[i][0] for i in sampling]
             self._inject_fault("sample", sampled_requests)
-            sampled = self.sampler(logits, sampled_requests)
+            sampled, new_tokens = self._sample(logits, sampled_requests, sched.drafts)
         except Exception as exc:  # one bad step fails its requests, never the engine
             logger.exception("engine step failed")
             failed = dict.fromkeys((r.parent_id for r in sched.num_scheduled), exc)
             return outputs + self._fail(failed)
-        self.scheduler.update(sched)
+        self.scheduler.update(sched, self._count_rejected(sampled_requests, new_tokens, sched))
         touched: dict[str, _Parent] = {}
         failed: dict[str, Exception] = {}
         for j, request in enumerate(sampled_requests):
             touched[request.parent_id] = self.parents[request.parent_id]
             try:
-                self._append_token(request, sampled.token_ids[j], sampled.logprobs[j])
+                for token in new_tokens[j]:  # accepted drafts past a stop are discarded
+                    if request.status is RequestStatus.FINISHED:
+                        break
+                    self._append_token(request, token, sampled.logprobs[j])
+                    self.num_generated_tokens += 1
             except Exception as exc:
                 logger.exception("request %s failed taking its token", request.request_id)
                 failed.setdefault(request.parent_id, exc)
-        self.num_generated_tokens += len(sampling)
         for pid, parent in touched.items():
             if pid not in failed:
                 outputs.append(self._make_output(pid, parent))
         return outputs + self._fail(failed)
+
+    def _sample(
+        self, logits: torch.Tensor, requests: list[Request], drafts: dict[Request, list[int]]
+    ) -> tuple[SamplerOutput, list[list[int]]]:
+        """The sampler's output at each request's first row, and each request's new tokens: the
+        sampled one, or for a drafting request the drafts that the argmax of their rows accepts
+        and the model's own token after them (`accept_greedy`)."""
+        if not drafts:
+            sampled = self.sampler(logits, requests)
+            return sampled, [[t] for t in sampled.token_ids]
+        counts = [1 + len(drafts.get(r, ())) for r in requests]
+        firsts = list(itertools.accumulate(counts, initial=0))[:-1]
+        sampled = self.sampler(logits[firsts], requests)
+        extra = [row for f, c in zip(firsts, counts, strict=True) for row in range(f + 1, f + c)]
+        targets = iter(self.sampler.argmax(logits[extra, : self.sampler.vocab_size]).tolist())
+        new_tokens = []
+        for request, token in zip(requests, sampled.token_ids, strict=True):
+            drafted = drafts.get(request, [])
+            rows = [token, *itertools.islice(targets, len(drafted))]
+            new_tokens.append(accept_greedy(drafted, rows))
+        return sampled, new_tokens
+
+    def _count_rejected(
+        self, requests: list[Request], new_tokens: list[list[int]], sched: SchedulerOutput
+    ) -> dict[Request, int]:
+        """Each drafting request's rejected drafts, counted into the acceptance stats."""
+        rejected = {}
+        for request, tokens in zip(requests, new_tokens, strict=True):
+            drafted = len(sched.drafts.get(request, ()))
+            if drafted:
+                rejected[request] = drafted + 1 - len(tokens)
+                self.num_draft_tokens += drafted
+                self.num_accepted_tokens += len(tokens) - 1
+                self.num_drafting_steps += 1
+        return rejected
 
     def _inject_fault(self, stage: str, requests: list[Request]) -> None:
         """Test hook: `fault_hook(stage, request_ids)` may raise to fail the work of `stage`
@@ -458,6 +510,16 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.num_steps,
+            # Speculative decoding (`speculative_config`): the share of drafted tokens accepted,
+            # and the tokens a drafting sequence gains per step (accepted drafts + its own one).
+            "spec_num_draft_tokens": self.num_draft_tokens,
+            "spec_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens
+            if self.num_draft_tokens
+            else 0.0,
+            "spec_mean_acceptance_length": 1 + self.num_accepted_tokens / self.num_drafting_steps
+            if self.num_drafting_steps
+            else 0.0,
             # Up to how many rows a step runs each linear in the C GEMM, by weight shape (empty
             # where it does not run): chosen by timing it against oneDNN on this machine.
             "cpu_gemm_max_rows": {

@@ -129,6 +129,17 @@ class KVCacheManager:
         request.num_hashed_blocks = 0
         return [b for b in unwritten if b.ref_cnt > 0]
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free a request's blocks past its first `num_tokens` tokens, tail first: blocks that
+        held rejected drafts only. Drafts are never hashed, so none of them is findable."""
+        table = self.block_tables[request.request_id]
+        keep = self.blocks_needed(num_tokens)
+        if len(table) > keep:
+            tail = table[keep:]
+            del table[keep:]
+            assert all(b.block_hash is None for b in tail), "a drafted block was hashed"
+            self.pool.free(reversed(tail))
+
     def holds_any(self, request: Request, blocks: list[KVCacheBlock]) -> bool:
         table = self.block_tables.get(request.request_id, ())
         return any(b is block for b in table for block in blocks)

@@ -187,12 +187,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, scheduled: list[tuple[Request, int]], block_tables: list[list[int]]
+        self,
+        scheduled: list[tuple[Request, int]],
+        block_tables: list[list[int]],
+        drafts: dict[Request, list[int]] | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
-        """Run the new tokens of every scheduled request, decodes (one token) first.
+        """Run the new tokens of every scheduled request, decodes (one token) first; a request
+        with `drafts` runs them after its known tokens (counted in its scheduled number).
 
-        Returns logits for the requests that reach the end of their known tokens (those sample)
-        and their indices into `scheduled`."""
+        Returns logits for the requests that reach the end of their known tokens (those sample),
+        one row each and one more per draft (a request's rows consecutive), and their indices
+        into `scheduled`, in the order of their rows."""
+        drafts = drafts or {}
         order = sorted(range(len(scheduled)), key=lambda i: scheduled[i][1] != 1)
         bs = self.block_size
         ids, positions, qsl, seq_lens, logit_rows, sampling = [], [], [0], [], [], []
@@ -200,15 +206,17 @@ class ModelRunner:
         tables = np.full((len(scheduled), max_blocks), FREED_BLOCK, dtype=np.int32)
         for row, i in enumerate(order):
             request, num_new = scheduled[i]
+            drafted = drafts.get(request, ())
             start = request.num_computed_tokens
             end = start + num_new
-            ids.extend(request.all_token_ids[start:end])
+            ids.extend(request.all_token_ids[start : end - len(drafted)])
+            ids.extend(drafted)
             positions.append(np.arange(start, end))
             qsl.append(qsl[-1] + num_new)
             seq_lens.append(end)
             tables[row, : len(block_tables[i])] = block_tables[i]
-            if end == request.num_tokens:
-                logit_rows.append(qsl[-1] - 1)
+            if end == request.num_tokens + len(drafted):
+                logit_rows.extend(range(qsl[-1] - 1 - len(drafted), qsl[-1]))
                 sampling.append(i)
         pos = np.concatenate(positions)
         rope_rows = pos

@@ -12,6 +12,13 @@ Head-of-line blocking: a request with more than `long_prefill_token_threshold` t
 tokens of every step's budget to decodes and short prompts; a long waiting request that finds
 no room is passed over, so shorter ones queued behind it still start in this step (vLLM v1's
 per-request cap, with the share of long prefills bounded as V0's `max_long_partial_prefills`).
+
+Speculative decoding: a running request with one token left to compute may add drafted tokens
+(`NgramProposer`) after it, as one chunk of 1 + drafts rows that the model runs as it runs a
+prefill chunk. Drafts count against the token budget, stop before `max_tokens` and
+`max_model_len`, and are dropped rather than preempting anything when blocks are short. Their
+blocks are never hashed (hashes cover known tokens only); `update` gives back those that hold
+rejected drafts only.
 """
 
 from __future__ import annotations
@@ -20,12 +27,16 @@ import bisect
 from dataclasses import dataclass, field
 
 from paged_backend.kv_cache_manager import KVCacheManager
+from paged_backend.ngram_proposer import NgramProposer
 from paged_backend.request import Request, RequestStatus
+from paged_backend.spec_decode import why_no_drafts
 
 
 @dataclass
 class SchedulerOutput:
     num_scheduled: dict[Request, int] = field(default_factory=dict)  # request -> new tokens
+    # request -> its drafted tokens, run after its last known token (counted in num_scheduled)
+    drafts: dict[Request, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -41,7 +52,9 @@ class Scheduler:
         max_num_batched_tokens: int,
         policy: str,
         long_prefill_token_threshold: int | None = None,
+        proposer: NgramProposer | None = None,
     ) -> None:
+        """`proposer`: drafts for the requests that may draft (None: no drafting)."""
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -50,6 +63,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.proposer = proposer
 
     def _key(self, request: Request) -> tuple[int, ...]:
         return request.sort_key(self.policy)
@@ -87,6 +101,12 @@ class Scheduler:
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             if num_new == 0:
                 continue  # a long prefill while others hold the long share: next step
+            drafts = self._drafts(request, budget)
+            if drafts and self.kv.allocate_slots(request, num_new + len(drafts)):
+                out.drafts[request] = drafts
+                out.num_scheduled[request] = num_new + len(drafts)
+                budget -= num_new + len(drafts)
+                continue
             while not self.kv.allocate_slots(request, num_new):
                 victim = max(self.running, key=self._key)
                 budget += self._preempt(victim, out)
@@ -129,6 +149,19 @@ class Scheduler:
             budget -= num_new
         return out
 
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """Drafted tokens to verify after a request's one uncomputed token, within the step's
+        `budget` and leaving room for the model's own token after them (`num_tokens_left` is
+        within max_model_len too: `LLMEngine.validate` keeps prompt + max_tokens within it)."""
+        if (
+            self.proposer is None
+            or request.num_tokens - request.num_computed_tokens != 1
+            or why_no_drafts(request) is not None
+        ):
+            return []
+        room = min(budget, request.num_tokens_left) - 1
+        return self.proposer.propose(request.all_token_ids, room)
+
     def _prefix_pending(self, request: Request, num_hit_blocks: int) -> bool:
         """Whether the block after a waiting request's cache hits is one that a running
         request's prefill computes in a later step. The request then waits for it to become a
@@ -158,15 +191,21 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(request)
         budget = out.num_scheduled.pop(request, 0)
+        out.drafts.pop(request, None)
         if stale:
             for other in [r for r in self.running if self.kv.holds_any(r, stale)]:
                 budget += self._preempt(other, out)
         return budget
 
-    def update(self, out: SchedulerOutput) -> None:
-        """Advance progress after the model ran the scheduled tokens."""
+    def update(self, out: SchedulerOutput, num_rejected: dict[Request, int] | None = None) -> None:
+        """Advance progress after the model ran the scheduled tokens, of which drafts rejected by
+        verification (`num_rejected`) do not count: their slots are overwritten later, and the
+        blocks that hold nothing else go back to the pool."""
         for request, num_new in out.num_scheduled.items():
-            request.num_computed_tokens += num_new
+            request.num_computed_tokens += num_new - (num_rejected or {}).get(request, 0)
+            if request in out.drafts:
+                # Known tokens: the computed ones and the one the model gives in this step.
+                self.kv.trim(request, request.num_computed_tokens + 1)
 
     def finish(self, request: Request, reason: str) -> None:
         """Remove a request wherever it is and free its blocks. Idempotent."""

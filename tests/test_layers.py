@@ -42,7 +42,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # They read block tables, nothing above.
     "kernels": ("cpu", "attention"),
     "kv cache": ("kv_cache_manager",),
-    "scheduler": ("scheduler",),
+    # The scheduler, with what decides drafts: who drafts, what, and what of it is kept.
+    "scheduler": ("scheduler", "ngram_proposer", "spec_decode"),
     # The engine's and the model's configuration, the model's modules and weights, sampling.
     "model": ("config", "models", "default_model", "model_loader", "sampler"),
     "runner": ("model_runner",),

@@ -113,11 +113,11 @@ def test_failing_step_fails_only_its_requests(llm, monkeypatch):
     real_execute = engine.runner.execute
     calls = {"n": 0}
 
-    def flaky(scheduled, tables):
+    def flaky(scheduled, tables, drafts):
         calls["n"] += 1
         if calls["n"] == 1:
             raise MemoryError("simulated out of memory")
-        return real_execute(scheduled, tables)
+        return real_execute(scheduled, tables, drafts)
 
     monkeypatch.setattr(engine.runner, "execute", flaky)
     with pytest.raises(RuntimeError, match="simulated out of memory"):
