@@ -246,7 +246,8 @@ def test_int4_engine_keeps_the_bf16_engines_greedy_text():
     scales: one request at a time (every decode step reads the int4 copy), greedy text is the
     bf16 engine's up to the first near tie (top two within 0.25 nats; the texts go separate
     ways after it)."""
-    args = {"num_kv_blocks": 96, "enable_prefix_caching": False}
+    # bf16 named: the default dtype is fp32 on CPUs without AVX512-BF16, and int4 needs bf16.
+    args = {"num_kv_blocks": 96, "enable_prefix_caching": False, "dtype": "bfloat16"}
     int4 = LLM(quantization="int4", **args)
     bf16 = LLM(**args)
     layer = int4.engine.runner.model.layers[0].mlp.down_proj
