@@ -92,8 +92,22 @@ class GrammarTokenizer:
             b"" if ll.is_special_token(t) else ll.decode_bytes([t]) for t in range(ll.vocab_size)
         ] + [b""] * (self.vocab_size - ll.vocab_size)
 
+    @cached_property
+    def _byte_tokens(self) -> list[int | None]:
+        """Each byte's one-byte token (None where there is none)."""
+        tokens: list[int | None] = [None] * 256
+        for token, piece in enumerate(self.decoded_vocab):
+            if len(piece) == 1 and tokens[piece[0]] is None:
+                tokens[piece[0]] = token
+        return tokens
+
     def encode_bytes(self, text: bytes) -> list[int]:
-        return self.ll.tokenize_bytes(text)
+        """Tokens that spell `text`, for the grammar (which reads bytes, however they are cut):
+        one a byte where the vocabulary has them, as byte-level vocabularies do; llguidance's
+        tokenizer, which calls back into Python, otherwise. The budget guard's search appends
+        text a byte at a time, and the callback was half its cost."""
+        tokens = [self._byte_tokens[b] for b in text]
+        return self.ll.tokenize_bytes(text) if None in tokens else tokens
 
 
 class _Vocabulary:
