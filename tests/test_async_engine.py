@@ -263,11 +263,11 @@ def test_failed_step_fails_only_its_requests(engine, serial_texts, monkeypatch):
     real = runner.execute
     state = {"fail": True}
 
-    def flaky(scheduled, tables):
+    def flaky(*args):
         if state["fail"]:
             state["fail"] = False
             raise MemoryError("simulated out of memory")
-        return real(scheduled, tables)
+        return real(*args)
 
     monkeypatch.setattr(runner, "execute", flaky)
     with pytest.raises(RequestFailedError, match="simulated out of memory"):
