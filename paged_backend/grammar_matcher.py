@@ -49,6 +49,7 @@ class GrammarTokenizer:
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._ll: llguidance.LLTokenizer | None = None
+        self._vocabulary: _Vocabulary | None = None  # the token bytes the tables are built from
         self._lock = threading.Lock()  # two threads must not build it twice
 
     @property
@@ -76,8 +77,9 @@ class GrammarTokenizer:
         if spec["model"].get("type") == "BPE":
             spec["model"]["merges"] = []
         spelling = llg.LLTokenizer(json.dumps(spec), n_vocab=self.vocab_size, slices=[])
+        self._vocabulary = _Vocabulary(spelling, self._tokenizer, self.stop_token_ids)
         tables = llg.LLTokenizer(
-            llg.TokenizerWrapper(_Vocabulary(spelling, self._tokenizer, self.stop_token_ids)),
+            llg.TokenizerWrapper(self._vocabulary),
             n_vocab=self.vocab_size,
             eos_token=self.stop_token_ids,
             slices=[],
@@ -86,11 +88,13 @@ class GrammarTokenizer:
 
     @cached_property
     def decoded_vocab(self) -> list[bytes]:
-        """Each token id's bytes (b"" for special tokens and ids past the tokenizer)."""
-        ll = self.ll
-        return [
-            b"" if ll.is_special_token(t) else ll.decode_bytes([t]) for t in range(ll.vocab_size)
-        ] + [b""] * (self.vocab_size - ll.vocab_size)
+        """Each token id's bytes (b"" for special tokens and ids past the tokenizer), as the
+        tables were built from them."""
+        self.ll  # noqa: B018 (builds the tables and their vocabulary once)
+        tokens, specials = self._vocabulary.tokens, set(self._vocabulary.special_token_ids)
+        return [b"" if t in specials else piece for t, piece in enumerate(tokens)] + [b""] * (
+            self.vocab_size - len(tokens)
+        )
 
     @cached_property
     def _byte_tokens(self) -> list[int | None]:
