@@ -44,8 +44,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "kv cache": ("kv_cache_manager",),
     # The scheduler, with what decides drafts: who drafts, what, and what of it is kept.
     "scheduler": ("scheduler", "ngram_proposer", "spec_decode"),
-    # The engine's and the model's configuration, the model's modules and weights, sampling.
-    "model": ("config", "models", "default_model", "model_loader", "sampler"),
+    # The engine's and the model's configuration, the model's modules and weights (gguf/: the
+    # GGUF formats, random checkpoints of real shapes), sampling.
+    "model": ("config", "models", "default_model", "model_loader", "sampler", "gguf"),
     "runner": ("model_runner",),
     "engine": ("engine",),
     "frontends": ("engine_client", "async_engine", "llm"),
