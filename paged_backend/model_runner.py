@@ -13,6 +13,8 @@ from paged_backend.block_pool import FREED_BLOCK
 from paged_backend.config import EngineConfig
 from paged_backend.cpu import kernel_choice
 from paged_backend.cpu.linear import GemmRows, can_pack, quantize_linears_int4
+from paged_backend.cpu.memory import resident_bytes
+from paged_backend.cpu.quant import QuantWeight
 from paged_backend.gguf.weights import load_gguf
 from paged_backend.model_loader import convert_gguf, gguf_weights_file, load_safetensors
 from paged_backend.models import LlamaForCausalLM, native_model_class
@@ -100,6 +102,19 @@ class ModelRunner:
         if config.cpu_kernels is False or not self.bf16_cpu:
             return "torch"
         return "cpu" if cpu.available() else "torch"
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of the weights (every copy the linears keep) and of the KV cache, and how many of
+        them are resident: a GGUF file's weights are its mapped pages, read in as they are used,
+        and the KV cache commits memory as blocks are first written."""
+        weights, weights_resident = resident_bytes(_weight_tensors(self.model))
+        kv, kv_resident = resident_bytes(t for layer in self.kv_caches for t in layer)
+        return {
+            "weights_bytes": weights,
+            "weights_resident_bytes": weights_resident,
+            "kv_cache_bytes": kv,
+            "kv_cache_resident_bytes": kv_resident,
+        }
 
     def _native_model(
         self,
@@ -271,3 +286,17 @@ class ModelRunner:
             torch.tensor(logit_rows, dtype=torch.long, device=self.device),
         )
         return logits.cpu(), sampling
+
+
+def _weight_tensors(model: torch.nn.Module):
+    """Every tensor the model's modules hold: parameters, buffers, and the copies kept as plain
+    attributes (packed, fp16, int4 or C GEMM copies; quantized blocks)."""
+    yield from model.parameters()
+    yield from model.buffers()
+    for module in model.modules():
+        for value in vars(module).values():
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, torch.Tensor):
+                    yield item
+                elif isinstance(item, QuantWeight):
+                    yield item.data

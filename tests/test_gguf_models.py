@@ -84,3 +84,13 @@ def test_quantized_greedy_text_stays_close_to_the_dequantized(llm_fp32, quantize
     reference = llm_fp32.generate(PROMPTS, params, use_tqdm=False)
     first = [o.outputs[0].token_ids[:4] for o in ours]
     assert sum(a == r.outputs[0].token_ids[:4] for a, r in zip(first, reference, strict=True)) >= 3
+
+
+def test_stats_report_weights_near_the_file_size_and_kv_cache_committed_on_use(quantized):
+    quantized.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    stats = quantized.engine.stats()
+    file_size = default_model_file().stat().st_size
+    # the file's blocks (its Q8_0 embedding read by the head too, once) plus fp32 norms
+    assert file_size * 0.9 < stats["weights_bytes"] <= file_size * 1.15
+    assert 0 < stats["weights_resident_bytes"] <= stats["weights_bytes"]
+    assert 0 < stats["kv_cache_resident_bytes"] < stats["kv_cache_bytes"]

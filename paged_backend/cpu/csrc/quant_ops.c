@@ -40,6 +40,9 @@ typedef struct {
 static inline float f16_to_f32(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#endif
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023, bits;
     if (exp == 31) {
         bits = sign | 0x7f800000u | (man << 13);
@@ -225,12 +228,49 @@ void quantize_activations(const void *x, int x_bf16, int64_t rows, int64_t k, in
 #ifdef QUANT_AVX2
 typedef __m256 acc_t; /* a row's running sums, 8 lanes */
 
-/* A chunk as `unpack_chunk` gives it, each group of 32 levels in a register. */
+/* A chunk as `unpack_chunk` gives it, in registers: each group of 32 levels, and the scales and
+ * offsets of the 16 groups of 16 (a0: groups 0-7, a1: 8-15; likewise b). */
 typedef struct {
     __m256i q[CHUNK / 32];
-    group_scales s;
+    __m256 a0, a1, b0, b1;
     int groups, is_signed;
 } kernel_chunk;
+
+/* Eight per-32 values as per-16 pairs: lanes 0-3 doubled (low), 4-7 doubled (high). */
+static inline __m256 pairs_low(__m256 v) {
+    return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+}
+
+static inline __m256 pairs_high(__m256 v) {
+    return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+}
+
+static inline __m256 bytes8_to_ps(uint64_t bytes, int is_signed) {
+    __m128i v = _mm_cvtsi64_si128((int64_t)bytes);
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+}
+
+/* Q4_K / Q5_K: a super-block's eight 6-bit scales and mins (`scale_min_k4`), four at a time. */
+static inline void k4_scales(const uint8_t *blk, kernel_chunk *c) {
+    uint32_t w[3];
+    memcpy(w, blk + 4, 12);
+    uint32_t sc_lo = w[0] & 0x3f3f3f3fu, m_lo = w[1] & 0x3f3f3f3fu;
+    uint32_t sc_hi = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
+    uint32_t m_hi = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
+    __m256 d = _mm256_set1_ps(f16_to_f32(blk)), dmin = _mm256_set1_ps(-f16_to_f32(blk + 2));
+    __m256 a = _mm256_mul_ps(bytes8_to_ps(sc_lo | (uint64_t)sc_hi << 32, 0), d);
+    __m256 b = _mm256_mul_ps(bytes8_to_ps(m_lo | (uint64_t)m_hi << 32, 0), dmin);
+    c->a0 = pairs_low(a), c->a1 = pairs_high(a), c->b0 = pairs_low(b), c->b1 = pairs_high(b);
+}
+
+static inline void q6k_scales(const uint8_t *blk, kernel_chunk *c) {
+    uint64_t sc[2];
+    memcpy(sc, blk + 192, 16);
+    __m256 d = _mm256_set1_ps(f16_to_f32(blk + 208)), offset = _mm256_set1_ps(-32.0f);
+    c->a0 = _mm256_mul_ps(bytes8_to_ps(sc[0], 1), d);
+    c->a1 = _mm256_mul_ps(bytes8_to_ps(sc[1], 1), d);
+    c->b0 = _mm256_mul_ps(c->a0, offset), c->b1 = _mm256_mul_ps(c->a1, offset);
+}
 
 static inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
 
@@ -281,7 +321,7 @@ static void unpack_kernel_chunk(int type, const uint8_t *row, int64_t first, int
             c->q[4 * h + 2] = _mm256_or_si256(high_nibbles(l0), q6k_bits(qh, 4));
             c->q[4 * h + 3] = _mm256_or_si256(high_nibbles(l1), q6k_bits(qh, 6));
         }
-        superblock_scales(type, blk, &c->s);
+        q6k_scales(blk, c);
     } else if (type >= Q4_K) {
         __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
         const uint8_t *qs = blk + (type == Q5_K ? 48 : 16);
@@ -294,8 +334,10 @@ static void unpack_kernel_chunk(int type, const uint8_t *row, int64_t first, int
                 c->q[2 * i + 1] = _mm256_or_si256(c->q[2 * i + 1], q5k_bits(qh, 2 * i + 1));
             }
         }
-        superblock_scales(type, blk, &c->s);
+        k4_scales(blk, c);
     } else {
+        group_scales s;
+        memset(&s, 0, sizeof s);
         for (int g = 0; g < c->groups; g++, blk += block_bytes(type)) {
             if (type == Q8_0) {
                 c->q[g] = _mm256_loadu_si256((const __m256i *)(blk + 2));
@@ -304,9 +346,10 @@ static void unpack_kernel_chunk(int type, const uint8_t *row, int64_t first, int
                 if (type == Q5_0 || type == Q5_1)
                     c->q[g] = _mm256_or_si256(c->q[g], fifth_bits(blk + fifth_bits_at(type)));
             }
-            block32_scales(type, blk, &c->s, g);
+            block32_scales(type, blk, &s, g);
         }
-        for (int g = 2 * c->groups; g < CHUNK / 16; g++) c->s.a[g] = c->s.b[g] = 0.0f;
+        c->a0 = _mm256_loadu_ps(s.a), c->a1 = _mm256_loadu_ps(s.a + 8);
+        c->b0 = _mm256_loadu_ps(s.b), c->b1 = _mm256_loadu_ps(s.b + 8);
     }
 }
 
@@ -334,9 +377,12 @@ static inline float hsum8(__m256 v) {
 static void dot_rows(const kernel_chunk *c, const int8_t *xq, const float *xd, const float *xsd,
                      int64_t kp, int64_t rows, acc_t *acc) {
     __m256 av[CHUNK / 32];
-    for (int g = 0; g < c->groups; g++)
-        av[g] = _mm256_set_m128(_mm_set1_ps(c->s.a[2 * g + 1]), _mm_set1_ps(c->s.a[2 * g]));
-    __m256 b0 = _mm256_loadu_ps(c->s.b), b1 = _mm256_loadu_ps(c->s.b + 8);
+    for (int g = 0; g < c->groups; g++) { /* lanes 0-3: group 2g's scale, 4-7: 2g + 1's */
+        __m256i at = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+        at = _mm256_add_epi32(at, _mm256_set1_epi32(2 * g % 8));
+        av[g] = _mm256_permutevar8x32_ps(g < 4 ? c->a0 : c->a1, at);
+    }
+    __m256 b0 = c->b0, b1 = c->b1;
     for (int64_t m = 0; m < rows; m++) {
         const int8_t *x = xq + m * kp;
         const float *d = xd + m * (kp / 32), *sd = xsd + m * (kp / 16);
