@@ -15,6 +15,7 @@ from paged_backend.cpu.quant import (
     BLOCK_FORMATS,
     QuantLinear,
     QuantWeight,
+    activation_block,
     dequantize,
     quant_matmul,
     quantize_activations,
@@ -54,9 +55,9 @@ def in_features(fmt: str) -> int:
     return 512 if BLOCK_FORMATS[fmt][1] == 256 else 640
 
 
-def dequantized_activations(x: torch.Tensor) -> np.ndarray:
-    """x as the kernels see it: int8 levels per block of 32 times the block's scale."""
-    xq, xd, _ = quantize_activations(x)
+def dequantized_activations(x: torch.Tensor, fmt: str) -> np.ndarray:
+    """x as the kernels see it for weights of `fmt`: int8 levels times their block's scale."""
+    xq, xd, _, _ = quantize_activations(x, activation_block(fmt))
     k = x.shape[1]
     levels = xq[:, :k].double().numpy()
     return levels * np.repeat(xd.double().numpy(), 32, axis=1)[:, :k]
@@ -77,10 +78,21 @@ def test_row_ids_out_of_range_raise():
         dequantize(w, torch.tensor([4]))
 
 
+@pytest.mark.parametrize("block", [256, 32])
+def test_k_quant_activations_share_a_scale_per_super_block(block):
+    x = torch.randn(2, 512)
+    x[0, 300] = 50.0  # an outlier sets the scale of its whole block
+    xq, xd, xsd, bsum = quantize_activations(x, block)
+    per_block = x.view(2, -1, block).abs().amax(-1) / 127
+    assert torch.equal(xd, per_block.repeat_interleave(block // 32, dim=1))
+    assert torch.equal(bsum.float(), xq.view(2, -1, 16).float().sum(-1))
+    assert torch.allclose(xsd, bsum.float() * xd.repeat_interleave(2, dim=1))
+
+
 def test_activations_are_int8_blocks_of_32_with_level_sums():
     x = torch.randn(3, 300)
     x[1, 40:72] = 0.0  # a block of zeros: scale 0, levels 0
-    xq, xd, xsd = quantize_activations(x)
+    xq, xd, xsd, _ = quantize_activations(x)
     assert xq.shape == (3, 512) and xd.shape == (3, 16) and xsd.shape == (3, 32)
     assert not xq[:, 300:].any() and not xd[:, 10:].any()
     blocks = x[:, :288].view(3, 9, 32)
@@ -101,9 +113,10 @@ def test_matmul_is_the_product_with_the_dequantized_weight(fmt, rows):
     k = in_features(fmt)
     w = random_weight(fmt, 40, k, seed=rows)
     x = torch.randn(rows, k)
-    expected = dequantized_activations(x) @ reference_weight(w).astype(np.float64).T
+    xs = dequantized_activations(x, fmt)
+    expected = xs @ reference_weight(w).astype(np.float64).T
     got = quant_matmul(x, [w]).double().numpy()
-    scale = np.abs(dequantized_activations(x)) @ np.abs(reference_weight(w)).astype(np.float64).T
+    scale = np.abs(xs) @ np.abs(reference_weight(w)).astype(np.float64).T
     assert np.all(np.abs(got - expected) <= 1e-5 * scale + 1e-30)
 
 

@@ -4,8 +4,9 @@ A Q4_K_M file of an 8B model is ~4.9 GB; dequantized to bf16 it is ~16 GB, and a
 reads every weight once, so a dequantized copy costs both memory and one-stream speed. Here a
 weight is its file's bytes, [out rows, bytes a row] (a view of the memory-mapped file where
 nothing had to move), and the C kernels compute with them directly: activations are quantized
-to int8 per block of 32 (as llama.cpp does), and every block's integer dot product is scaled
-back (see the C file for the scheme). Embedding rows are dequantized as they are looked up.
+to int8 per block of 32, or of 256 for the K-quants (as llama.cpp does), and the integer dot
+products are scaled back (see the C file for the scheme). Embedding rows are dequantized as
+they are looked up.
 
 `QuantLinear` can hold several weights side by side (a fused qkv or gate/up projection whose
 parts a Q4_K_M file stores in different formats): they share one quantization of the
@@ -74,10 +75,20 @@ class QuantWeight:
         return self.data.numel()
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Rows x [rows, k] (fp32 or bf16, unit stride in a row) as the kernels read them: int8
-    levels [rows, kp] (kp: k rounded up to 256), block scales [rows, kp/32] and scaled level
-    sums of each 16 [rows, kp/16]."""
+def activation_block(fmt: str) -> int:
+    """Inputs that share one activation scale for weights of format `fmt`: a super-block (256)
+    for the K-quants, whose kernel then sums a super-block in integers (as llama.cpp's Q8_K),
+    and a block (32) for the others."""
+    return 256 if BLOCK_FORMATS[fmt][1] == 256 else 32
+
+
+def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, ...]:
+    """Rows x [rows, k] (fp32 or bf16, unit stride in a row) as the kernels read them, in blocks
+    of `block` (32 or 256) inputs: int8 levels [rows, kp] (kp: k rounded up to 256), each 32's
+    scale [rows, kp/32] (its block's), each 16's level sum times its scale [rows, kp/16] and
+    unscaled (int16) [rows, kp/16]."""
+    if block not in (32, 256):
+        raise ValueError(f"block must be 32 or 256, got {block}")
     rows, k = x.shape
     if x.dtype not in (torch.float32, torch.bfloat16) or x.stride(1) != 1:
         x = x.float().contiguous()
@@ -85,18 +96,21 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     xq = torch.empty(rows, kp, dtype=torch.int8)
     xd = torch.empty(rows, kp // 32)
     xsd = torch.empty(rows, kp // 16)
+    bsum = torch.empty(rows, kp // 16, dtype=torch.int16)
     load_library().quantize_activations(
         x=x.data_ptr(),
         x_bf16=x.dtype == torch.bfloat16,
         rows=rows,
         k=k,
         x_stride=x.stride(0),
+        block=block,
         xq=xq.data_ptr(),
         xd=xd.data_ptr(),
         xsd=xsd.data_ptr(),
+        bsum=bsum.data_ptr(),
         threads=torch.get_num_threads(),
     )
-    return xq, xd, xsd
+    return xq, xd, xsd, bsum
 
 
 def quant_matmul(
@@ -107,12 +121,16 @@ def quant_matmul(
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     rows, k = x.shape
-    xq, xd, xsd = quantize_activations(x)
+    activations = {}  # by block size: the parts of a fused linear share them
     out = torch.empty(rows, sum(w.out_features for w in weights), dtype=out_dtype)
     lib, column = load_library(), 0
     for w in weights:
         if w.in_features != k:
             raise ValueError(f"x has {k} features, the weight takes {w.in_features}")
+        block = activation_block(w.format)
+        if block not in activations:
+            activations[block] = quantize_activations(x, block)
+        xq, xd, xsd, bsum = activations[block]
         lib.quant_matmul(
             type=w.type_id,
             w=w.data.data_ptr(),
@@ -122,6 +140,7 @@ def quant_matmul(
             xq=xq.data_ptr(),
             xd=xd.data_ptr(),
             xsd=xsd.data_ptr(),
+            bsum=bsum.data_ptr(),
             rows=rows,
             out=out[:, column:].data_ptr(),
             out_bf16=out_dtype == torch.bfloat16,

@@ -169,7 +169,7 @@ static void superblock_levels(int type, const uint8_t *blk, uint8_t *q) {
 /* Weights [first, first + count) of a row (first a multiple of 256, count <= 256 and a multiple
  * of the block) into `c`; groups past `count` weigh nothing. */
 static void unpack_chunk(int type, const uint8_t *row, int64_t first, int64_t count, chunk *c) {
-    const uint8_t *blk = row + first / block_weights(type) * block_bytes(type);
+    const uint8_t *blk = row + (first >> (type >= Q4_K ? 8 : 5)) * block_bytes(type); /* no division */
     c->groups = (int)(count / 32);
     c->is_signed = type == Q8_0;
     memset(&c->s, 0, sizeof c->s);
@@ -185,42 +185,46 @@ static void unpack_chunk(int type, const uint8_t *row, int64_t first, int64_t co
 }
 
 /* Rows of x (fp32, or bf16 where `x_bf16`; rows `x_stride` elements apart) to int8 in blocks of
- * 32: xq [rows][kp] (kp = k rounded up to 256, zero past k), xd [rows][kp/32] the blocks'
- * scales, xsd [rows][kp/16] each 16's level sum times its block's scale. Levels round to nearest
- * even, as `vcvtps2dq` does. */
+ * `block` (32, or 256 for the K-quants: one scale a super-block, as llama.cpp's Q8_K): xq
+ * [rows][kp] (kp = k rounded up to 256, zero past k), xd [rows][kp/32] the scale of each 32 (its
+ * block's), bsum [rows][kp/16] each 16's level sum and xsd [rows][kp/16] that times its scale.
+ * Levels round to nearest even, as `vcvtps2dq` does. */
 void quantize_activations(const void *x, int x_bf16, int64_t rows, int64_t k, int64_t x_stride,
-                          int8_t *xq, float *xd, float *xsd, int threads) {
+                          int64_t block, int8_t *xq, float *xd, float *xsd, int16_t *bsum,
+                          int threads) {
     int64_t kp = (k + CHUNK - 1) / CHUNK * CHUNK;
 #pragma omp parallel for num_threads(threads) if (threads > 1 && rows * k >= 65536)
     for (int64_t r = 0; r < rows; r++) {
-        float v[32];
+        float v[CHUNK];
         int8_t *q = xq + r * kp;
-        for (int64_t b = 0; b < kp / 32; b++) {
-            int64_t n = k - 32 * b < 32 ? (k - 32 * b > 0 ? k - 32 * b : 0) : 32;
+        for (int64_t b = 0; b < kp / block; b++) {
+            int64_t first = block * b, n = k - first < block ? (k - first > 0 ? k - first : 0) : block;
             float amax = 0.0f;
-            for (int i = 0; i < 32; i++) {
+            for (int64_t i = 0; i < block; i++) {
                 float f = 0.0f;
                 if (i < n) {
                     if (x_bf16) {
-                        uint32_t u = (uint32_t)((const uint16_t *)x)[r * x_stride + 32 * b + i] << 16;
+                        uint32_t u = (uint32_t)((const uint16_t *)x)[r * x_stride + first + i] << 16;
                         memcpy(&f, &u, 4);
                     } else {
-                        f = ((const float *)x)[r * x_stride + 32 * b + i];
+                        f = ((const float *)x)[r * x_stride + first + i];
                     }
                 }
                 v[i] = f;
                 amax = fmaxf(amax, fabsf(f));
             }
             float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int sums[2] = {0, 0};
-            for (int i = 0; i < 32; i++) {
-                int level = (int)nearbyintf(v[i] * inv);
-                q[32 * b + i] = (int8_t)level;
-                sums[i / 16] += level;
+            for (int64_t i = 0; i < block; i += 16) {
+                int sum = 0;
+                for (int64_t l = i; l < i + 16; l++) {
+                    int level = (int)nearbyintf(v[l] * inv);
+                    q[first + l] = (int8_t)level;
+                    sum += level;
+                }
+                bsum[r * (kp / 16) + (first + i) / 16] = (int16_t)sum;
+                xsd[r * (kp / 16) + (first + i) / 16] = d * sum;
             }
-            xd[r * (kp / 32) + b] = d;
-            xsd[r * (kp / 16) + 2 * b] = d * sums[0];
-            xsd[r * (kp / 16) + 2 * b + 1] = d * sums[1];
+            for (int64_t i = 0; i < block; i += 32) xd[r * (kp / 32) + (first + i) / 32] = d;
         }
     }
 }
@@ -228,49 +232,13 @@ void quantize_activations(const void *x, int x_bf16, int64_t rows, int64_t k, in
 #ifdef QUANT_AVX2
 typedef __m256 acc_t; /* a row's running sums, 8 lanes */
 
-/* A chunk as `unpack_chunk` gives it, in registers: each group of 32 levels, and the scales and
- * offsets of the 16 groups of 16 (a0: groups 0-7, a1: 8-15; likewise b). */
+/* A chunk of a legacy format as `unpack_chunk` gives it, in registers: each group of 32 levels,
+ * and the scales and offsets of the 16 groups of 16 (a0: groups 0-7, a1: 8-15; likewise b). */
 typedef struct {
     __m256i q[CHUNK / 32];
     __m256 a0, a1, b0, b1;
     int groups, is_signed;
 } kernel_chunk;
-
-/* Eight per-32 values as per-16 pairs: lanes 0-3 doubled (low), 4-7 doubled (high). */
-static inline __m256 pairs_low(__m256 v) {
-    return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-}
-
-static inline __m256 pairs_high(__m256 v) {
-    return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
-}
-
-static inline __m256 bytes8_to_ps(uint64_t bytes, int is_signed) {
-    __m128i v = _mm_cvtsi64_si128((int64_t)bytes);
-    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
-}
-
-/* Q4_K / Q5_K: a super-block's eight 6-bit scales and mins (`scale_min_k4`), four at a time. */
-static inline void k4_scales(const uint8_t *blk, kernel_chunk *c) {
-    uint32_t w[3];
-    memcpy(w, blk + 4, 12);
-    uint32_t sc_lo = w[0] & 0x3f3f3f3fu, m_lo = w[1] & 0x3f3f3f3fu;
-    uint32_t sc_hi = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
-    uint32_t m_hi = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
-    __m256 d = _mm256_set1_ps(f16_to_f32(blk)), dmin = _mm256_set1_ps(-f16_to_f32(blk + 2));
-    __m256 a = _mm256_mul_ps(bytes8_to_ps(sc_lo | (uint64_t)sc_hi << 32, 0), d);
-    __m256 b = _mm256_mul_ps(bytes8_to_ps(m_lo | (uint64_t)m_hi << 32, 0), dmin);
-    c->a0 = pairs_low(a), c->a1 = pairs_high(a), c->b0 = pairs_low(b), c->b1 = pairs_high(b);
-}
-
-static inline void q6k_scales(const uint8_t *blk, kernel_chunk *c) {
-    uint64_t sc[2];
-    memcpy(sc, blk + 192, 16);
-    __m256 d = _mm256_set1_ps(f16_to_f32(blk + 208)), offset = _mm256_set1_ps(-32.0f);
-    c->a0 = _mm256_mul_ps(bytes8_to_ps(sc[0], 1), d);
-    c->a1 = _mm256_mul_ps(bytes8_to_ps(sc[1], 1), d);
-    c->b0 = _mm256_mul_ps(c->a0, offset), c->b1 = _mm256_mul_ps(c->a1, offset);
-}
 
 static inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
 
@@ -306,51 +274,53 @@ static inline __m256i q6k_bits(__m256i qh, int shift) {
     return _mm256_and_si256(bits, _mm256_set1_epi8(48));
 }
 
-static void unpack_kernel_chunk(int type, const uint8_t *row, int64_t first, int64_t count,
-                                kernel_chunk *c) {
-    const uint8_t *blk = row + first / block_weights(type) * block_bytes(type);
-    c->groups = (int)(count / 32);
-    c->is_signed = type == Q8_0;
+/* The 256 levels of a K-quant super-block, 32 a register. */
+static inline __attribute__((always_inline)) void k_levels(int type, const uint8_t *blk, __m256i *q) {
     if (type == Q6_K) {
         for (int h = 0; h < 2; h++) {
             __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
             __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
             __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-            c->q[4 * h] = _mm256_or_si256(low_nibbles(l0), q6k_bits(qh, 0));
-            c->q[4 * h + 1] = _mm256_or_si256(low_nibbles(l1), q6k_bits(qh, 2));
-            c->q[4 * h + 2] = _mm256_or_si256(high_nibbles(l0), q6k_bits(qh, 4));
-            c->q[4 * h + 3] = _mm256_or_si256(high_nibbles(l1), q6k_bits(qh, 6));
+            q[4 * h] = _mm256_or_si256(low_nibbles(l0), q6k_bits(qh, 0));
+            q[4 * h + 1] = _mm256_or_si256(low_nibbles(l1), q6k_bits(qh, 2));
+            q[4 * h + 2] = _mm256_or_si256(high_nibbles(l0), q6k_bits(qh, 4));
+            q[4 * h + 3] = _mm256_or_si256(high_nibbles(l1), q6k_bits(qh, 6));
         }
-        q6k_scales(blk, c);
-    } else if (type >= Q4_K) {
-        __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
-        const uint8_t *qs = blk + (type == Q5_K ? 48 : 16);
-        for (int i = 0; i < 4; i++) {
-            __m256i p = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
-            c->q[2 * i] = low_nibbles(p);
-            c->q[2 * i + 1] = high_nibbles(p);
-            if (type == Q5_K) {
-                c->q[2 * i] = _mm256_or_si256(c->q[2 * i], q5k_bits(qh, 2 * i));
-                c->q[2 * i + 1] = _mm256_or_si256(c->q[2 * i + 1], q5k_bits(qh, 2 * i + 1));
-            }
-        }
-        k4_scales(blk, c);
-    } else {
-        group_scales s;
-        memset(&s, 0, sizeof s);
-        for (int g = 0; g < c->groups; g++, blk += block_bytes(type)) {
-            if (type == Q8_0) {
-                c->q[g] = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            } else {
-                c->q[g] = nibbles16(blk + nibbles_at(type));
-                if (type == Q5_0 || type == Q5_1)
-                    c->q[g] = _mm256_or_si256(c->q[g], fifth_bits(blk + fifth_bits_at(type)));
-            }
-            block32_scales(type, blk, &s, g);
-        }
-        c->a0 = _mm256_loadu_ps(s.a), c->a1 = _mm256_loadu_ps(s.a + 8);
-        c->b0 = _mm256_loadu_ps(s.b), c->b1 = _mm256_loadu_ps(s.b + 8);
+        return;
     }
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+    const uint8_t *qs = blk + (type == Q5_K ? 48 : 16);
+    for (int i = 0; i < 4; i++) {
+        __m256i p = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
+        q[2 * i] = low_nibbles(p);
+        q[2 * i + 1] = high_nibbles(p);
+        if (type == Q5_K) {
+            q[2 * i] = _mm256_or_si256(q[2 * i], q5k_bits(qh, 2 * i));
+            q[2 * i + 1] = _mm256_or_si256(q[2 * i + 1], q5k_bits(qh, 2 * i + 1));
+        }
+    }
+}
+
+/* A chunk of a legacy format's row (8 blocks of 32, fewer at the row's end). */
+static inline __attribute__((always_inline)) void unpack_kernel_chunk(
+    int type, const uint8_t *row, int64_t first, int64_t count, kernel_chunk *c) {
+    const uint8_t *blk = row + (first >> 5) * block_bytes(type); /* no division */
+    group_scales s;
+    memset(&s, 0, sizeof s);
+    c->groups = (int)(count / 32);
+    c->is_signed = type == Q8_0;
+    for (int g = 0; g < c->groups; g++, blk += block_bytes(type)) {
+        if (type == Q8_0) {
+            c->q[g] = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        } else {
+            c->q[g] = nibbles16(blk + nibbles_at(type));
+            if (type == Q5_0 || type == Q5_1)
+                c->q[g] = _mm256_or_si256(c->q[g], fifth_bits(blk + fifth_bits_at(type)));
+        }
+        block32_scales(type, blk, &s, g);
+    }
+    c->a0 = _mm256_loadu_ps(s.a), c->a1 = _mm256_loadu_ps(s.a + 8);
+    c->b0 = _mm256_loadu_ps(s.b), c->b1 = _mm256_loadu_ps(s.b + 8);
 }
 
 static inline __m256i dot_bytes(__m256i q, __m256i x, int is_signed) {
@@ -372,27 +342,107 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* acc[m] += chunk . row m of the step's activations (at this chunk), for `rows` rows. Lanes 0-3
+/* acc[m] += chunk . row m of the step's activations (at this chunk), for `rows` rows, with
+ * `groups` and `is_signed` known at compile time in the common cases (see `dot_rows`). Lanes 0-3
  * of a 32-byte product sum its first 16 bytes, lanes 4-7 the next 16: groups 2g and 2g + 1. */
-static void dot_rows(const kernel_chunk *c, const int8_t *xq, const float *xd, const float *xsd,
-                     int64_t kp, int64_t rows, acc_t *acc) {
-    __m256 av[CHUNK / 32];
-    for (int g = 0; g < c->groups; g++) { /* lanes 0-3: group 2g's scale, 4-7: 2g + 1's */
-        __m256i at = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-        at = _mm256_add_epi32(at, _mm256_set1_epi32(2 * g % 8));
-        av[g] = _mm256_permutevar8x32_ps(g < 4 ? c->a0 : c->a1, at);
-    }
-    __m256 b0 = c->b0, b1 = c->b1;
+static inline __attribute__((always_inline)) void dot_rows_of(
+    const kernel_chunk *c, const int8_t *xq, const float *xd, const float *xsd, int64_t kp,
+    int64_t rows, acc_t *acc, const int groups, const int is_signed) {
     for (int64_t m = 0; m < rows; m++) {
         const int8_t *x = xq + m * kp;
         const float *d = xd + m * (kp / 32), *sd = xsd + m * (kp / 16);
-        __m256 s = acc[m];
-        for (int g = 0; g < c->groups; g++) {
-            __m256i p = dot_bytes(c->q[g], _mm256_loadu_si256((const __m256i *)(x + 32 * g)), c->is_signed);
-            s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(av[g], _mm256_set1_ps(d[g])), s);
+        /* four independent sums: one chain of ten dependent FMAs a chunk bound a row by latency */
+        __m256 part[4] = {_mm256_mul_ps(c->b0, _mm256_loadu_ps(sd)),
+                          _mm256_mul_ps(c->b1, _mm256_loadu_ps(sd + 8)), _mm256_setzero_ps(),
+                          _mm256_setzero_ps()};
+        for (int g = 0; g < groups; g++) {
+            __m256i at = _mm256_add_epi32(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
+                                          _mm256_set1_epi32(2 * g % 8));
+            __m256 scale = _mm256_permutevar8x32_ps(g < 4 ? c->a0 : c->a1, at);
+            __m256i p = dot_bytes(c->q[g], _mm256_loadu_si256((const __m256i *)(x + 32 * g)), is_signed);
+            part[g % 4] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
+                                          _mm256_mul_ps(scale, _mm256_set1_ps(d[g])), part[g % 4]);
         }
-        s = _mm256_fmadd_ps(b0, _mm256_loadu_ps(sd), s);
-        acc[m] = _mm256_fmadd_ps(b1, _mm256_loadu_ps(sd + 8), s);
+        __m256 sum = _mm256_add_ps(_mm256_add_ps(part[0], part[1]), _mm256_add_ps(part[2], part[3]));
+        acc[m] = _mm256_add_ps(acc[m], sum);
+    }
+}
+
+static inline __attribute__((always_inline)) void dot_rows(
+    const kernel_chunk *c, const int8_t *xq, const float *xd, const float *xsd, int64_t kp,
+    int64_t rows, acc_t *acc) {
+    if (c->groups == 8 && !c->is_signed)
+        dot_rows_of(c, xq, xd, xsd, kp, rows, acc, 8, 0);
+    else if (c->groups == 8)
+        dot_rows_of(c, xq, xd, xsd, kp, rows, acc, 8, 1);
+    else
+        dot_rows_of(c, xq, xd, xsd, kp, rows, acc, c->groups, c->is_signed);
+}
+
+/* A K-quant super-block for the integer path: levels, and the integer scales each group's
+ * products are weighted by before anything is converted to float. Q4_K / Q5_K:
+ *   w = d * sc_j * q - dmin * m_j (per 32);  Q6_K: w = d * sc_g * (q - 32) (per 16),
+ * so with one activation scale xd a super-block, dot = xd * (d * sum_g sc_g (q . x)_g
+ * + mfac * sum_16 mv_16 * bsum_16), mfac = -dmin (mv: the mins) or -32 d (mv: the scales). */
+typedef struct {
+    __m256i q[8], sc[8]; /* sc[g]: int16 lanes 0-7 scale group 2g's first 16, 8-15 the next 16 */
+    __m256i mv;          /* int16 per 16 weights */
+    float d, mfac;
+} k_chunk;
+
+/* A shuffle that spreads int16 lane `lo` of a 128-bit half over the low half and lane `hi` over
+ * the high half. */
+static inline __m256i spread_lanes(int lo, int hi) {
+    return _mm256_blend_epi32(_mm256_set1_epi16((int16_t)(((2 * lo + 1) << 8) | (2 * lo))),
+                              _mm256_set1_epi16((int16_t)(((2 * hi + 1) << 8) | (2 * hi))), 0xf0);
+}
+
+static inline __attribute__((always_inline)) void unpack_k_chunk(int type, const uint8_t *blk,
+                                                                 k_chunk *c) {
+    k_levels(type, blk, c->q);
+    if (type == Q6_K) {
+        __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+        __m256i lo = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc8)); /* scales 0-7 */
+        __m256i hi = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc8, 8)));
+        for (int g = 0; g < 8; g++) /* scales 2g and 2g + 1 */
+            c->sc[g] = _mm256_shuffle_epi8(g < 4 ? lo : hi, spread_lanes(2 * g % 8, (2 * g + 1) % 8));
+        c->mv = _mm256_cvtepi8_epi16(sc8);
+        c->d = f16_to_f32(blk + 208);
+        c->mfac = -32.0f * c->d;
+        return;
+    }
+    uint32_t w[3];
+    memcpy(w, blk + 4, 12);
+    uint64_t sc = (w[0] & 0x3f3f3f3fu) |
+                  (uint64_t)((w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4)) << 32;
+    uint64_t mins = (w[1] & 0x3f3f3f3fu) |
+                    (uint64_t)(((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4)) << 32;
+    __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)sc)));
+    for (int g = 0; g < 8; g++) c->sc[g] = _mm256_shuffle_epi8(sc16, spread_lanes(g, g));
+    __m128i doubled = _mm_shuffle_epi8(_mm_cvtsi64_si128((int64_t)mins),
+                                       _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+    c->mv = _mm256_cvtepu8_epi16(doubled);
+    c->d = f16_to_f32(blk);
+    c->mfac = -f16_to_f32(blk + 2);
+}
+
+/* acc[m] += the super-block . row m's activations at it (scale xd[0] for all 256). */
+static inline __attribute__((always_inline)) void dot_rows_k(
+    const k_chunk *c, const int8_t *xq, const float *xd, const int16_t *bsum, int64_t kp,
+    int64_t rows, acc_t *acc) {
+    for (int64_t m = 0; m < rows; m++) {
+        const int8_t *x = xq + m * kp;
+        __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int g = 0; g < 8; g++) {
+            __m256i p = _mm256_maddubs_epi16(c->q[g], _mm256_loadu_si256((const __m256i *)(x + 32 * g)));
+            part[g % 2] = _mm256_add_epi32(part[g % 2], _mm256_madd_epi16(p, c->sc[g]));
+        }
+        __m256i mins = _mm256_madd_epi16(c->mv, _mm256_loadu_si256((const __m256i *)(bsum + m * (kp / 16))));
+        float scale = xd[m * (kp / 32)];
+        __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(part[0], part[1])),
+                                   _mm256_set1_ps(c->d * scale));
+        acc[m] = _mm256_add_ps(acc[m], _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins),
+                                                       _mm256_set1_ps(c->mfac * scale), sum));
     }
 }
 #else
@@ -423,24 +473,36 @@ static inline float hsum8(acc_t v) {
 #endif
 
 /* out [rows][n] (rows `out_stride` apart; fp32, or bf16 where `out_bf16`) = activations (from
- * `quantize_activations`, kp = k rounded up to 256) times the weight w [n][row_bytes] of `type`,
- * k inputs a row. `threads` threads split the outputs; each unpacks a chunk of a weight row once
- * for up to ROW_TILE rows, so at a few rows the step streams the weight from memory once. */
+ * `quantize_activations`, in blocks of 256 for the K-quants and 32 for the others; kp = k rounded
+ * up to 256) times the weight w [n][row_bytes] of `type`, k inputs a row. `threads` threads split
+ * the outputs; each unpacks a chunk of a weight row once for up to ROW_TILE rows, so at a few rows
+ * the step streams the weight from memory once. */
 void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
-                  const int8_t *xq, const float *xd, const float *xsd, int64_t rows, void *out,
-                  int out_bf16, int64_t out_stride, int threads) {
+                  const int8_t *xq, const float *xd, const float *xsd, const int16_t *bsum,
+                  int64_t rows, void *out, int out_bf16, int64_t out_stride, int threads) {
     int64_t kp = (k + CHUNK - 1) / CHUNK * CHUNK;
     for (int64_t m0 = 0; m0 < rows; m0 += ROW_TILE) {
         int64_t mt = rows - m0 < ROW_TILE ? rows - m0 : ROW_TILE;
+        const int8_t *x = xq + m0 * kp;
+        const float *d = xd + m0 * (kp / 32), *sd = xsd + m0 * (kp / 16);
+        const int16_t *bs = bsum + m0 * (kp / 16);
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
         for (int64_t j = 0; j < n; j++) {
             acc_t acc[ROW_TILE];
-            kernel_chunk c;
-            memset(acc, 0, sizeof acc);
+            const uint8_t *row = w + j * row_bytes;
+            memset(acc, 0, mt * sizeof acc[0]);
             for (int64_t first = 0; first < k; first += CHUNK) {
-                unpack_kernel_chunk(type, w + j * row_bytes, first, k - first < CHUNK ? k - first : CHUNK, &c);
-                dot_rows(&c, xq + m0 * kp + first, xd + m0 * (kp / 32) + first / 32,
-                         xsd + m0 * (kp / 16) + first / 16, kp, mt, acc);
+#ifdef QUANT_AVX2
+                if (type >= Q4_K) {
+                    k_chunk c;
+                    unpack_k_chunk(type, row + (first >> 8) * block_bytes(type), &c);
+                    dot_rows_k(&c, x + first, d + first / 32, bs + first / 16, kp, mt, acc);
+                    continue;
+                }
+#endif
+                kernel_chunk c;
+                unpack_kernel_chunk(type, row, first, k - first < CHUNK ? k - first : CHUNK, &c);
+                dot_rows(&c, x + first, d + first / 32, sd + first / 16, kp, mt, acc);
             }
             for (int64_t m = 0; m < mt; m++) {
                 float v = hsum8(acc[m]);
