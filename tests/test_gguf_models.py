@@ -5,11 +5,14 @@ and the engine's behaviour (batching, prefix caching, no leaks) on quantized wei
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F
 from conftest import assert_all_blocks_free
 
 from paged_backend import LLM, SamplingParams, cpu
 from paged_backend.cpu.quant import QuantEmbedding, QuantLinear
 from paged_backend.default_model import default_model_file
+from paged_backend.gguf.random_checkpoint import write_checkpoint
 from paged_backend.model_loader import gguf_weights_file, resolve_model_path
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
@@ -94,3 +97,44 @@ def test_stats_report_weights_near_the_file_size_and_kv_cache_committed_on_use(q
     assert file_size * 0.9 < stats["weights_bytes"] <= file_size * 1.15
     assert 0 < stats["weights_resident_bytes"] <= stats["weights_bytes"]
     assert 0 < stats["kv_cache_resident_bytes"] < stats["kv_cache_bytes"]
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-qwen2"])
+def k_quant_checkpoint(request, tmp_path_factory):
+    """A random checkpoint (llama: untied, q/k rows permuted in the file; qwen2: tied, biases) as
+    a float32 directory and a Q4_K_M file (Q4_K and Q6_K blocks) of the same weights."""
+    out = tmp_path_factory.mktemp(request.param)
+    bf16, q4_k_m = write_checkpoint(request.param, out, ("bf16", "q4_k_m"))
+    return bf16, q4_k_m
+
+
+def _weights(llm: LLM) -> dict[str, torch.Tensor]:
+    return {k: v.float() for k, v in llm.engine.runner.model.state_dict().items()}
+
+
+def test_k_quant_files_hold_the_weights_of_their_float_copy(k_quant_checkpoint):
+    """Read dequantized, every weight of the Q4_K_M file is its float copy's but for the
+    quantization error (a q or k row out of order would be off by the weights' size)."""
+    directory, gguf = k_quant_checkpoint
+    ours = _weights(LLM(model=str(gguf), dtype="float32", quantization="none", num_kv_blocks=64))
+    reference = _weights(LLM(model=str(directory), dtype="float32", num_kv_blocks=64))
+    assert ours.keys() == reference.keys()
+    for name, weight in reference.items():
+        error = (ours[name] - weight).norm() / weight.norm()
+        assert error < (0.1 if weight.dim() == 2 else 1e-6), name
+
+
+def test_k_quant_linears_compute_what_their_dequantized_weights_do(k_quant_checkpoint):
+    _, gguf = k_quant_checkpoint
+    quantized = LLM(model=str(gguf), dtype="float32", num_kv_blocks=64)
+    dequantized = _weights(LLM(model=str(gguf), dtype="float32", quantization="none"))
+    formats = set()
+    for name, module in quantized.engine.runner.model.named_modules():
+        if isinstance(module, QuantLinear) and name != "cpu_head":
+            formats |= {w.format for w in module.weights}
+            x = torch.randn(5, module.in_features)
+            expected = F.linear(x, dequantized[f"{name}.weight"], dequantized.get(f"{name}.bias"))
+            assert F.cosine_similarity(module(x), expected, dim=-1).min() > 0.995, name
+    assert formats == {"Q4_K", "Q6_K"}
+    out = quantized.generate(["Hello"], GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens

@@ -2,14 +2,17 @@
  * Q5_0, Q5_1, Q8_0 (blocks of 32 weights) and Q4_K, Q5_K, Q6_K (super-blocks of 256), as ggml lays
  * them out, read straight from the file's bytes.
  *
- * One scheme serves every format. A chunk of up to 256 weights of a row is unpacked into levels q
- * (0..63, unsigned; Q8_0's are signed bytes) and, for each group of 16 weights, a scale a and an
- * offset b with weight = a * q + b. Activations are quantized per row in blocks of 32 to int8 with
- * a scale xd (as llama.cpp's Q8_0), and each group's level sum is kept, scaled (xsd). Then
- *   sum_i w_i x_i = sum_g xd_g * a_g * (sum_i q_i xq_i) + b_g * xsd_g,
- * where the inner sums are exact integer dot products of 32 bytes at a time (AVX2 `vpmaddubsw`, or
- * AVX512-VNNI `vpdpbusd` where the CPU has it). A chunk is unpacked once for all rows of a step, so
- * a batch reuses it from registers and L1.
+ * Every format is read as levels q (0..63, unsigned; Q8_0's are signed bytes) with, for each group
+ * of 16 weights, a scale a and an offset b: weight = a * q + b. Activations are quantized per row
+ * to int8 with one scale xd per block (as llama.cpp's Q8_0 and Q8_K), and each 16's level sum is
+ * kept (bsum; xsd = xd * bsum). Then
+ *   sum_i w_i x_i = sum_g xd_g * (a_g * (q . xq)_g + b_g * bsum_g),
+ * where (q . xq)_g are exact integer dot products of 32 bytes at a time (AVX2 `vpmaddubsw`).
+ * - Legacy formats (blocks of 32, activations too): each group's sum is scaled in float.
+ * - K-quants (activations in blocks of 256): a and b are small integers times a super-block
+ *   factor, so a super-block sums in integers (`vpmaddwd` by the group's scale) and converts once.
+ * A chunk of 256 weights is unpacked once for all rows of a step, so a batch reuses it from
+ * registers and L1. Without AVX2 a scalar loop computes the same sums.
  */
 #include <math.h>
 #include <stdint.h>
