@@ -1,11 +1,13 @@
-"""How close a GGUF file served quantized comes to the same file dequantized: top-1 agreement and
-perplexity, teacher-forced, on held-out text and on the dequantized model's own greedy text.
+"""How close a model served quantized comes to the same weights in full precision: top-1
+agreement and perplexity, teacher-forced, on held-out text and on the reference's own greedy text.
 
-Both engines read the same file: `quantization="none"` dequantizes it (the reference: the values
-transformers' conversion gives), the default keeps its block formats and quantizes activations
-to int8 (`paged_backend.cpu.quant`). Every position of a sequence is scored in one forward pass.
+The reference is `quantization="none"` (a GGUF file dequantized: the values transformers'
+conversion gives). `--quantization gguf` (default) serves a GGUF file's blocks as they are,
+`--quantization int8` the linears as Q8_0 blocks (`paged_backend.cpu.quant`); both quantize
+activations to int8. Every position of a sequence is scored in one forward pass.
 
-    python examples/quantized_accuracy.py [--model FILE.gguf] [--tokens 2000] [--dtype float32]
+    python examples/quantized_accuracy.py [--model FILE.gguf | DIR] [--quantization gguf|int8]
+                                          [--tokens 2000] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -68,19 +70,21 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--model", default=str(default_model_file()))
+    parser.add_argument("--quantization", choices=("gguf", "int8"), default="gguf")
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
     common = dict(model=args.model, dtype=args.dtype, num_kv_blocks=2 * CHUNK, max_model_len=4096)
     reference = LLM(quantization="none", **common)
-    quantized = LLM(**common)
+    quantized = LLM(quantization=None if args.quantization == "gguf" else "int8", **common)
     tokenizer = reference.engine.tokenizer
     text = tokenizer.encode(HELD_OUT.read_text())[: args.tokens + 1]
     per_prompt = -(-args.tokens // len(PROMPTS))
     greedy = SamplingParams(temperature=0, max_tokens=per_prompt, ignore_eos=True)
     outputs = reference.generate(PROMPTS, greedy, use_tqdm=False)
     own = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outputs]
-    print(f"{args.model} on {cpu_description()}, {reference.engine.runner.dtype}")
+    what = f"{args.model} ({args.quantization})"
+    print(f"{what} on {cpu_description()}, {reference.engine.runner.dtype}")
     for name, sequences in (("held-out text", [text]), ("greedy text", own)):
         r = compare(reference, quantized, sequences)
         change = r["ppl_quantized"] / r["ppl_reference"] - 1

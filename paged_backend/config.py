@@ -17,7 +17,7 @@ MODEL_IMPLS = ("auto", "native", "transformers")
 MAX_SPECULATIVE_TOKENS = 32  # more drafts than this only add rejected rows to a step
 
 
-QUANTIZATIONS = (None, "none", "int4")
+QUANTIZATIONS = (None, "none", "int4", "int8")
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class EngineConfig:
     fp16_decode_weights: bool | None = None
     # None: a GGUF file's weights stay in its block formats on CPU (but for the embedded default
     # model's, which runs dequantized); "none": dequantized to `dtype`; "int4": int4 copies for
-    # small steps (CPU, bf16).
+    # small steps (CPU, bf16); "int8": linears as Q8_0 blocks (int8, a scale per 32; CPU).
     quantization: str | None = None
     cpu_kernels: bool | None = None
     cpu_gemm_max_rows: int | None = None

@@ -14,7 +14,12 @@ from paged_backend.config import EngineConfig
 from paged_backend.cpu import kernel_choice
 from paged_backend.cpu.linear import GemmRows, can_pack, quantize_linears_int4
 from paged_backend.cpu.memory import resident_bytes
-from paged_backend.cpu.quant import QuantWeight
+from paged_backend.cpu.quant import (
+    QuantLinear,
+    QuantWeight,
+    quantize_linears_q8_0_,
+    quantize_q8_0,
+)
 from paged_backend.gguf.weights import load_gguf
 from paged_backend.model_loader import convert_gguf, gguf_weights_file, load_safetensors
 from paged_backend.models import LlamaForCausalLM, native_model_class
@@ -64,6 +69,11 @@ class ModelRunner:
         self.model_config = model_config
         self.gemm_rows = None
         gguf = gguf_weights_file(model_path)
+        if model_config.impl == "transformers" and config.quantization in ("int4", "int8"):
+            raise ValueError(
+                f"quantization={config.quantization!r} needs our native modules; "
+                f"{model_config.architecture} runs on transformers' (model_impl)"
+            )
         if model_config.impl == "transformers":
             if gguf is not None:  # its modeling code loads dequantized safetensors only
                 model_path = convert_gguf(gguf)
@@ -133,15 +143,22 @@ class ModelRunner:
             )
         gguf = gguf_weights_file(model_path)
         # A GGUF file's weights stay in its block formats (the CPU kernels read them), unless
-        # dequantized weights or int4 copies are asked for.
+        # dequantized weights or int4 / int8 copies are asked for.
         if gguf is not None and config.quantization is None and self.device.type == "cpu":
             load_gguf(model, gguf, self.dtype)
             return model.to(self.dtype)
+        if config.quantization == "int8" and self.device.type != "cpu":
+            raise ValueError(f"quantization='int8' runs on CPU only, not {self.device.type}")
         pack, fp16_copy = self._cpu_linears(config, model)
         if gguf is not None:
             load_gguf(model, gguf, self.dtype, quantized=False)
         else:
             load_safetensors(model, model_path, model.checkpoint_name_map)
+        if config.quantization == "int8":
+            quantize_linears_q8_0_(model)
+            if model.lm_head is None:  # tied: the embedding stays for lookups, the head reads Q8_0
+                model.cpu_head = QuantLinear([quantize_q8_0(model.embed_tokens.weight)])
+            return model.to(self.dtype)
         # From the full-precision weights: a Q4 grid survives only until the cast.
         int4 = quantize_linears_int4(model.layers) if config.quantization == "int4" else None
         model.to(self.dtype)

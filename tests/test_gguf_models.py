@@ -138,3 +138,29 @@ def test_k_quant_linears_compute_what_their_dequantized_weights_do(k_quant_check
     assert formats == {"Q4_K", "Q6_K"}
     out = quantized.generate(["Hello"], GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_int8_linears_are_q8_0_blocks_of_the_float_weights(llm_fp32):
+    """quantization="int8" (any checkpoint): every linear as Q8_0 blocks (tied head too), the
+    embedding table kept for lookups, at most half the bytes of bf16 for the layers."""
+    int8 = LLM(dtype="float32", quantization="int8", num_kv_blocks=256)
+    model, reference = int8.engine.runner.model, llm_fp32.engine.runner.model
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantLinear) and [w.format for w in qkv.weights] == ["Q8_0"]
+    assert isinstance(model.cpu_head, QuantLinear)
+    x = torch.randn(3, qkv.in_features)
+    expected = reference.layers[0].self_attn.qkv_proj(x)
+    assert F.cosine_similarity(qkv(x), expected, dim=-1).min() > 0.999
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ours = int8.generate(PROMPTS, params, use_tqdm=False)
+    full = llm_fp32.generate(PROMPTS, params, use_tqdm=False)
+    ids = [[o.outputs[0].token_ids for o in run] for run in (ours, full)]
+    assert _agreement(*ids) >= 0.75
+    assert_all_blocks_free(int8.engine)
+
+
+def test_int8_is_refused_where_it_cannot_run(tiny_model):
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(model=str(tiny_model), quantization="int8", model_impl="transformers")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(quantization="int3")
