@@ -180,9 +180,16 @@ def _write_gguf_dir(path: Path, target: Path, weights: bool) -> None:
         else:
             from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+            from paged_backend.gguf.weights import llama3_rope_scaling
+
             tmp.mkdir()
             config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
             config.save_pretrained(tmp)
+            scaling = llama3_rope_scaling(path)
+            if scaling is not None:  # kept in the file as a tensor, which transformers drops
+                raw = json.loads((tmp / "config.json").read_text())
+                raw["rope_scaling"] = scaling
+                (tmp / "config.json").write_text(json.dumps(raw, indent=2))
             (tmp / GGUF_WEIGHTS).write_text(json.dumps({"gguf": str(path.absolute())}))
         tokenizer.model_max_length = config.max_position_embeddings
         tokenizer.save_pretrained(tmp)

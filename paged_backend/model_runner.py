@@ -20,7 +20,6 @@ from paged_backend.cpu.quant import (
     quantize_linears_q8_0_,
     quantize_q8_0,
 )
-from paged_backend.gguf.weights import load_gguf
 from paged_backend.model_loader import convert_gguf, gguf_weights_file, load_safetensors
 from paged_backend.models import LlamaForCausalLM, native_model_class
 from paged_backend.models.config import ModelConfig
@@ -142,6 +141,8 @@ class ModelRunner:
                 model_config, max_model_len, ops=ops
             )
         gguf = gguf_weights_file(model_path)
+        if gguf is not None:  # `gguf` takes ~40 ms to import: only for GGUF files
+            from paged_backend.gguf.weights import load_gguf
         # A GGUF file's weights stay in its block formats (the CPU kernels read them), unless
         # dequantized weights or int4 / int8 copies are asked for.
         if gguf is not None and config.quantization is None and self.device.type == "cpu":

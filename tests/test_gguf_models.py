@@ -4,6 +4,8 @@ and the engine's behaviour (batching, prefix caching, no leaks) on quantized wei
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -114,10 +116,17 @@ def _weights(llm: LLM) -> dict[str, torch.Tensor]:
 
 def test_k_quant_files_hold_the_weights_of_their_float_copy(k_quant_checkpoint):
     """Read dequantized, every weight of the Q4_K_M file is its float copy's but for the
-    quantization error (a q or k row out of order would be off by the weights' size)."""
+    quantization error (a q or k row out of order would be off by the weights' size), and the
+    configuration read from its metadata is the copy's."""
     directory, gguf = k_quant_checkpoint
-    ours = _weights(LLM(model=str(gguf), dtype="float32", quantization="none", num_kv_blocks=64))
-    reference = _weights(LLM(model=str(directory), dtype="float32", num_kv_blocks=64))
+    dequantized = LLM(model=str(gguf), dtype="float32", quantization="none", num_kv_blocks=64)
+    float_copy = LLM(model=str(directory), dtype="float32", num_kv_blocks=64)
+    # the llama file's llama3 RoPE scaling, which it keeps as a rope_freqs tensor, comes back;
+    # GGUF keeps the norm's epsilon in float32
+    config, expected = dequantized.engine.model_config, float_copy.engine.model_config
+    assert config.rms_norm_eps == pytest.approx(expected.rms_norm_eps, rel=1e-6)
+    assert replace(config, rms_norm_eps=expected.rms_norm_eps) == expected
+    ours, reference = _weights(dequantized), _weights(float_copy)
     assert ours.keys() == reference.keys()
     for name, weight in reference.items():
         error = (ours[name] - weight).norm() / weight.norm()

@@ -54,12 +54,46 @@ _LAYER = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_IGNORED = ("rope_freqs.weight",)  # llama3's rotary factors: the config carries rope_scaling
+_IGNORED = ("rope_freqs.weight",)  # llama3's rotary factors: `llama3_rope_scaling` reads them
+# Llama 3.1/3.2's llama3 RoPE scaling but for its factor: what every such file was made with.
+_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def architecture(reader: GGUFReader) -> str:
     field = reader.fields["general.architecture"]
     return bytes(field.parts[field.data[0]]).decode()
+
+
+def llama3_rope_scaling(path: Path) -> dict | None:
+    """The `rope_scaling` of a Llama 3.1+ file, which llama.cpp's converter stores as a
+    `rope_freqs` tensor (each rotary frequency's divisor) rather than as its parameters: the
+    llama3 parameters that give those divisors (transformers' GGUF loader drops them, and the
+    model then rotates long-range dims too fast). None where the file has no such tensor."""
+    reader = GGUFReader(path)
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if tensor is None:
+        return None
+    factors = np.asarray(tensor.data, dtype=np.float64)
+    field = reader.fields[f"{architecture(reader)}.rope.freq_base"]
+    theta = float(field.parts[field.data[0]][0])
+    scaling = {"rope_type": "llama3", "factor": float(factors.max()), **_LLAMA3_ROPE}
+    if not np.allclose(llama3_factors(scaling, theta, 2 * len(factors)), factors, rtol=1e-3):
+        raise ValueError(f"{path}: its rope_freqs are not llama3 RoPE scaling's")
+    return scaling
+
+
+def llama3_factors(scaling: dict, theta: float, dim: int) -> np.ndarray:
+    """The divisor of each rotary frequency under llama3 scaling (as `rope_freqs` holds them)."""
+    factor, old = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelen = 2 * np.pi * theta ** (np.arange(0, dim, 2) / dim)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, blended))
 
 
 def hf_name(name: str, arch: str) -> str | None:
