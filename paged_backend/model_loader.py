@@ -139,6 +139,11 @@ def gguf_weights_file(model_dir: Path) -> Path | None:
     return Path(json.loads(marker.read_text())["gguf"]) if marker.is_file() else None
 
 
+def gguf_architecture(model_dir: Path) -> str:
+    """The general.architecture of the GGUF file a `gguf_model_dir` stands for."""
+    return json.loads((Path(model_dir) / GGUF_WEIGHTS).read_text())["architecture"]
+
+
 def convert_gguf(path: Path) -> Path:
     """Dequantize a GGUF file through transformers' loader into a cached fp32 HF directory
     (once: concurrent first starts wait for one conversion)."""
@@ -180,17 +185,18 @@ def _write_gguf_dir(path: Path, target: Path, weights: bool) -> None:
         else:
             from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-            from paged_backend.gguf.weights import llama3_rope_scaling
+            from paged_backend.gguf.weights import read_metadata
 
             tmp.mkdir()
             config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
             config.save_pretrained(tmp)
-            scaling = llama3_rope_scaling(path)
+            arch, scaling = read_metadata(path)
             if scaling is not None:  # kept in the file as a tensor, which transformers drops
                 raw = json.loads((tmp / "config.json").read_text())
                 raw["rope_scaling"] = scaling
                 (tmp / "config.json").write_text(json.dumps(raw, indent=2))
-            (tmp / GGUF_WEIGHTS).write_text(json.dumps({"gguf": str(path.absolute())}))
+            marker = {"gguf": str(path.absolute()), "architecture": arch}
+            (tmp / GGUF_WEIGHTS).write_text(json.dumps(marker))
         tokenizer.model_max_length = config.max_position_embeddings
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(target, ignore_errors=True)  # a partial directory from an older version

@@ -20,7 +20,13 @@ from paged_backend.cpu.quant import (
     quantize_linears_q8_0_,
     quantize_q8_0,
 )
-from paged_backend.model_loader import convert_gguf, gguf_weights_file, load_safetensors
+from paged_backend.gguf import ARCHITECTURES as GGUF_ARCHITECTURES
+from paged_backend.model_loader import (
+    convert_gguf,
+    gguf_architecture,
+    gguf_weights_file,
+    load_safetensors,
+)
 from paged_backend.models import LlamaForCausalLM, native_model_class
 from paged_backend.models.config import ModelConfig
 from paged_backend.models.transformers_impl import TransformersForCausalLM
@@ -68,6 +74,9 @@ class ModelRunner:
         self.model_config = model_config
         self.gemm_rows = None
         gguf = gguf_weights_file(model_path)
+        if gguf is not None and gguf_architecture(model_path) not in GGUF_ARCHITECTURES:
+            # names we do not map: transformers' conversion (dequantized, cached) reads them
+            model_path, gguf = convert_gguf(gguf), None
         if model_config.impl == "transformers" and config.quantization in ("int4", "int8"):
             raise ValueError(
                 f"quantization={config.quantization!r} needs our native modules; "

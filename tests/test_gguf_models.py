@@ -173,3 +173,13 @@ def test_int8_is_refused_where_it_cannot_run(tiny_model):
         LLM(model=str(tiny_model), quantization="int8", model_impl="transformers")
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(quantization="int3")
+
+
+def test_architectures_we_do_not_map_go_through_transformers_conversion(monkeypatch, llm_fp32):
+    monkeypatch.setattr("paged_backend.model_runner.GGUF_ARCHITECTURES", ())
+    converted = LLM(model=str(default_model_file()), dtype="float32", num_kv_blocks=64)
+    model = converted.engine.runner.model
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    ours = converted.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    reference = llm_fp32.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in reference]

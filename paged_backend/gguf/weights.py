@@ -28,10 +28,10 @@ from paged_backend.cpu.quant import (
     QuantWeight,
     dequantize,
 )
+from paged_backend.gguf import ARCHITECTURES
 
-# Architectures whose tensor names `hf_name` maps (general.architecture), and of those, the ones
-# whose q/k rows llama.cpp's converter permutes and whose norms it stores as 1 + weight.
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+# Of `ARCHITECTURES`, those whose q/k rows llama.cpp's converter permutes and whose norms it
+# stores as 1 + weight.
 _PERMUTED = ("llama", "mistral")
 _GEMMA = ("gemma2", "gemma3")
 
@@ -54,7 +54,7 @@ _LAYER = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_IGNORED = ("rope_freqs.weight",)  # llama3's rotary factors: `llama3_rope_scaling` reads them
+_IGNORED = ("rope_freqs.weight",)  # llama3's rotary factors: `read_metadata` reads them
 # Llama 3.1/3.2's llama3 RoPE scaling but for its factor: what every such file was made with.
 _LLAMA3_ROPE = {
     "low_freq_factor": 1.0,
@@ -68,22 +68,24 @@ def architecture(reader: GGUFReader) -> str:
     return bytes(field.parts[field.data[0]]).decode()
 
 
-def llama3_rope_scaling(path: Path) -> dict | None:
-    """The `rope_scaling` of a Llama 3.1+ file, which llama.cpp's converter stores as a
-    `rope_freqs` tensor (each rotary frequency's divisor) rather than as its parameters: the
-    llama3 parameters that give those divisors (transformers' GGUF loader drops them, and the
-    model then rotates long-range dims too fast). None where the file has no such tensor."""
+def read_metadata(path: Path) -> tuple[str, dict | None]:
+    """(general.architecture, the llama3 `rope_scaling` of a Llama 3.1+ file or None) of GGUF
+    file `path`. llama.cpp's converter keeps llama3 scaling as a `rope_freqs` tensor (each
+    rotary frequency's divisor) rather than as its parameters, and transformers' GGUF loader
+    drops it (the model would rotate its long-range dims too fast): the parameters that give
+    those divisors are found here."""
     reader = GGUFReader(path)
+    arch = architecture(reader)
     tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if tensor is None:
-        return None
+        return arch, None
     factors = np.asarray(tensor.data, dtype=np.float64)
-    field = reader.fields[f"{architecture(reader)}.rope.freq_base"]
+    field = reader.fields[f"{arch}.rope.freq_base"]
     theta = float(field.parts[field.data[0]][0])
     scaling = {"rope_type": "llama3", "factor": float(factors.max()), **_LLAMA3_ROPE}
     if not np.allclose(llama3_factors(scaling, theta, 2 * len(factors)), factors, rtol=1e-3):
         raise ValueError(f"{path}: its rope_freqs are not llama3 RoPE scaling's")
-    return scaling
+    return arch, scaling
 
 
 def llama3_factors(scaling: dict, theta: float, dim: int) -> np.ndarray:
