@@ -235,13 +235,22 @@ void quantize_activations(const void *x, int x_bf16, int64_t rows, int64_t k, in
 #ifdef QUANT_AVX2
 typedef __m256 acc_t; /* a row's running sums, 8 lanes */
 
-/* A chunk of a legacy format as `unpack_chunk` gives it, in registers: each group of 32 levels,
- * and the scales and offsets of the 16 groups of 16 (a0: groups 0-7, a1: 8-15; likewise b). */
+/* A chunk of a legacy format in registers: each block's 32 levels, the blocks' scales (d8, lane g:
+ * block g's, 0 past the row's end) and the offsets of the 16 groups of 16 (b0: 0-7, b1: 8-15). */
 typedef struct {
     __m256i q[CHUNK / 32];
-    __m256 a0, a1, b0, b1;
+    __m256 d8, b0, b1;
     int groups, is_signed;
 } kernel_chunk;
+
+/* Eight per-block values as per-16 pairs: lanes 0-3 doubled (low), 4-7 doubled (high). */
+static inline __m256 pairs_low(__m256 v) {
+    return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+}
+
+static inline __m256 pairs_high(__m256 v) {
+    return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+}
 
 static inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
 
@@ -308,11 +317,13 @@ static inline __attribute__((always_inline)) void k_levels(int type, const uint8
 static inline __attribute__((always_inline)) void unpack_kernel_chunk(
     int type, const uint8_t *row, int64_t first, int64_t count, kernel_chunk *c) {
     const uint8_t *blk = row + (first >> 5) * block_bytes(type); /* no division */
-    group_scales s;
-    memset(&s, 0, sizeof s);
+    uint16_t scales[8] = {0}, mins[8] = {0}; /* fp16 bits */
+    int with_min = type == Q4_1 || type == Q5_1;
     c->groups = (int)(count / 32);
     c->is_signed = type == Q8_0;
     for (int g = 0; g < c->groups; g++, blk += block_bytes(type)) {
+        memcpy(scales + g, blk, 2);
+        if (with_min) memcpy(mins + g, blk + 2, 2);
         if (type == Q8_0) {
             c->q[g] = _mm256_loadu_si256((const __m256i *)(blk + 2));
         } else {
@@ -320,10 +331,13 @@ static inline __attribute__((always_inline)) void unpack_kernel_chunk(
             if (type == Q5_0 || type == Q5_1)
                 c->q[g] = _mm256_or_si256(c->q[g], fifth_bits(blk + fifth_bits_at(type)));
         }
-        block32_scales(type, blk, &s, g);
     }
-    c->a0 = _mm256_loadu_ps(s.a), c->a1 = _mm256_loadu_ps(s.a + 8);
-    c->b0 = _mm256_loadu_ps(s.b), c->b1 = _mm256_loadu_ps(s.b + 8);
+    c->d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales));
+    __m256 offsets = with_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mins))
+                              : _mm256_mul_ps(c->d8, _mm256_set1_ps(type == Q8_0   ? 0.0f
+                                                                    : type == Q5_0 ? -16.0f
+                                                                                   : -8.0f));
+    c->b0 = pairs_low(offsets), c->b1 = pairs_high(offsets);
 }
 
 static inline __m256i dot_bytes(__m256i q, __m256i x, int is_signed) {
@@ -353,18 +367,16 @@ static inline __attribute__((always_inline)) void dot_rows_of(
     int64_t rows, acc_t *acc, const int groups, const int is_signed) {
     for (int64_t m = 0; m < rows; m++) {
         const int8_t *x = xq + m * kp;
-        const float *d = xd + m * (kp / 32), *sd = xsd + m * (kp / 16);
+        const float *sd = xsd + m * (kp / 16);
+        __m256 scales = _mm256_mul_ps(c->d8, _mm256_loadu_ps(xd + m * (kp / 32)));
         /* four independent sums: one chain of ten dependent FMAs a chunk bound a row by latency */
         __m256 part[4] = {_mm256_mul_ps(c->b0, _mm256_loadu_ps(sd)),
                           _mm256_mul_ps(c->b1, _mm256_loadu_ps(sd + 8)), _mm256_setzero_ps(),
                           _mm256_setzero_ps()};
         for (int g = 0; g < groups; g++) {
-            __m256i at = _mm256_add_epi32(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
-                                          _mm256_set1_epi32(2 * g % 8));
-            __m256 scale = _mm256_permutevar8x32_ps(g < 4 ? c->a0 : c->a1, at);
+            __m256 scale = _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(g));
             __m256i p = dot_bytes(c->q[g], _mm256_loadu_si256((const __m256i *)(x + 32 * g)), is_signed);
-            part[g % 4] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
-                                          _mm256_mul_ps(scale, _mm256_set1_ps(d[g])), part[g % 4]);
+            part[g % 4] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, part[g % 4]);
         }
         __m256 sum = _mm256_add_ps(_mm256_add_ps(part[0], part[1]), _mm256_add_ps(part[2], part[3]));
         acc[m] = _mm256_add_ps(acc[m], sum);
