@@ -17,6 +17,9 @@ MODEL_IMPLS = ("auto", "native", "transformers")
 MAX_SPECULATIVE_TOKENS = 32  # more drafts than this only add rejected rows to a step
 
 
+QUANTIZATIONS = (None, "none", "int4")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Drafting by prompt lookup (vLLM's `ngram` method, with its names): each step, a greedy
@@ -99,6 +102,9 @@ class EngineConfig:
     seed: int = 0
     pack_weights: bool | None = None
     fp16_decode_weights: bool | None = None
+    # None: a GGUF file's weights stay in its block formats on CPU (but for the embedded default
+    # model's, which runs dequantized); "none": dequantized to `dtype`; "int4": int4 copies for
+    # small steps (CPU, bf16).
     quantization: str | None = None
     cpu_kernels: bool | None = None
     cpu_gemm_max_rows: int | None = None
@@ -164,9 +170,9 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
             )
-        if self.quantization not in (None, "int4"):
+        if self.quantization not in QUANTIZATIONS:
             raise ValueError(
-                f"quantization must be None or 'int4' (CPU), got {self.quantization!r}"
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
             )
         rows = self.cpu_gemm_max_rows
         if rows is not None and (

@@ -510,6 +510,8 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.num_steps,
+            # Bytes of the weights and of the KV cache, and how many are resident in memory.
+            **self.runner.memory(),
             # Speculative decoding (`speculative_config`): the share of drafted tokens accepted,
             # and the tokens a drafting sequence gains per step (accepted drafts + its own one).
             "spec_num_draft_tokens": self.num_draft_tokens,

@@ -5,6 +5,7 @@ Weights come only from `*.safetensors` (never pickle) and no remote code is run.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -19,6 +20,8 @@ from paged_backend.default_model import default_model_file, file_sha256
 from paged_backend.file_cache import cache_dir, locked, notice
 from paged_backend.models.config import ModelConfig
 
+# In a GGUF file's directory of configuration and tokenizer: the file its weights are read from.
+GGUF_WEIGHTS = "gguf_weights.json"
 # What a model directory needs from a hub repository: no pickle weights, no GGUF variants.
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*"]
 
@@ -26,7 +29,9 @@ HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenize
 def resolve_model_path(model: str | Path | None, revision: str | None = None) -> Path:
     """Return a Hugging Face style directory (config.json, tokenizer, *.safetensors) for a
     local directory, a .gguf file, a hub id ("org/name", at `revision`: a branch, tag or
-    commit) or a GGUF file in a hub repository ("org/name/file.gguf")."""
+    commit) or a GGUF file in a hub repository ("org/name/file.gguf"). A GGUF file's directory
+    has no weights: they stay in the file (`gguf_weights_file`), but for the embedded default
+    model's, whose dequantized copy its tuned bf16 path runs."""
     if model is None:
         return convert_gguf(default_model_file())
     path = Path(model).expanduser()
@@ -45,9 +50,9 @@ def resolve_model_path(model: str | Path | None, revision: str | None = None) ->
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model file {path} is not a .gguf file")
-        return convert_gguf(path)
+        return gguf_model_dir(path)
     ModelConfig.from_dir(path)  # a missing config or unsupported architecture is named first
-    if not any(path.glob("*.safetensors")):
+    if not any(path.glob("*.safetensors")) and gguf_weights_file(path) is None:
         raise FileNotFoundError(f"model directory {path} has no *.safetensors weights")
     return path
 
@@ -114,6 +119,26 @@ def snapshot_from_hub(
         ) from exc
 
 
+def gguf_model_dir(path: Path) -> Path:
+    """A cached directory with the configuration and tokenizer of GGUF file `path`, written
+    once (keyed by the file's path, size and time: hashing a multi-GB file took seconds a
+    start), and `GGUF_WEIGHTS` naming the file."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    target = cache_dir() / "gguf" / f"{path.stem}-config-{key.hexdigest()[:24]}"
+    if not (target / GGUF_WEIGHTS).is_file():
+        with locked(target.name):
+            if not (target / GGUF_WEIGHTS).is_file():
+                _write_gguf_dir(path, target, weights=False)
+    return target
+
+
+def gguf_weights_file(model_dir: Path) -> Path | None:
+    """The GGUF file whose weights a `gguf_model_dir` stands for; None for other directories."""
+    marker = Path(model_dir) / GGUF_WEIGHTS
+    return Path(json.loads(marker.read_text())["gguf"]) if marker.is_file() else None
+
+
 def convert_gguf(path: Path) -> Path:
     """Dequantize a GGUF file through transformers' loader into a cached fp32 HF directory
     (once: concurrent first starts wait for one conversion)."""
@@ -121,33 +146,46 @@ def convert_gguf(path: Path) -> Path:
     if not (target / "model.safetensors").is_file():
         with locked(target.name):
             if not (target / "model.safetensors").is_file():
-                _convert(path, target)
+                _write_gguf_dir(path, target, weights=True)
     return target
 
 
-def _convert(path: Path, target: Path) -> None:
+def _write_gguf_dir(path: Path, target: Path, weights: bool) -> None:
+    """Write GGUF file `path`'s configuration and tokenizer (read by transformers' GGUF loader)
+    into `target`, with its weights dequantized to fp32 safetensors where `weights`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    notice(f"converting {path.name} once into {target} (under a minute)")
+    what = "converting" if weights else "reading the configuration and tokenizer of"
+    notice(f"{what} {path.name} once into {target}" + (" (under a minute)" if weights else ""))
     target.parent.mkdir(mode=0o700, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp_dir:
         tmp = Path(tmp_dir) / target.name
         try:
             kwargs = {"gguf_file": path.name}
-            model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs)
             tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
             config = AutoConfig.from_pretrained(path.parent, **kwargs)
+            model = weights and AutoModelForCausalLM.from_pretrained(
+                path.parent, dtype=torch.float32, **kwargs
+            )
         except Exception as exc:
             raise ValueError(f"could not read GGUF file {path}: {exc}") from exc
         # The GGUF quantizer config makes save_pretrained refuse: rebuild a plain model instead.
         if hasattr(config, "quantization_config"):
             del config.quantization_config
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        plain.load_state_dict(model.state_dict())
-        plain.save_pretrained(tmp)
+        if weights:
+            plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            plain.load_state_dict(model.state_dict())
+            plain.save_pretrained(tmp)
+            (tmp / "paged_backend_source.json").write_text(json.dumps({"gguf": str(path)}))
+        else:
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            tmp.mkdir()
+            config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+            config.save_pretrained(tmp)
+            (tmp / GGUF_WEIGHTS).write_text(json.dumps({"gguf": str(path.absolute())}))
         tokenizer.model_max_length = config.max_position_embeddings
         tokenizer.save_pretrained(tmp)
-        (tmp / "paged_backend_source.json").write_text(json.dumps({"gguf": str(path)}))
         shutil.rmtree(target, ignore_errors=True)  # a partial directory from an older version
         tmp.rename(target)  # atomic: readers see the whole directory or none
 

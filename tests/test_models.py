@@ -13,7 +13,6 @@ from safetensors.torch import load_file, save_file
 
 from paged_backend import LLM, SamplingParams, cpu
 from paged_backend.cpu import ops as cpu_ops
-from paged_backend.default_model import default_model_file
 from paged_backend.model_loader import resolve_model_path
 from paged_backend.models.config import ModelConfig
 
@@ -302,17 +301,6 @@ def test_pickle_beside_safetensors_is_ignored(tmp_path, tiny_model, monkeypatch)
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=8)
     params = SamplingParams(temperature=0, max_tokens=4)
     assert llm.generate("Hi", params, use_tqdm=False)[0].outputs[0].token_ids
-
-
-def test_gguf_path_resolves_to_the_default_conversion(default_model_path):
-    """Naming the default GGUF file goes through the same (cached) conversion as model=None."""
-    gguf = default_model_file()
-    assert gguf.suffix == ".gguf"
-    converted = resolve_model_path(gguf)
-    assert converted == default_model_path
-    assert (converted / "config.json").is_file()
-    assert (converted / "model.safetensors").is_file()
-    assert ModelConfig.from_dir(converted).architecture == "LlamaForCausalLM"
 
 
 @pytest.mark.skipif(not cpu.has_bf16_kernels(), reason="no AVX512-BF16 (or no C compiler)")

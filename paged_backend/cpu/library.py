@@ -1,6 +1,6 @@
-"""The C library (`csrc/cpu_ops.c`): built at first use with the system C compiler (`CC`, else
-`cc`/`gcc`) into the cache directory, keyed by source, flags and CPU, and loaded once. Without a
-compiler the engine keeps torch ops.
+"""The C library (every `csrc/*.c`, one file per family of kernels): built at first use with the
+system C compiler (`CC`, else `cc`/`gcc`) into the cache directory, keyed by source, flags and
+CPU, and loaded once. Without a compiler the engine keeps torch ops.
 
 Its functions are called by keyword only. The names and C types of each function's parameters
 are read from its definition in the source, so a call names every parameter, the arguments go
@@ -30,7 +30,7 @@ from paged_backend.file_cache import cache_dir, locked, notice
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.c"
+SOURCES = tuple(sorted(Path(__file__).with_name("csrc").glob("*.c")))
 FLAGS = ["-O3", f"-march={CAPPED_ARCH.get(CPU_CAP, 'native')}", "-shared", "-fPIC"]
 # Where torch runs on OpenMP (libgomp on Linux), the kernels build with it too: the loader then
 # reuses torch's already-loaded libgomp.so.1, so their parallel loops run on torch's thread pool,
@@ -104,7 +104,7 @@ def load_library() -> CLibrary | None:
     if compiler is None:
         logger.warning("no C compiler found: CPU ops stay in torch")
         return None
-    source = SOURCE.read_text()
+    source = "\n".join(path.read_text() for path in SOURCES)
     dll = _build(compiler, FLAGS + OPENMP_FLAGS) or (OPENMP_FLAGS and _build(compiler, FLAGS))
     return CLibrary(dll, source) if dll else None
 
@@ -121,7 +121,7 @@ def has_bf16_kernels() -> bool:
 
 
 def _build(compiler: str, flags: list[str]) -> ctypes.CDLL | None:
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + " ".join([compiler, *flags, cpu_flags()]).encode()).hexdigest()
     try:
         path = cache_dir() / f"cpu_ops-{key[:16]}.so"
@@ -132,7 +132,7 @@ def _build(compiler: str, flags: list[str]) -> ctypes.CDLL | None:
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
-        logger.warning("building %s with %s failed: %s %s", SOURCE, flags, exc, detail)
+        logger.warning("building %s with %s failed: %s %s", SOURCES, flags, exc, detail)
         return None
 
 
@@ -140,6 +140,6 @@ def _compile(compiler: str, flags: list[str], path: Path) -> None:
     notice(f"building the C kernels once into {path} (a few seconds)")
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         built = Path(tmp) / path.name
-        command = [compiler, *flags, "-o", str(built), str(SOURCE), "-lm"]
+        command = [compiler, *flags, "-o", str(built), *map(str, SOURCES), "-lm"]
         subprocess.run(command, check=True, capture_output=True)
         os.replace(built, path)  # atomic: a reader never loads half a library

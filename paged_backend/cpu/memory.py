@@ -1,11 +1,13 @@
 """The KV cache's memory: zero pages that are committed as they are first used, on 2 MiB pages
-where Linux allows."""
+where Linux allows; and how much of a set of tensors is resident."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 
+import numpy as np
 import torch
 
 _HUGE_PAGE = 2 << 20
@@ -29,3 +31,42 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     if hasattr(mmap, "MADV_HUGEPAGE") and size:
         buf.madvise(mmap.MADV_HUGEPAGE, start, size)
     return raw[start : start + size].view(dtype).view(shape)
+
+
+def resident_bytes(tensors) -> tuple[int, int]:
+    """(bytes, of them resident in memory) of the storages behind `tensors`, each counted once:
+    resident pages are asked of the kernel (mincore), since a memory-mapped weight or a KV cache
+    committed on first touch holds far less than its size. Where mincore is not available, all
+    bytes count as resident."""
+    storages, opaque = {}, 0
+    for tensor in tensors:
+        if tensor.layout != torch.strided:  # oneDNN's packed weights: no pages to ask about
+            opaque += tensor.numel() * tensor.element_size()
+        elif tensor.device.type == "cpu":
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    total = sum(storages.values()) + opaque
+    mincore = _libc_mincore()
+    if mincore is None:
+        return total, total
+    page = mmap.PAGESIZE
+    resident = opaque
+    for start, size in storages.items():
+        first = start - start % page
+        pages = -(-(start + size - first) // page)
+        vec = (ctypes.c_ubyte * pages)()
+        if size and mincore(ctypes.c_void_p(first), ctypes.c_size_t(pages * page), vec) == 0:
+            in_memory = int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) * page
+            resident += min(in_memory, size)
+        else:
+            resident += size
+    return total, resident
+
+
+def _libc_mincore():
+    try:
+        mincore = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return mincore

@@ -1,0 +1,194 @@
+"""Linears and embeddings whose weights stay in GGUF's block formats (`csrc/quant_ops.c`).
+
+A Q4_K_M file of an 8B model is ~4.9 GB; dequantized to bf16 it is ~16 GB, and a decode step
+reads every weight once, so a dequantized copy costs both memory and one-stream speed. Here a
+weight is its file's bytes, [out rows, bytes a row] (a view of the memory-mapped file where
+nothing had to move), and the C kernels compute with them directly: activations are quantized
+to int8 per block of 32 (as llama.cpp does), and every block's integer dot product is scaled
+back (see the C file for the scheme). Embedding rows are dequantized as they are looked up.
+
+`QuantLinear` can hold several weights side by side (a fused qkv or gate/up projection whose
+parts a Q4_K_M file stores in different formats): they share one quantization of the
+activations and write to adjacent columns of one output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from paged_backend.cpu.library import load_library
+
+# ggml type id -> (weights a block, bytes a block), for the formats the kernels read
+BLOCK_FORMATS = {
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q5_0": (6, 32, 22),
+    "Q5_1": (7, 32, 24),
+    "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144),
+    "Q5_K": (13, 256, 176),
+    "Q6_K": (14, 256, 210),
+}
+_CHUNK = 256  # the kernels' activation rows are padded to a multiple of this
+
+
+@dataclass
+class QuantWeight:
+    """A weight [out_features, in_features] as `data`, uint8 [out_features, bytes a row] in the
+    block format `format` (a key of `BLOCK_FORMATS`)."""
+
+    format: str
+    data: torch.Tensor
+    in_features: int
+
+    def __post_init__(self) -> None:
+        if self.format not in BLOCK_FORMATS:
+            raise ValueError(
+                f"weight format {self.format!r} is not one the CPU kernels read "
+                f"({', '.join(BLOCK_FORMATS)})"
+            )
+        _, weights, size = BLOCK_FORMATS[self.format]
+        row = self.in_features // weights * size
+        if self.in_features % weights or self.data.dtype != torch.uint8 or self.data.dim() != 2:
+            raise ValueError(
+                f"a {self.format} weight needs rows of a multiple of {weights} inputs as uint8 "
+                f"[rows, bytes]; got {self.in_features} inputs, {self.data.dtype} "
+                f"{tuple(self.data.shape)}"
+            )
+        if self.data.shape[1] != row or self.data.stride(1) != 1:
+            raise ValueError(f"{self.format} rows of {self.in_features} inputs take {row} bytes")
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def type_id(self) -> int:
+        return BLOCK_FORMATS[self.format][0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Rows x [rows, k] (fp32 or bf16, unit stride in a row) as the kernels read them: int8
+    levels [rows, kp] (kp: k rounded up to 256), block scales [rows, kp/32] and scaled level
+    sums of each 16 [rows, kp/16]."""
+    rows, k = x.shape
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.stride(1) != 1:
+        x = x.float().contiguous()
+    kp = -(-k // _CHUNK) * _CHUNK
+    xq = torch.empty(rows, kp, dtype=torch.int8)
+    xd = torch.empty(rows, kp // 32)
+    xsd = torch.empty(rows, kp // 16)
+    load_library().quantize_activations(
+        x=x.data_ptr(),
+        x_bf16=x.dtype == torch.bfloat16,
+        rows=rows,
+        k=k,
+        x_stride=x.stride(0),
+        xq=xq.data_ptr(),
+        xd=xd.data_ptr(),
+        xsd=xsd.data_ptr(),
+        threads=torch.get_num_threads(),
+    )
+    return xq, xd, xsd
+
+
+def quant_matmul(
+    x: torch.Tensor, weights: list[QuantWeight], out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """`x @ cat(weights).T` for rows x [rows, k]: [rows, sum of out_features] in `out_dtype`
+    (fp32, or bf16 rounded once)."""
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    rows, k = x.shape
+    xq, xd, xsd = quantize_activations(x)
+    out = torch.empty(rows, sum(w.out_features for w in weights), dtype=out_dtype)
+    lib, column = load_library(), 0
+    for w in weights:
+        if w.in_features != k:
+            raise ValueError(f"x has {k} features, the weight takes {w.in_features}")
+        lib.quant_matmul(
+            type=w.type_id,
+            w=w.data.data_ptr(),
+            n=w.out_features,
+            k=k,
+            row_bytes=w.data.stride(0),
+            xq=xq.data_ptr(),
+            xd=xd.data_ptr(),
+            xsd=xsd.data_ptr(),
+            rows=rows,
+            out=out[:, column:].data_ptr(),
+            out_bf16=out_dtype == torch.bfloat16,
+            out_stride=out.stride(0),
+            threads=torch.get_num_threads(),
+        )
+        column += w.out_features
+    return out
+
+
+def dequantize(weight: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight's rows `rows` (int64 ids; all where None) as fp32 [len(rows), in_features]."""
+    ids = None if rows is None else rows.to(torch.int64).contiguous()
+    if (
+        ids is not None
+        and ids.numel()
+        and not 0 <= int(ids.min()) <= int(ids.max()) < weight.out_features
+    ):
+        raise IndexError(f"row ids must lie in [0, {weight.out_features})")
+    count = weight.out_features if ids is None else ids.numel()
+    out = torch.empty(count, weight.in_features)
+    load_library().dequantize_rows(
+        type=weight.type_id,
+        w=weight.data.data_ptr(),
+        k=weight.in_features,
+        row_bytes=weight.data.stride(0),
+        ids=None if ids is None else ids.data_ptr(),
+        count=count,
+        out=out.data_ptr(),
+        threads=torch.get_num_threads(),
+    )
+    return out
+
+
+class QuantLinear(nn.Module):
+    """`F.linear(x, cat(weights), bias)` on quantized weights (see the module docstring)."""
+
+    def __init__(self, weights: list[QuantWeight], bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if len({w.in_features for w in weights}) != 1:
+            raise ValueError("the parts of a fused linear must take the same inputs")
+        self.weights = weights
+        self.bias = bias
+        self.in_features = weights[0].in_features
+        self.out_features = sum(w.out_features for w in weights)
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        out_dtype = out_dtype or x.dtype
+        kernel_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
+        out = quant_matmul(x.reshape(-1, self.in_features), self.weights, kernel_dtype)
+        out = out.view(*x.shape[:-1], self.out_features)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(out_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.weights)
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table in a block format: the rows of a step's tokens are dequantized."""
+
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight_q = weight
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize(self.weight_q, ids.reshape(-1)).to(self.dtype).view(*ids.shape, -1)

@@ -1,0 +1,133 @@
+"""GGUF block bytes from float32 weights, so that quantized checkpoints can be written offline.
+
+The `gguf` package quantizes the legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) but only
+dequantizes the K-quants; Q4_K, Q5_K and Q6_K are packed here, in vectorized numpy, into
+llama.cpp's block layouts (ggml-common.h), 256 weights a super-block:
+
+- block_q4_K: d (f16), dmin (f16), scales[12], qs[128]. Eight sub-blocks of 32 weights,
+  y = d * sc * q - dmin * m, q in 0..15, sc and m 6-bit, packed as `get_scale_min_k4` reads them.
+  qs byte l of 32-byte chunk c holds sub-block 2c's weight l (low nibble) and 2c+1's (high).
+- block_q5_K: d, dmin, scales[12], qh[32], qs[128]: the same with q in 0..31; bit s of qh[l] is
+  the fifth bit of sub-block s's weight l.
+- block_q6_K: ql[128], qh[64], scales[16] (int8), d (f16). Sixteen sub-blocks of 16 weights,
+  y = d * sc * (q - 32), q in 0..63; each half of 128 weights is four rows of 32: its ql byte l
+  holds weight l of rows 0 and 2 (low, high nibble), byte 32 + l that of rows 1 and 3, and its
+  qh byte l the top two bits of all four (row r at bit 2r).
+
+The quantizer is the simple one: a sub-block's min and max (its signed peak for Q6_K) give its
+scale, and the scales are rounded onto multiples of the super-block's f16 scale. llama.cpp
+searches for the scales of least error instead: its files are a little more accurate and
+differ bit for bit, in the same format, which is what test and benchmark checkpoints need.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
+
+QK_K = 256  # weights in a K-quant super-block
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+_CHUNK = 1 << 21  # weights quantized at once: bounds the temporaries of a large tensor
+
+
+def quantize(weights: np.ndarray, type_name: str) -> np.ndarray:
+    """`weights` [rows, cols] as blocks of the GGUF type `type_name` (one of `TYPES`): uint8
+    [rows, bytes_per_row], what `gguf.quants.dequantize` and llama.cpp read."""
+    if type_name not in TYPES:
+        raise ValueError(f"cannot quantize to {type_name!r}; types: {', '.join(TYPES)}")
+    if weights.ndim != 2:
+        raise ValueError(f"quantize takes [rows, cols] weights, got shape {weights.shape}")
+    qtype = GGMLQuantizationType[type_name]
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    rows, cols = weights.shape
+    if cols % block_size:
+        raise ValueError(f"{type_name} rows hold a multiple of {block_size} weights, not {cols}")
+    out = np.empty((rows, cols // block_size * type_size), np.uint8)
+    step, pack = max(1, _CHUNK // cols), _K_PACKERS.get(type_name)
+    for start in range(0, rows, step):
+        chunk = np.asarray(weights[start : start + step], dtype=np.float32)
+        packed = gguf_quantize(chunk, qtype) if pack is None else pack(chunk.reshape(-1, QK_K))
+        out[start : start + step] = packed.reshape(len(chunk), -1)
+    return out
+
+
+def _divide(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a / b, and 0 where b is 0: a sub-block (or super-block) of zeros has scale 0."""
+    out = np.zeros(np.broadcast_shapes(a.shape, b.shape), np.float32)
+    return np.divide(a, b, out=out, where=b != 0)
+
+
+def _on_super_scale(scales: np.ndarray, levels: int, *, keep: bool) -> tuple[np.ndarray, ...]:
+    """Sub-block scales [n, k] as d * sc: the super-block's f16 scale d [n] and the integers sc
+    in [-levels, levels], rounded against d as stored (f16), which is what readers use. d stays
+    within f16's range (weights below ~1e-6 would round it to 0, wiping the block). With `keep`,
+    a nonzero scale keeps |sc| >= 1: a sub-block far smaller than its super-block's largest
+    (beside an outlier) would otherwise collapse to one value; one step of d errs less."""
+    peak = np.abs(scales).max(axis=-1)
+    d = np.where(peak > 0, np.clip(peak / levels, 2.0**-24, 65504), 0).astype(np.float16)
+    sc = np.clip(np.rint(_divide(scales, d.astype(np.float32)[:, None])), -levels, levels)
+    if keep:
+        sc = np.where((sc == 0) & (scales != 0), np.sign(scales), sc)
+    return d, sc
+
+
+def _f16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.reshape(-1, 1).view(np.uint8)
+
+
+def _nibbles(q: np.ndarray) -> np.ndarray:
+    """Eight sub-blocks of 32 4-bit values [n, 8, 32] as Q4_K's qs [n, 128]."""
+    pairs = (q & 15).reshape(len(q), 4, 2, 32)
+    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(len(q), 128)
+
+
+def _min_max_blocks(blocks: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's shared part: (d, dmin, scales[12] bytes [n, 16], q [n, 8, 32]).
+    A sub-block spans its min (at most 0, as in llama.cpp) to its max in 2**bits - 1 steps."""
+    levels = (1 << bits) - 1
+    x = blocks.reshape(len(blocks), 8, 32)
+    low = np.minimum(x.min(axis=-1), 0)
+    d, sc = _on_super_scale((x.max(axis=-1) - low) / levels, 63, keep=True)
+    dmin, m = _on_super_scale(-low, 63, keep=False)
+    step = d.astype(np.float32)[:, None, None] * sc[..., None]
+    offset = dmin.astype(np.float32)[:, None, None] * m[..., None]
+    q = np.clip(np.rint(_divide(x + offset, step)), 0, levels).astype(np.uint8)
+    sc, m = sc.astype(np.uint8), m.astype(np.uint8)
+    packed_scales = [
+        sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
+        m[:, :4] | ((m[:, 4:] >> 4) << 6),
+        (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4),
+    ]
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), *packed_scales], axis=1), q
+
+
+def _q4_k(blocks: np.ndarray) -> np.ndarray:
+    head, q = _min_max_blocks(blocks, 4)
+    return np.concatenate([head, _nibbles(q)], axis=1)
+
+
+def _q5_k(blocks: np.ndarray) -> np.ndarray:
+    head, q = _min_max_blocks(blocks, 5)
+    fifth_bits = ((q >> 4) & 1) << np.arange(8, dtype=np.uint8)[:, None]
+    qh = fifth_bits.sum(axis=1, dtype=np.uint8)  # distinct bits: the sum is their OR
+    return np.concatenate([head, qh, _nibbles(q)], axis=1)
+
+
+def _q6_k(blocks: np.ndarray) -> np.ndarray:
+    """A sub-block's signed peak maps to q - 32 = -32, so that its whole range [-32, 31] serves."""
+    n = len(blocks)
+    x = blocks.reshape(n, 16, 16)
+    high, low = x.max(axis=-1), x.min(axis=-1)
+    peak = np.where(high >= -low, high, low)
+    d, sc = _on_super_scale(peak / -32, 127, keep=True)
+    step = d.astype(np.float32)[:, None, None] * sc[..., None]
+    q = (np.clip(np.rint(_divide(x, step)), -32, 31) + 32).astype(np.uint8)
+    rows = q.reshape(n, 2, 4, 32)  # two halves of four rows of 32
+    ql = (rows[:, :, :2] & 15) | ((rows[:, :, 2:] & 15) << 4)
+    qh = ((rows >> 4) << np.array([0, 2, 4, 6], np.uint8)[:, None]).sum(axis=2, dtype=np.uint8)
+    scales = sc.astype(np.int8).view(np.uint8)
+    return np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), scales, _f16_bytes(d)], axis=1)
+
+
+_K_PACKERS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}

@@ -1,0 +1,460 @@
+"""Random-weight checkpoints of real model shapes, written offline, so that anyone can test and
+benchmark the quantized GGUF path at real sizes without downloading a model:
+
+    python -m paged_backend.gguf.random_checkpoint --shape llama-3.2-1b --out DIR \\
+        [--formats bf16,q4_k_m,q4_0,q8_0] [--seed 0]
+
+writes, from one set of weights (normal, std 0.02; norms ones), rounded to bfloat16:
+- `DIR/bf16/`: a Hugging Face directory (config.json, model.safetensors, the default model's
+  tokenizer files);
+- `DIR/<shape>-Q4_K_M.gguf`, `-Q4_0.gguf`, `-Q8_0.gguf`: those weights quantized, as
+  llama.cpp's convert_hf_to_gguf.py and llama-quantize write them: its tensor names, its
+  hyperparameter keys (arch `llama` or `qwen2`), Q and K rows permuted for `llama`, llama3
+  rope scaling as a `rope_freqs.weight` tensor, and the default model's tokenizer (`tokenizer.*`
+  keys copied from its GGUF file, vocabulary 49152 for every shape).
+
+Tensor types: Q4_K_M follows llama.cpp's `llama_tensor_get_type`: Q4_K, Q6_K for `attn_v` and
+`ffn_down` on the layers `use_more_bits` picks and for the output (the token embeddings where
+they are tied), and where a row is not whole 256-weight super-blocks (Qwen2.5-0.5B's 896) its
+fallbacks Q5_0 for Q4_K and Q8_0 for Q6_K. Q4_0 and Q8_0 files hold every 2-D weight in their
+type; llama.cpp would give the output (or tied embeddings) Q6_K in a Q4_0 file. 1-D tensors
+(norms, biases, rope factors) are F32 everywhere. Values are quantized by
+`paged_backend.gguf.quantize` (simpler scale choice than llama.cpp: not bit-identical).
+
+Everything streams a tensor at a time (each tensor drawn from its own seeded generator, written
+to every format, dropped), so memory stays near the largest tensor: a 3B shape fits in a few GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import shutil
+import struct
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import gguf
+import numpy as np
+import torch
+
+from paged_backend.default_model import default_model_file
+from paged_backend.gguf.quantize import QK_K, quantize
+from paged_backend.model_loader import resolve_model_path
+
+INIT_STD = 0.02
+# From the default model's converted directory into the bf16 copy.
+COPIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+LLAMA3_ROPE = {
+    "factor": 32.0,
+    "high_freq_factor": 4.0,
+    "low_freq_factor": 1.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's real dimensions (the vocabulary is the default tokenizer's)."""
+
+    architecture: str  # transformers' class: LlamaForCausalLM or Qwen2ForCausalLM
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    max_positions: int
+    rope_theta: float
+    rms_eps: float
+    tied: bool = True
+    rope_scaling: dict | None = None
+    vocab: int = 49152
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def gguf_arch(self) -> str:
+        return {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}[self.architecture]
+
+
+_LLAMA_3_2 = {
+    "max_positions": 131072,
+    "rope_theta": 5e5,
+    "rms_eps": 1e-5,
+    "rope_scaling": LLAMA3_ROPE,
+}
+SHAPES = {
+    "qwen2.5-0.5b": Shape("Qwen2ForCausalLM", 896, 24, 14, 2, 4864, 32768, 1e6, 1e-6),
+    "llama-3.2-1b": Shape("LlamaForCausalLM", 2048, 16, 32, 8, 8192, **_LLAMA_3_2),
+    "llama-3.2-3b": Shape("LlamaForCausalLM", 3072, 28, 24, 8, 8192, **_LLAMA_3_2),
+    # For tests: every row length a multiple of 256 (K-quants), one of each family; the llama
+    # one untied (an `output.weight`) with Llama 3.2's rope, the qwen2 one tied with biases.
+    "tiny": Shape("LlamaForCausalLM", 256, 2, 4, 2, 512, **_LLAMA_3_2, tied=False),
+    "tiny-qwen2": Shape("Qwen2ForCausalLM", 256, 2, 4, 2, 512, 32768, 1e6, 1e-6),
+}
+
+# Format -> (file name suffix, llama.cpp's LLAMA_FTYPE, its type for plain 2-D weights).
+GGUF_FORMATS = {
+    "q4_k_m": ("Q4_K_M", gguf.LlamaFileType.MOSTLY_Q4_K_M, "Q4_K"),
+    "q4_0": ("Q4_0", gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_0"),
+    "q8_0": ("Q8_0", gguf.LlamaFileType.MOSTLY_Q8_0, "Q8_0"),
+}
+FORMATS = ("bf16", *GGUF_FORMATS)
+# llama.cpp's types for rows that are not whole super-blocks (`convert_incompatible_tensor`).
+_K_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    hf_name: str  # in model.safetensors
+    gguf_name: str
+    shape: tuple[int, ...]
+    layer: int | None = None
+    ones: bool = False  # a norm's weight
+
+    @property
+    def role(self) -> str:
+        """The GGUF name without its block: `attn_v.weight`, `token_embd.weight`..."""
+        return self.gguf_name.split(".", 2)[-1] if self.layer is not None else self.gguf_name
+
+
+def tensor_plan(shape: Shape) -> list[TensorSpec]:
+    """The checkpoint's tensors, in writing order, with their names in both formats."""
+    embed = TensorSpec(
+        "model.embed_tokens.weight", "token_embd.weight", (shape.vocab, shape.hidden)
+    )
+    norm = TensorSpec("model.norm.weight", "output_norm.weight", (shape.hidden,), ones=True)
+    layers = [spec for i in range(shape.layers) for spec in _layer_plan(shape, i)]
+    output = [] if shape.tied else [TensorSpec("lm_head.weight", "output.weight", embed.shape)]
+    return [embed, *layers, norm, *output]
+
+
+def _layer_plan(shape: Shape, i: int) -> list[TensorSpec]:
+    q_rows, kv_rows = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    h, f = shape.hidden, shape.intermediate
+    names = [("input_layernorm.weight", "attn_norm.weight", (h,))]
+    for proj, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+        names.append((f"self_attn.{proj}_proj.weight", f"attn_{proj}.weight", (rows, h)))
+        if shape.gguf_arch == "qwen2":  # Qwen2's q, k and v have biases
+            names.append((f"self_attn.{proj}_proj.bias", f"attn_{proj}.bias", (rows,)))
+    names += [
+        ("self_attn.o_proj.weight", "attn_output.weight", (h, q_rows)),
+        ("post_attention_layernorm.weight", "ffn_norm.weight", (h,)),
+        ("mlp.gate_proj.weight", "ffn_gate.weight", (f, h)),
+        ("mlp.up_proj.weight", "ffn_up.weight", (f, h)),
+        ("mlp.down_proj.weight", "ffn_down.weight", (h, f)),
+    ]
+    return [
+        TensorSpec(
+            f"model.layers.{i}.{hf}", f"blk.{i}.{gg}", dims, i, ones=hf.endswith("norm.weight")
+        )
+        for hf, gg, dims in names
+    ]
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v and ffn_down get more bits in _M mixes."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def gguf_type(spec: TensorSpec, shape: Shape, fmt: str) -> str:
+    """The GGUF type name of `spec` in a file of format `fmt` (see the module docstring)."""
+    if len(spec.shape) == 1:
+        return "F32"
+    base = GGUF_FORMATS[fmt][2]
+    if fmt != "q4_k_m":
+        return base
+    output = spec.role == "output.weight" or (shape.tied and spec.role == "token_embd.weight")
+    more_bits = spec.role in ("attn_v.weight", "ffn_down.weight") and use_more_bits(
+        spec.layer, shape.layers
+    )
+    chosen = "Q6_K" if output or more_bits else base
+    return chosen if spec.shape[-1] % QK_K == 0 else _K_FALLBACK[chosen]
+
+
+def rope_freqs(shape: Shape) -> np.ndarray:
+    """llama3 rope scaling as llama.cpp reads it: one divisor of each rotary frequency,
+    computed as convert_hf_to_gguf.py's LlamaModel does (in float32 torch scalars)."""
+    scaling, dim = shape.rope_scaling, shape.head_dim
+    freqs = 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_context / low, old_context / high
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(float(1 / ((1 - smooth) / factor + smooth)))
+    return np.array(factors, dtype=np.float32)
+
+
+def permute_qk(weight: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: llama.cpp rotates interleaved pairs, HF
+    checkpoints rotate halves; `heads` is the KV head count for K."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def random_tensor(spec: TensorSpec, seed: int, index: int) -> torch.Tensor:
+    """The bf16 values of tensor number `index`: its own generator, so that any subset of
+    formats, written in any run, holds the same weights."""
+    if spec.ones:
+        return torch.ones(spec.shape, dtype=torch.bfloat16)
+    values = np.random.default_rng([seed, index]).standard_normal(spec.shape, dtype=np.float32)
+    values *= INIT_STD
+    return torch.from_numpy(values).to(torch.bfloat16)
+
+
+def hf_config(shape: Shape, default_dir: Path) -> dict:
+    """config.json as the real model's, on the default tokenizer's special tokens."""
+    default = json.loads((default_dir / "config.json").read_text())
+    config = {
+        "architectures": [shape.architecture],
+        "attention_dropout": 0.0,
+        "bos_token_id": default["bos_token_id"],
+        "eos_token_id": default["eos_token_id"],
+        "hidden_act": "silu",
+        "hidden_size": shape.hidden,
+        "initializer_range": INIT_STD,
+        "intermediate_size": shape.intermediate,
+        "max_position_embeddings": shape.max_positions,
+        "model_type": shape.gguf_arch,
+        "num_attention_heads": shape.heads,
+        "num_hidden_layers": shape.layers,
+        "num_key_value_heads": shape.kv_heads,
+        "rms_norm_eps": shape.rms_eps,
+        "rope_theta": shape.rope_theta,
+        "tie_word_embeddings": shape.tied,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": shape.vocab,
+    }
+    if shape.gguf_arch == "llama":  # Llama 3.2's config.json names its head_dim and biases
+        config.update(head_dim=shape.head_dim, attention_bias=False, mlp_bias=False)
+        config.update(rope_scaling=shape.rope_scaling, pretraining_tp=1)
+    else:  # Qwen2.5's: sliding-window fields, the window off
+        config.update(use_sliding_window=False, sliding_window=shape.max_positions)
+        config.update(max_window_layers=shape.layers)
+    return config
+
+
+@functools.cache
+def tokenizer_fields(path: Path) -> tuple[tuple[str, object, list[gguf.GGUFValueType]], ...]:
+    """Every `tokenizer.*` key of a GGUF file: (key, value, its types). Cached: GGUFReader
+    takes seconds over a vocabulary's ~100k strings."""
+    reader = gguf.GGUFReader(path)
+    return tuple(
+        (key, field.contents(), field.types)
+        for key, field in reader.fields.items()
+        if key.startswith("tokenizer.")
+    )
+
+
+def _metadata(writer: gguf.GGUFWriter, shape: Shape, fmt: str, name: str, tokenizer: tuple) -> None:
+    """The keys convert_hf_to_gguf.py writes for a `llama` or `qwen2` config (TextModel's, then
+    LlamaModel's vocab size and rope dimensions; key/value lengths where config.json has
+    head_dim, which Llama's has and Qwen2.5's has not), the file type llama-quantize sets, and
+    the default model's tokenizer."""
+    writer.add_type("model")
+    writer.add_name(f"random {name}")
+    writer.add_block_count(shape.layers)
+    writer.add_context_length(shape.max_positions)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_feed_forward_length(shape.intermediate)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_layer_norm_rms_eps(shape.rms_eps)
+    if shape.gguf_arch == "llama":
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+        writer.add_vocab_size(shape.vocab)
+        writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_file_type(GGUF_FORMATS[fmt][1])
+    for key, value, types in tokenizer:
+        sub_type = types[-1] if types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, types[0], sub_type=sub_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+@contextmanager
+def _partial(path: Path) -> Iterator[Path]:
+    """A name beside `path` to write to, renamed to `path` once written: an interrupted run
+    leaves no half file under the real name."""
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class _Sink(Protocol):
+    """One output file, fed every tensor of the plan in order."""
+
+    def write(self, spec: TensorSpec, weight: torch.Tensor) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _SafetensorsSink:
+    """model.safetensors, a tensor at a time (its header from the plan first): safetensors'
+    own writer takes the whole state dict, 6 GB for a 3B model."""
+
+    def __init__(self, path: Path, plan: list[TensorSpec]) -> None:
+        header, offset = {}, 0
+        for spec in plan:
+            size = math.prod(spec.shape) * 2
+            header[spec.hf_name] = {
+                "dtype": "BF16",
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + size],
+            }
+            offset += size
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors pads
+        self.file = open(path, "wb")  # noqa: SIM115 (closed by close())
+        self.file.write(struct.pack("<Q", len(raw)) + raw)
+
+    def write(self, spec: TensorSpec, weight: torch.Tensor) -> None:
+        weight.view(torch.int16).numpy().tofile(self.file)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class _GGUFSink:
+    """One GGUF file: metadata and tensor infos up front (types and sizes follow from the
+    shape), then each tensor's blocks as its weights come."""
+
+    def __init__(
+        self,
+        path: Path,
+        shape: Shape,
+        fmt: str,
+        plan: list[TensorSpec],
+        name: str,
+        tokenizer: tuple,
+    ) -> None:
+        self.shape, self.fmt = shape, fmt
+        self.writer = gguf.GGUFWriter(path, shape.gguf_arch)
+        _metadata(self.writer, shape, fmt, name, tokenizer)
+        freqs = rope_freqs(shape) if shape.rope_scaling else None
+        if freqs is not None:
+            self.writer.add_tensor_info("rope_freqs.weight", freqs.shape, freqs.dtype, freqs.nbytes)
+        for spec in plan:
+            qtype = gguf.GGMLQuantizationType[gguf_type(spec, shape, fmt)]
+            shape_bytes = gguf.quant_shape_to_byte_shape(spec.shape, qtype)
+            self.writer.add_tensor_info(
+                spec.gguf_name, shape_bytes, np.dtype(np.uint8), math.prod(shape_bytes), qtype
+            )
+        self.writer.write_header_to_file()
+        self.writer.write_kv_data_to_file()
+        self.writer.write_ti_data_to_file()
+        if freqs is not None:
+            self.writer.write_tensor_data(freqs)
+
+    def write(self, spec: TensorSpec, weight: torch.Tensor) -> None:
+        values = weight.float().numpy()
+        if self.shape.gguf_arch == "llama" and spec.role in ("attn_q.weight", "attn_k.weight"):
+            heads = self.shape.heads if spec.role == "attn_q.weight" else self.shape.kv_heads
+            values = permute_qk(values, heads)
+        type_name = gguf_type(spec, self.shape, self.fmt)
+        self.writer.write_tensor_data(values if type_name == "F32" else quantize(values, type_name))
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _open_sink(stack: ExitStack, path: Path, make: Callable[[Path], _Sink]) -> _Sink:
+    """A sink made on a temporary name, closed and then renamed to `path` when `stack` exits."""
+    sink = make(stack.enter_context(_partial(path)))
+    stack.callback(sink.close)  # LIFO: closed before the rename
+    return sink
+
+
+def gguf_path(out: Path, name: str, fmt: str) -> Path:
+    return out / f"{name}-{GGUF_FORMATS[fmt][0]}.gguf"
+
+
+def write_checkpoint(
+    name: str, out: Path, formats: tuple[str, ...] = FORMATS, seed: int = 0
+) -> list[Path]:
+    """Write the random checkpoint of shape `name` into `out` in `formats`; the paths written."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; shapes: {', '.join(SHAPES)}")
+    unknown = sorted(set(formats) - set(FORMATS))
+    if unknown:
+        raise ValueError(f"unknown formats {unknown}; formats: {', '.join(FORMATS)}")
+    shape, plan = SHAPES[name], tensor_plan(SHAPES[name])
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    with ExitStack() as stack:
+        sinks = []
+        if "bf16" in formats:
+            hf_dir = out / "bf16"
+            hf_dir.mkdir(exist_ok=True)
+            default_dir = resolve_model_path(None)
+            (hf_dir / "config.json").write_text(json.dumps(hf_config(shape, default_dir), indent=2))
+            for file in COPIED_FILES:
+                shutil.copy(default_dir / file, hf_dir / file)
+            path = hf_dir / "model.safetensors"
+            sinks.append(_open_sink(stack, path, functools.partial(_SafetensorsSink, plan=plan)))
+            written.append(hf_dir)
+        for fmt in (f for f in GGUF_FORMATS if f in formats):
+            path = gguf_path(out, name, fmt)
+            tokenizer = tokenizer_fields(default_model_file())
+            make = functools.partial(
+                _GGUFSink, shape=shape, fmt=fmt, plan=plan, name=name, tokenizer=tokenizer
+            )
+            sinks.append(_open_sink(stack, path, make))
+            written.append(path)
+        for index, spec in enumerate(plan):
+            weight = random_tensor(spec, seed, index)
+            for sink in sinks:
+                sink.write(spec, weight)
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
+    for path in write_checkpoint(args.shape, args.out, formats, args.seed):
+        print(path)
+    print(f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

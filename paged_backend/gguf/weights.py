@@ -1,0 +1,179 @@
+"""A GGUF file's tensors into our modules, the weights staying in their block formats.
+
+The file is memory-mapped copy-on-write: a weight the kernels read as it is stays the file's own
+pages (resident as they are read, shared with the page cache, never a second copy). Only what
+must change is copied: the q and k rows of a `llama` file, which llama.cpp's converter permuted
+for its interleaved rotary, are put back in Hugging Face's order. Linears and the embedding
+table in a format of `BLOCK_FORMATS` become `QuantLinear` / `QuantEmbedding`; a fused
+projection's parts (q, k, v; gate, up) stay separate weights of one `QuantLinear`, as a Q4_K_M
+file stores them in different formats. Any other tensor (norms, biases, weights in formats the
+kernels do not read) is dequantized into its parameter.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize as gguf_dequantize
+from torch import nn
+
+from paged_backend.cpu.quant import (
+    BLOCK_FORMATS,
+    QuantEmbedding,
+    QuantLinear,
+    QuantWeight,
+    dequantize,
+)
+
+# Architectures whose tensor names `hf_name` maps (general.architecture), and of those, the ones
+# whose q/k rows llama.cpp's converter permutes and whose norms it stores as 1 + weight.
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+_PERMUTED = ("llama", "mistral")
+_GEMMA = ("gemma2", "gemma3")
+
+_TOP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_IGNORED = ("rope_freqs.weight",)  # llama3's rotary factors: the config carries rope_scaling
+
+
+def architecture(reader: GGUFReader) -> str:
+    field = reader.fields["general.architecture"]
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def hf_name(name: str, arch: str) -> str | None:
+    """The Hugging Face checkpoint name of GGUF tensor `name` (None: a tensor we do not load)."""
+    if name in _TOP:
+        return _TOP[name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if m is None:
+        return None
+    part = _LAYER.get(m[2])
+    if m[2] == "ffn_norm":  # the norm before the MLP: Gemma's sandwich names it "pre"
+        part = "pre_feedforward_layernorm" if arch in _GEMMA else "post_attention_layernorm"
+    return None if part is None else f"model.layers.{m[1]}.{part}.{m[3]}"
+
+
+def unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k permutation (each head's rows interleaved in pairs) on the rows of a
+    weight or bias, whatever a row holds (floats, or a quantized row's bytes)."""
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def load_gguf(model: nn.Module, path: Path, dtype: torch.dtype, quantized: bool = True) -> None:
+    """Fill `model` (our Llama-family or Gemma modules, parameters allocated but unloaded) from
+    the GGUF file `path`: linears and the embedding quantized where `quantized` and their
+    format allows, every other tensor dequantized into its parameter. Call before casting the
+    model to `dtype` (the dtype the embedding's rows come out in)."""
+    reader = GGUFReader(path, "c")
+    arch = architecture(reader)
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not one we load ({', '.join(ARCHITECTURES)})"
+        )
+    config = model.config
+    params = dict(model.named_parameters())
+    by_param: dict[str, list[tuple[int | None, tuple | None, object, np.ndarray]]] = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name, arch)
+        if name is None:
+            if tensor.name not in _IGNORED:
+                raise ValueError(f"{path}: unexpected tensor {tensor.name!r}")
+            continue
+        target = model.checkpoint_name_map(name)
+        if target is None:
+            continue
+        param_name, shard, sizes = target
+        if param_name not in params:
+            raise ValueError(f"{path}: tensor {tensor.name!r} has no place in the model")
+        rows = tensor.data
+        if arch in _PERMUTED and re.search(r"\.attn_[qk]\.", tensor.name):
+            heads = config.num_heads if ".attn_q." in tensor.name else config.num_kv_heads
+            rows = unpermute_rows(rows, heads)
+        by_param.setdefault(param_name, []).append((shard, sizes, tensor, rows))
+    missing = [n for n in params if n not in by_param]
+    if missing:
+        raise ValueError(f"{path}: weights missing: {missing[:5]}")
+    for param_name, pieces in by_param.items():
+        if quantized and _quantize_(model, param_name, pieces, dtype):
+            continue
+        for shard, sizes, tensor, rows in pieces:
+            _dequantize_into(params[param_name], shard, sizes, tensor, rows, arch)
+
+
+def _block_weight(tensor, rows: np.ndarray) -> QuantWeight | None:
+    fmt = GGMLQuantizationType(tensor.tensor_type).name
+    if fmt not in BLOCK_FORMATS or rows.ndim != 2:
+        return None
+    return QuantWeight(fmt, torch.from_numpy(np.ascontiguousarray(rows)), int(tensor.shape[0]))
+
+
+def _quantize_(model: nn.Module, param_name: str, pieces, dtype: torch.dtype) -> bool:
+    """Put the quantized pieces of a linear's or the embedding's weight in place of its module;
+    False (nothing done) where any piece is in a format the kernels do not read."""
+    module_name, _, kind = param_name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if kind != "weight" or not isinstance(module, (nn.Linear, nn.Embedding)):
+        return False
+    ordered = sorted(pieces, key=lambda piece: piece[0] or 0)
+    weights = [_block_weight(tensor, rows) for _, _, tensor, rows in ordered]
+    if any(w is None for w in weights):
+        return False
+    rows = sum(w.out_features for w in weights)
+    if rows != module.weight.shape[0] or weights[0].in_features != module.weight.shape[1]:
+        raise ValueError(
+            f"GGUF weight of {module_name} is {rows}x{weights[0].in_features}, the model takes "
+            f"{tuple(module.weight.shape)}"
+        )
+    parent_name, _, attr = module_name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    if isinstance(module, nn.Embedding):
+        setattr(parent, attr, QuantEmbedding(weights[0], dtype))
+        if getattr(model, "lm_head", False) is None:  # tied: the head reads the same rows
+            model.cpu_head = QuantLinear(weights)
+    elif module_name == "lm_head":
+        model.cpu_head, model.lm_head = QuantLinear(weights), None
+    else:
+        setattr(parent, attr, QuantLinear(weights, module.bias))
+    return True
+
+
+def _dequantize_into(param: torch.Tensor, shard, sizes, tensor, rows: np.ndarray, arch: str):
+    block_weight = _block_weight(tensor, rows)
+    if block_weight is not None:
+        values = dequantize(block_weight).reshape(-1)
+    else:
+        if tensor.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            rows = gguf_dequantize(rows, tensor.tensor_type)
+        values = torch.from_numpy(np.asarray(rows, dtype=np.float32)).reshape(-1)
+    if arch in _GEMMA and tensor.name.endswith("norm.weight"):
+        values = values - 1.0  # stored as 1 + weight; our Gemma norms take the weight
+    target = param.data if shard is None else param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+    if target.numel() != values.numel():
+        raise ValueError(
+            f"GGUF tensor {tensor.name!r} has {values.numel()} values, the model takes "
+            f"{target.numel()}"
+        )
+    target.copy_(values.view(target.shape))

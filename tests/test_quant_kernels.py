@@ -1,0 +1,152 @@
+"""The C kernels for weights in GGUF block formats (`paged_backend.cpu.quant`), against the `gguf`
+package's own dequantizer: every format, on random block bytes (every bit pattern of levels,
+scales and high bits), rows that end in a partial chunk, any number of activation rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from paged_backend import cpu
+from paged_backend.cpu.quant import (
+    BLOCK_FORMATS,
+    QuantLinear,
+    QuantWeight,
+    dequantize,
+    quant_matmul,
+    quantize_activations,
+)
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+
+# Where each format keeps its fp16 scales (d, and dmin / m): set to sane values, the rest random.
+FP16_FIELDS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
+
+
+def random_weight(fmt: str, rows: int, k: int, seed: int = 0) -> QuantWeight:
+    _, per_block, size = BLOCK_FORMATS[fmt]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size=(rows, k // per_block, size), dtype=np.uint8)
+    for at in FP16_FIELDS[fmt]:
+        scales = (rng.standard_normal((rows, k // per_block)) * 0.01).astype(np.float16)
+        data[..., at : at + 2] = scales.view(np.uint8).reshape(rows, k // per_block, 2)
+    return QuantWeight(fmt, torch.from_numpy(data.reshape(rows, -1)), k)
+
+
+def reference_weight(w: QuantWeight) -> np.ndarray:
+    return gguf_dequantize(w.data.numpy(), GGMLQuantizationType[w.format])
+
+
+def in_features(fmt: str) -> int:
+    """Rows of 2.5 chunks for the 32-weight formats (a partial last chunk), 2 super-blocks else."""
+    return 512 if BLOCK_FORMATS[fmt][1] == 256 else 640
+
+
+def dequantized_activations(x: torch.Tensor) -> np.ndarray:
+    """x as the kernels see it: int8 levels per block of 32 times the block's scale."""
+    xq, xd, _ = quantize_activations(x)
+    k = x.shape[1]
+    levels = xq[:, :k].double().numpy()
+    return levels * np.repeat(xd.double().numpy(), 32, axis=1)[:, :k]
+
+
+@pytest.mark.parametrize("fmt", list(BLOCK_FORMATS))
+def test_dequantized_rows_are_the_gguf_packages(fmt):
+    w = random_weight(fmt, 24, in_features(fmt))
+    reference = reference_weight(w)
+    assert np.array_equal(dequantize(w).numpy(), reference)
+    rows = torch.tensor([5, 0, 23, 5])
+    assert np.array_equal(dequantize(w, rows).numpy(), reference[rows.numpy()])
+
+
+def test_row_ids_out_of_range_raise():
+    w = random_weight("Q4_0", 4, 64)
+    with pytest.raises(IndexError, match=r"\[0, 4\)"):
+        dequantize(w, torch.tensor([4]))
+
+
+def test_activations_are_int8_blocks_of_32_with_level_sums():
+    x = torch.randn(3, 300)
+    x[1, 40:72] = 0.0  # a block of zeros: scale 0, levels 0
+    xq, xd, xsd = quantize_activations(x)
+    assert xq.shape == (3, 512) and xd.shape == (3, 16) and xsd.shape == (3, 32)
+    assert not xq[:, 300:].any() and not xd[:, 10:].any()
+    blocks = x[:, :288].view(3, 9, 32)
+    scale = blocks.abs().amax(-1) / 127
+    assert torch.equal(xd[:, :9], scale)
+    expected = torch.round(blocks / scale[..., None]).nan_to_num(0.0)
+    assert torch.equal(xq[:, :288].view(3, 9, 32).float(), expected)
+    sums = xq[:, :288].view(3, 18, 16).float().sum(-1) * xd[:, :9].repeat_interleave(2, dim=1)
+    assert torch.allclose(xsd[:, :18], sums)
+    assert xq.abs().max() <= 127
+
+
+@pytest.mark.parametrize("fmt", list(BLOCK_FORMATS))
+@pytest.mark.parametrize("rows", [1, 3, 37])
+def test_matmul_is_the_product_with_the_dequantized_weight(fmt, rows):
+    """Exact but for float rounding: the kernels' integer dot products of levels, scaled, are
+    the dequantized weight times the dequantized activations (37 rows: past a tile of 32)."""
+    k = in_features(fmt)
+    w = random_weight(fmt, 40, k, seed=rows)
+    x = torch.randn(rows, k)
+    expected = dequantized_activations(x) @ reference_weight(w).astype(np.float64).T
+    got = quant_matmul(x, [w]).double().numpy()
+    scale = np.abs(dequantized_activations(x)) @ np.abs(reference_weight(w)).astype(np.float64).T
+    assert np.all(np.abs(got - expected) <= 1e-5 * scale + 1e-30)
+
+
+def test_bf16_in_and_out_and_fused_parts_in_adjacent_columns():
+    q4, q6 = random_weight("Q4_K", 16, 256, seed=1), random_weight("Q6_K", 8, 256, seed=2)
+    x = torch.randn(5, 256).to(torch.bfloat16)
+    both = quant_matmul(x, [q4, q6])
+    assert both.shape == (5, 24)
+    assert torch.equal(both[:, :16], quant_matmul(x, [q4])) and torch.equal(
+        both[:, 16:], quant_matmul(x, [q6])
+    )
+    rounded = quant_matmul(x, [q4, q6], torch.bfloat16)
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, both.to(torch.bfloat16))
+    bias = torch.randn(24)
+    linear = QuantLinear([q4, q6], bias)
+    assert torch.allclose(linear(x.float()), both + bias)
+
+
+def test_outputs_do_not_depend_on_threads_or_batching():
+    w = random_weight("Q5_K", 64, 512, seed=3)
+    x = torch.randn(9, 512)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = quant_matmul(x, [w])
+        torch.set_num_threads(2)
+        two = quant_matmul(x, [w])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    alone = torch.cat([quant_matmul(x[i : i + 1], [w]) for i in range(9)])
+    assert torch.equal(one, alone)
+
+
+@pytest.mark.parametrize(
+    "fmt, k, data, match",
+    [
+        ("Q3_K", 256, torch.zeros(2, 110, dtype=torch.uint8), "not one the CPU kernels read"),
+        ("Q4_0", 48, torch.zeros(2, 27, dtype=torch.uint8), "multiple of 32"),
+        ("Q4_0", 64, torch.zeros(2, 40, dtype=torch.uint8), "take 36 bytes"),
+        ("Q8_0", 32, torch.zeros(2, 34), "uint8"),
+    ],
+)
+def test_malformed_weights_are_refused(fmt, k, data, match):
+    with pytest.raises(ValueError, match=match):
+        QuantWeight(fmt, data, k)

@@ -1,0 +1,357 @@
+"""Random checkpoints of real shapes (`paged_backend.gguf`): the K-quant packers against gguf's
+dequantizers, and the tiny shapes' files against llama.cpp's names and types, transformers' GGUF
+loader and their own bf16 copy. Tiny shapes only: GGUFReader takes seconds a file over the
+tokenizer's ~100k strings, so each file is read once."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, quant_shape_to_byte_shape
+from gguf.quants import dequantize
+from safetensors.torch import load_file
+
+from paged_backend.default_model import default_model_file
+from paged_backend.gguf import random_checkpoint as rc
+from paged_backend.gguf.quantize import TYPES, quantize
+from paged_backend.models.config import ModelConfig
+
+# Relative RMS error of a round trip on gaussian weights (measured: Q4_K 0.078, Q5_K 0.038,
+# Q6_K 0.019; gguf's own Q4_0 0.086, Q5_0 0.043, Q8_0 0.005).
+ERROR_BOUNDS = {"Q4_0": 0.1, "Q4_1": 0.1, "Q5_0": 0.05, "Q5_1": 0.05, "Q8_0": 0.01}
+ERROR_BOUNDS |= {"Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.025}
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def roundtrip(x: np.ndarray, type_name: str) -> np.ndarray:
+    return dequantize(quantize(x, type_name), GGMLQuantizationType[type_name]).reshape(x.shape)
+
+
+def rel_rms(approx: np.ndarray, exact: np.ndarray) -> float:
+    return float(np.sqrt(np.mean((approx - exact) ** 2) / np.mean(exact**2)))
+
+
+def gaussian(rows: int, cols: int, std: float = 0.02, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((rows, cols)) * std).astype(np.float32)
+
+
+@pytest.mark.parametrize("std", [0.02, 1.0])  # 0.02: Q6_K's d is an f16 subnormal
+@pytest.mark.parametrize("type_name", TYPES)
+def test_quantized_gaussian_weights_dequantize_close(type_name, std):
+    x = gaussian(32, 1024, std)
+    q = quantize(x, type_name)
+    assert q.dtype == np.uint8
+    assert q.shape == quant_shape_to_byte_shape(x.shape, GGMLQuantizationType[type_name])
+    assert rel_rms(roundtrip(x, type_name), x) < ERROR_BOUNDS[type_name]
+
+
+@pytest.mark.parametrize("type_name", K_TYPES)
+def test_requantizing_dequantized_weights_keeps_them(type_name):
+    """Values on a quantizer's grid (nearly) stay there: a second pass errs far less."""
+    x = gaussian(64, 1024)
+    once = roundtrip(x, type_name)
+    twice = roundtrip(once, type_name)
+    assert np.mean(twice == once) > 0.99
+    assert rel_rms(twice, once) < 0.1 * rel_rms(once, x)
+
+
+@pytest.mark.parametrize("type_name", K_TYPES)
+def test_zero_constant_and_one_signed_rows(type_name):
+    g = gaussian(1, 512, 1.0)[0]
+    rows = np.stack([np.zeros(512), np.full(512, 0.3), np.full(512, -2.5), -np.abs(g) - 1, g])
+    rows = rows.astype(np.float32)
+    out = roundtrip(rows, type_name)
+    assert not out[0].any()
+    np.testing.assert_allclose(out[1:3], rows[1:3], rtol=1e-3)
+    assert rel_rms(out[3], rows[3]) < ERROR_BOUNDS[type_name]  # negative only
+
+
+@pytest.mark.parametrize("type_name", K_TYPES)
+def test_an_outlier_survives_and_spoils_only_its_super_block(type_name):
+    x = gaussian(1, 512, 1.0)
+    x[0, 100] = 1000.0
+    out = roundtrip(x, type_name)
+    assert abs(out[0, 100] - 1000.0) < 10.0
+    rest = np.delete(np.arange(256), 100)  # its neighbours: coarser, yet better than zeros
+    assert rel_rms(out[0, rest], x[0, rest]) < 1.0
+    half = quantize(x, type_name).shape[1] // 2  # super-blocks are independent
+    np.testing.assert_array_equal(quantize(x, type_name)[:, half:], quantize(x[:, 256:], type_name))
+
+
+def test_quantize_rejects_what_no_block_holds():
+    with pytest.raises(ValueError, match="Q4_K rows hold a multiple of 256"):
+        quantize(np.zeros((2, 384), np.float32), "Q4_K")
+    with pytest.raises(ValueError, match="cannot quantize to 'IQ2_XS'"):
+        quantize(np.zeros((2, 256), np.float32), "IQ2_XS")
+    with pytest.raises(ValueError, match=r"\[rows, cols\]"):
+        quantize(np.zeros(256, np.float32), "Q8_0")
+
+
+def test_use_more_bits_picks_llama_cpp_s_layers():
+    """Llama 3.2 1B's Q4_K_M files have Q6_K attn_v and ffn_down on these 8 of 16 layers."""
+    assert [i for i in range(16) if rc.use_more_bits(i, 16)] == [0, 1, 4, 7, 10, 13, 14, 15]
+    assert [i for i in range(2) if rc.use_more_bits(i, 2)] == [1]
+
+
+def test_q4_k_m_falls_back_where_rows_are_not_whole_super_blocks():
+    """Qwen2.5-0.5B: rows of 896 take Q5_0 for Q4_K and Q8_0 for Q6_K, as in llama.cpp."""
+    shape = rc.SHAPES["qwen2.5-0.5b"]
+    types = {spec.gguf_name: rc.gguf_type(spec, shape, "q4_k_m") for spec in rc.tensor_plan(shape)}
+    assert len(types) == 1 + 24 * 12 + 1
+    assert types["token_embd.weight"] == "Q8_0"  # the tied output
+    assert (types["blk.0.attn_q.weight"], types["blk.0.attn_v.weight"]) == ("Q5_0", "Q8_0")
+    assert types["blk.3.attn_v.weight"] == "Q5_0"
+    assert (types["blk.0.ffn_down.weight"], types["blk.3.ffn_down.weight"]) == ("Q6_K", "Q4_K")
+    assert (types["blk.0.attn_q.bias"], types["output_norm.weight"]) == ("F32", "F32")
+    assert {rc.gguf_type(spec, shape, "q4_0") for spec in rc.tensor_plan(shape)} == {"Q4_0", "F32"}
+
+
+@pytest.mark.parametrize(
+    ("shape_name", "counts"),
+    [  # llama.cpp's log of the real models' Q4_K_M files ("type q4_K: 96 tensors"...)
+        ("llama-3.2-1b", {"F32": 34, "Q4_K": 96, "Q6_K": 17}),
+        ("llama-3.2-3b", {"F32": 58, "Q4_K": 168, "Q6_K": 29}),
+        ("qwen2.5-0.5b", {"F32": 121, "Q5_0": 132, "Q8_0": 13, "Q4_K": 12, "Q6_K": 12}),
+    ],
+)
+def test_q4_k_m_mix_counts_are_the_real_files(shape_name, counts):
+    shape = rc.SHAPES[shape_name]
+    types = [rc.gguf_type(spec, shape, "q4_k_m") for spec in rc.tensor_plan(shape)]
+    types += ["F32"] if shape.rope_scaling else []  # rope_freqs.weight
+    assert Counter(types) == counts
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny")
+    assert rc.write_checkpoint("tiny", out) == [
+        out / "bf16",
+        *(out / f"tiny-{name}.gguf" for name in ("Q4_K_M", "Q4_0", "Q8_0")),
+    ]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-qwen2")
+    rc.main(["--shape", "tiny-qwen2", "--out", str(out), "--formats", "bf16,q4_k_m"])
+    return out
+
+
+@functools.cache
+def read_gguf(path: Path) -> GGUFReader:
+    return GGUFReader(path)
+
+
+def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Hugging Face's row order from llama.cpp's (transformers' reverse of the permutation)."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+def gguf_weights(path: Path, shape: rc.Shape) -> dict[str, np.ndarray]:
+    """The file's tensors dequantized by gguf, in Hugging Face's names and row order."""
+    tensors = {t.name: t for t in read_gguf(path).tensors}
+    weights = {}
+    for spec in rc.tensor_plan(shape):
+        tensor = tensors[spec.gguf_name]
+        values = dequantize(tensor.data, tensor.tensor_type).reshape(spec.shape)
+        if shape.gguf_arch == "llama" and spec.role in ("attn_q.weight", "attn_k.weight"):
+            values = unpermute(values, shape.heads if "attn_q" in spec.role else shape.kv_heads)
+        weights[spec.hf_name] = values
+    return weights
+
+
+def tiny_q4_k_m_types(tied: bool, qwen2: bool) -> dict[str, str]:
+    """llama.cpp's Q4_K_M mix on two layers, written out: layer 1 is the last eighth."""
+    types = {"token_embd.weight": "Q6_K" if tied else "Q4_K", "output_norm.weight": "F32"}
+    types |= {} if tied else {"output.weight": "Q6_K"}
+    types |= {} if qwen2 else {"rope_freqs.weight": "F32"}
+    for i, more in ((0, "Q4_K"), (1, "Q6_K")):
+        types |= {f"blk.{i}.{n}.weight": "F32" for n in ("attn_norm", "ffn_norm")}
+        types |= {f"blk.{i}.{n}.weight": more for n in ("attn_v", "ffn_down")}
+        plain = ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")
+        types |= {f"blk.{i}.{n}.weight": "Q4_K" for n in plain}
+        types |= {f"blk.{i}.attn_{p}.bias": "F32" for p in "qkv"} if qwen2 else {}
+    return types
+
+
+def file_types(path: Path) -> dict[str, str]:
+    return {t.name: t.tensor_type.name for t in read_gguf(path).tensors}
+
+
+def test_tensor_names_and_types_are_llama_cpp_s(tiny, tiny_qwen2):
+    assert file_types(tiny / "tiny-Q4_K_M.gguf") == tiny_q4_k_m_types(tied=False, qwen2=False)
+    assert file_types(tiny_qwen2 / "tiny-qwen2-Q4_K_M.gguf") == tiny_q4_k_m_types(True, True)
+    names = tiny_q4_k_m_types(tied=False, qwen2=False).keys()
+    for fmt in ("Q4_0", "Q8_0"):  # every 2-D weight in the file's type
+        expected = {n: "F32" if "norm" in n or "rope" in n else fmt for n in names}
+        assert file_types(tiny / f"tiny-{fmt}.gguf") == expected
+
+
+def _plain_fields(path: Path) -> dict:
+    fields = read_gguf(path).fields.items()
+    return {k: f.contents() for k, f in fields if not k.startswith(("GGUF.", "tokenizer."))}
+
+
+def test_metadata_is_convert_hf_to_gguf_s(tiny, tiny_qwen2):
+    common = {"general.type": "model", "general.quantization_version": 2}
+    llama = {
+        **common,
+        "general.architecture": "llama",
+        "general.name": "random tiny",
+        "llama.block_count": 2,
+        "llama.context_length": 131072,
+        "llama.embedding_length": 256,
+        "llama.feed_forward_length": 512,
+        "llama.attention.head_count": 4,
+        "llama.attention.head_count_kv": 2,
+        "llama.rope.freq_base": 500000.0,
+        "llama.attention.layer_norm_rms_epsilon": float(np.float32(1e-5)),
+        "llama.attention.key_length": 64,
+        "llama.attention.value_length": 64,
+        "llama.vocab_size": 49152,
+        "llama.rope.dimension_count": 64,
+    }
+    for fmt, file_type in (("Q4_K_M", 15), ("Q4_0", 2), ("Q8_0", 7)):
+        expected = {**llama, "general.file_type": file_type}
+        assert _plain_fields(tiny / f"tiny-{fmt}.gguf") == expected
+    qwen2 = {k.replace("llama.", "qwen2."): v for k, v in llama.items() if "length" in k}
+    qwen2 |= {
+        **common,
+        "general.architecture": "qwen2",
+        "general.name": "random tiny-qwen2",
+        "general.file_type": 15,
+        "qwen2.block_count": 2,
+        "qwen2.context_length": 32768,
+        "qwen2.attention.head_count": 4,
+        "qwen2.attention.head_count_kv": 2,
+        "qwen2.rope.freq_base": 1e6,
+        "qwen2.attention.layer_norm_rms_epsilon": float(np.float32(1e-6)),
+    }
+    del qwen2["qwen2.attention.key_length"], qwen2["qwen2.attention.value_length"]
+    assert _plain_fields(tiny_qwen2 / "tiny-qwen2-Q4_K_M.gguf") == qwen2
+
+
+def test_the_tokenizer_is_the_default_model_s(tiny):
+    fields = read_gguf(tiny / "tiny-Q8_0.gguf").fields
+    ours = {k: (f.contents(), f.types) for k, f in fields.items() if k.startswith("tokenizer.")}
+    default = {
+        key: (value, types) for key, value, types in rc.tokenizer_fields(default_model_file())
+    }
+    assert ours == default
+    assert len(ours["tokenizer.ggml.tokens"][0]) == 49152
+
+
+@pytest.mark.parametrize(
+    ("shape_name", "fmt"),
+    [("tiny", "Q4_K_M"), ("tiny", "Q4_0"), ("tiny", "Q8_0"), ("tiny-qwen2", "Q4_K_M")],
+)
+def test_gguf_weights_are_the_bf16_weights_quantized(tiny, tiny_qwen2, shape_name, fmt):
+    """Un-permuted for llama (qwen2 is not permuted: the same check fails if it were)."""
+    out = tiny if shape_name == "tiny" else tiny_qwen2
+    path = out / f"{shape_name}-{fmt}.gguf"
+    bf16 = load_file(out / "bf16" / "model.safetensors")
+    types, ours = file_types(path), gguf_weights(path, rc.SHAPES[shape_name])
+    for spec in rc.tensor_plan(rc.SHAPES[shape_name]):
+        values, expected = ours[spec.hf_name], bf16[spec.hf_name].float().numpy()
+        if types[spec.gguf_name] == "F32":
+            np.testing.assert_array_equal(values, expected, err_msg=spec.hf_name)
+        else:
+            assert rel_rms(values, expected) < ERROR_BOUNDS[types[spec.gguf_name]], spec.hf_name
+
+
+def test_transformers_loads_the_gguf_as_gguf_dequantizes_it(tiny):
+    """Its weights are gguf's dequantization of our bytes (rows un-permuted as transformers
+    does) and close to the bf16 copy's (which fails if we did not permute)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny, gguf_file="tiny-Q4_K_M.gguf", dtype=torch.float32
+    )
+    config = model.config
+    assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
+    assert not config.tie_word_embeddings
+    state = model.state_dict()
+    ours = gguf_weights(tiny / "tiny-Q4_K_M.gguf", rc.SHAPES["tiny"])
+    assert ours.keys() <= state.keys()
+    bf16 = load_file(tiny / "bf16" / "model.safetensors")
+    for name, values in ours.items():
+        np.testing.assert_array_equal(state[name].numpy(), values, err_msg=name)
+        assert rel_rms(values, bf16[name].float().numpy()) < ERROR_BOUNDS["Q4_K"], name
+
+
+def test_bf16_copy_is_a_hugging_face_model_of_the_shape(tiny, tiny_qwen2):
+    from transformers import AutoConfig, AutoTokenizer
+
+    for out, shape in ((tiny, rc.SHAPES["tiny"]), (tiny_qwen2, rc.SHAPES["tiny-qwen2"])):
+        config = AutoConfig.from_pretrained(out / "bf16")
+        assert config.architectures == [shape.architecture]
+        assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (
+            shape.hidden,
+            shape.layers,
+            shape.intermediate,
+        )
+        assert config.tie_word_embeddings == shape.tied
+        ours = ModelConfig.from_dir(out / "bf16")
+        assert (ours.num_kv_heads, ours.head_dim, ours.qkv_bias) == (
+            2,
+            64,
+            shape.gguf_arch == "qwen2",
+        )
+        assert ours.kv_window is None  # Qwen2.5's sliding window stays off
+        assert len(AutoTokenizer.from_pretrained(out / "bf16")) == 49152
+    assert ModelConfig.from_dir(tiny / "bf16").rope_scaling["rope_type"] == "llama3"
+
+
+def test_weights_follow_the_seed(tiny):
+    """Each tensor from its own generator: the files of any run hold the same weights."""
+    bf16 = load_file(tiny / "bf16" / "model.safetensors")
+    plan = rc.tensor_plan(rc.SHAPES["tiny"])
+    assert set(bf16) == {spec.hf_name for spec in plan}
+    for index, spec in enumerate(plan):
+        assert torch.equal(bf16[spec.hf_name], rc.random_tensor(spec, 0, index))
+    embed = bf16["model.embed_tokens.weight"].float()
+    assert abs(embed.std().item() - rc.INIT_STD) < 1e-3
+    assert not torch.equal(rc.random_tensor(plan[0], 1, 0), bf16[plan[0].hf_name])
+    assert torch.equal(bf16["model.norm.weight"], torch.ones(256, dtype=torch.bfloat16))
+
+
+def test_rope_freqs_divide_the_frequencies_as_transformers_scales_llama3(tiny):
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = AutoConfig.from_pretrained(tiny / "bf16")
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    plain = 1.0 / (5e5 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    tensors = {t.name: t for t in read_gguf(tiny / "tiny-Q4_0.gguf").tensors}
+    factors = np.asarray(tensors["rope_freqs.weight"].data)
+    np.testing.assert_allclose(factors, (plain / scaled).numpy(), rtol=1e-5)
+    assert factors.min() == 1.0 and factors.max() == 32.0  # both ends and a ramp between
+
+
+def test_an_interrupted_write_leaves_no_file(tmp_path, monkeypatch):
+    def fail(spec, seed, index):
+        if index == 3:
+            raise RuntimeError("interrupted")
+        return real(spec, seed, index)
+
+    real = rc.random_tensor
+    monkeypatch.setattr(rc, "random_tensor", fail)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        rc.write_checkpoint("tiny", tmp_path, ("bf16", "q8_0"))
+    written = [p.name for p in tmp_path.rglob("*") if p.suffix in (".gguf", ".safetensors")]
+    assert written == [], written
+    assert not list(tmp_path.rglob("*.partial"))
+
+
+def test_unknown_shapes_and_formats_are_named():
+    with pytest.raises(ValueError, match="unknown shape 'llama-9b'"):
+        rc.write_checkpoint("llama-9b", Path("unused"))
+    with pytest.raises(ValueError, match=r"unknown formats \['q5_k_m'\]"):
+        rc.write_checkpoint("tiny", Path("unused"), ("bf16", "q5_k_m"))
