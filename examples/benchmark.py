@@ -35,6 +35,7 @@ with the figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import multiprocessing
@@ -56,7 +57,7 @@ from paged_backend.cpu import ops as cpu_ops
 from paged_backend.cpu.features import cpu_description
 from paged_backend.cpu.linear import CpuLinear, can_pack
 from paged_backend.default_model import default_model_file
-from paged_backend.model_loader import resolve_model_path
+from paged_backend.model_loader import gguf_weights_file, resolve_model_path
 from paged_backend.request import Request
 
 TOPICS = [
@@ -540,6 +541,8 @@ def measure_ours(ours: Ours, args, name: str) -> dict:
     r["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
     r["kv_utilization_min"] = min(ours.kv_usage) if ours.kv_usage else None
     r["kv_utilization_mean"] = statistics.mean(ours.kv_usage) if ours.kv_usage else None
+    # The engine's own account: its weights (every copy) and KV cache, and what is resident.
+    r["engine_memory_mb"] = {k: v / 2**20 for k, v in after.items() if k.endswith("_bytes")}
     layer_flops, head_flops, _ = flops = model_flops(engine)
     computed = queries - hits + r["output_tokens"]
     # Linears only here (attention over prefills is not counted): a lower bound.
@@ -553,9 +556,8 @@ def measure_ours(ours: Ours, args, name: str) -> dict:
         "config": {
             "dtype": str(engine.runner.dtype),
             "model_impl": engine.model_config.impl,
-            "packed_weights": native
-            and model.cpu_head is not None
-            and model.cpu_head.packed is not None,
+            # (a GGUF's quantized head is a QuantLinear, which packs nothing)
+            "packed_weights": native and getattr(model.cpu_head, "packed", None) is not None,
             "block_size": engine.config.block_size,
             "quantization": args.quantization,
             "cpu_kernels": native and model.layers[0].input_layernorm.norm is cpu_ops.rms_norm,
@@ -581,8 +583,11 @@ def measure_peer(peer, args, job: dict) -> dict:
 def _hf_model(args, job: dict):
     from transformers import AutoModelForCausalLM
 
-    path, dtype = job["model_path"], getattr(torch, args.hf_dtype)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    path, kwargs = Path(job["model_path"]), {"dtype": getattr(torch, args.hf_dtype)}
+    gguf = gguf_weights_file(path)
+    if gguf is not None:  # ours reads a GGUF's weights from the file: transformers dequantizes it
+        path, kwargs["gguf_file"] = gguf.parent, gguf.name
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
 
 
 # Each engine by its key in the results: how its process builds it.
@@ -633,13 +638,16 @@ def engine_process(key: str, args, job: dict) -> dict:
     """Build the engine `key` and run the workload job["workload"] on it, in a process of its
     own; its figures get the resident set before the engine is built (Python, torch and this
     script), after it is built (its weights, and what it allocates and writes up front:
-    llama.cpp clears its whole KV cache, ours' pages are touched as they fill) and the process's
-    peak (with the workload's KV cache and activations). A short request runs first, untimed,
-    as vLLM's peer warms up: every engine starts each workload warm."""
+    llama.cpp clears its whole KV cache, ours' pages are touched as they fill), the peak while
+    building it, and the peak from then on (the workload's KV cache and activations). A short
+    request runs first, untimed, as vLLM's peer warms up: every engine starts each workload
+    warm."""
     torch.set_num_threads(args.threads)
     start, start_file = memory_mb("VmRSS", "RssFile")
     engine = ENGINES[key](args, job)
-    loaded, loaded_file = memory_mb("VmRSS", "RssFile")
+    loaded, loaded_file, load_peak = memory_mb("VmRSS", "RssFile", "VmHWM")
+    with contextlib.suppress(OSError):  # else the peak below counts the load's too
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM restarts from VmRSS (Linux 4.0)
     engine.run([WARMUP_PROMPT], 4)  # first-use costs (lazy set-up, kernel selection): untimed
     if key == "ours":
         out = measure_ours(engine, args, job["workload"])
@@ -650,6 +658,7 @@ def engine_process(key: str, args, job: dict) -> dict:
         "start_mb": start,
         "loaded_mb": loaded,
         "loaded_file_backed_mb": loaded_file - start_file,  # of loaded - start
+        "load_peak_mb": load_peak,
         "peak_mb": peak,
     }
     return out
@@ -674,7 +683,8 @@ def peer_gguf(args) -> str | None:
 
 def memory_ratios(ours: dict, peer: dict) -> dict:
     """Ours' memory over a peer's, on what each engine adds to its process's starting resident
-    set: once loaded (weights, and what is allocated up front) and at the peak."""
+    set: once loaded (weights, and what is allocated up front) and at its peak running the
+    workload."""
     return {
         f"ours_memory_ratio_{when}": (ours[f"{when}_mb"] - ours["start_mb"])
         / (peer[f"{when}_mb"] - peer["start_mb"])
@@ -875,9 +885,10 @@ def print_table(results: dict, workloads: list[str]) -> None:
             f"llama-cpp-python {about['version']}, n_ctx {about['n_ctx']}: {about['system_info']}"
         )
     print(
-        "Each engine runs each workload in a process of its own; RSS: its resident set once the "
-        "model is loaded (file: of that, pages of mapped files) and its peak, in MB above what "
-        "the process held before (Python, torch, this script: the 'of N')"
+        "Each engine runs each workload in a process of its own. RSS, in MB above what the "
+        "process held before (Python, torch, this script: the 'of N'): once the model is loaded "
+        "(file: of that, pages of mapped files; and the peak while loading) and the peak from "
+        "then on, running the workload"
     )
     for name in workloads:
         print(f"\n[{name}]")
@@ -890,7 +901,8 @@ def print_table(results: dict, workloads: list[str]) -> None:
             if m:
                 line += (
                     f"  RSS loaded +{m['loaded_mb'] - m['start_mb']:.0f} "
-                    f"(file {m['loaded_file_backed_mb']:.0f}) "
+                    f"(file {m['loaded_file_backed_mb']:.0f}, loading peak "
+                    f"+{m['load_peak_mb'] - m['start_mb']:.0f}) "
                     f"peak +{m['peak_mb'] - m['start_mb']:.0f} (of {m['start_mb']:.0f})"
                 )
             if key == "ours":
@@ -904,6 +916,12 @@ def print_table(results: dict, workloads: list[str]) -> None:
                         f"{r['decode_fraction_of_peak']:.0%} of peak, roofline "
                         f"{r['decode_roofline_ms']:.0f} ms ({r['decode_over_roofline']:.1f}x)"
                     )
+                e = r["engine_memory_mb"]
+                line += (
+                    f"\n{'':18s} its own account at the end, MB: weights {e['weights_bytes']:.0f} "
+                    f"({e['weights_resident_bytes']:.0f} resident), KV cache "
+                    f"{e['kv_cache_bytes']:.0f} ({e['kv_cache_resident_bytes']:.0f} resident)"
+                )
             else:
                 line += f"  ours {r['ours_speedup']:.1f}x"
                 if m:
