@@ -1,4 +1,4 @@
-"""Performance record: paged-backend against what RAG users would otherwise run, in one process.
+"""Performance record: paged-backend against what RAG users would otherwise run.
 
 Workloads (default model, greedy, EOS ignored so every request makes the same number of tokens):
   rag       32 requests arriving together, sharing a ~900-token system prompt + retrieved context
@@ -7,37 +7,47 @@ Workloads (default model, greedy, EOS ignored so every request makes the same nu
   chat      a many-turn chat: each turn's prompt extends the previous turn's prompt and answer
 Engines: ours; transformers one request at a time (what HuggingFacePipeline does; slow, so it
 runs on the first --hf-requests requests and its rate is taken from those); transformers with all
-requests in one left-padded static batch (its best case); llama-cpp-python on the same GGUF when
-it is installed; vLLM's CPU build on the same prompts when --vllm-python (or the environment
-variable PAGED_BACKEND_VLLM_PYTHON) names the Python of a virtualenv that has it (it runs
-examples/vllm_peer.py in a subprocess, started and compiled before anything is timed; the chat
-workload replays the turn prompts ours built). Reported: output tokens/s, ratios, TTFT
-median/p90, prefix-cache hit rate, peak RSS, KV slot utilisation, and achieved GFLOP/s against a
-bf16 matmul peak measured in this run: over the whole run the linears' and the head's FLOPs (a
-lower bound), and at batch 32 decode the model FLOPs of each step (linears, head, and attention
-over each sequence's context) and the step's roofline: the larger of those FLOPs at the matmul
-peak and its bytes (every weight, each sequence's keys and values) at the memory read rate
-measured in this run; for vLLM also the share of requests whose first 16 tokens match
-ours.
+requests in one left-padded static batch (its best case); llama-cpp-python when it is installed,
+on the GGUF file ours runs (--model X.gguf; the default model's by default) or on --gguf X.gguf
+while ours runs --model DIR (the same weights as safetensors); vLLM's CPU build when
+--vllm-python (or the environment variable PAGED_BACKEND_VLLM_PYTHON) names the Python of a
+virtualenv that has it (it runs examples/vllm_peer.py in a subprocess, started and compiled
+before anything is timed). Every engine runs ours' prompts (token ids; chat: the turn prompts
+ours built from its answers) on --threads threads (2 by default). Each engine runs each workload
+in a Python process of its own (vLLM: in its own processes), which reports its resident set
+before and after building the engine and its peak: weights apart from the KV cache and
+activations. Reported: output tokens/s, ratios ours/peer (speed and memory), TTFT median/p90
+(from the request's arrival: for a batch workload, the workload's start), prefix-cache hit rate,
+RSS, KV slot utilisation, and achieved GFLOP/s against a bf16 matmul peak measured in this run:
+over the whole run the linears' and the head's FLOPs (a lower bound), and at batch 32 decode the
+model FLOPs of each step (linears, head, and attention over each sequence's context) and the
+step's roofline: the larger of those FLOPs at the matmul peak and its bytes (every weight, each
+sequence's keys and values) at the memory read rate measured in this run; for each peer also
+the share of requests whose first 16 tokens match ours. The CPU's name and features are printed
+with the figures.
 
-    python examples/benchmark.py [--workloads rag,distinct,single,chat] [--json]
+    python examples/benchmark.py [--workloads rag,distinct,single,chat] [--json] [--threads 2]
                                  [--vllm-python /path/to/vllm-venv/bin/python]
-                                 [--model PATH_OR_HUB_ID] [--engines ours,ours-transformers]
+                                 [--model PATH_OR_HUB_ID] [--gguf X.gguf]
+                                 [--engines ours,ours-transformers]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
+import multiprocessing
 import os
 import random
 import re
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -47,6 +57,7 @@ from paged_backend.cpu import ops as cpu_ops
 from paged_backend.cpu.features import cpu_description
 from paged_backend.cpu.linear import CpuLinear, can_pack
 from paged_backend.default_model import default_model_file
+from paged_backend.model_loader import gguf_weights_file, resolve_model_path
 from paged_backend.request import Request
 
 TOPICS = [
@@ -197,13 +208,12 @@ class TransformersSequential:
         self.model = model
 
     def run(self, prompts, max_tokens):
-        outs, ttfts = [], []
-        for p in prompts:
+        outs, ttfts, start = [], [], time.perf_counter()
+        for p in prompts:  # all arrived at `start`: a request's TTFT counts the ones before it
             ids = torch.tensor([p])
-            t0 = time.perf_counter()
             with torch.no_grad():
                 self.model(ids)  # time to first token = one forward over the prompt
-                ttfts.append(time.perf_counter() - t0)
+                ttfts.append(time.perf_counter() - start)
                 out = self.model.generate(
                     ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
                 )
@@ -238,28 +248,40 @@ class TransformersStaticBatch:
 
 
 class LlamaCpp:
+    """llama-cpp-python on a GGUF file, with the benchmark's thread count and a context of
+    `n_ctx` tokens (the longest prompt and its answer). It serves one sequence at a time, so a
+    batch workload (rag, distinct) runs its requests one after another in their order, all
+    arrived at the workload's start (a request's time to first token counts the requests before
+    it); each request keeps the KV of the longest prefix it shares with the previous one (RAG's
+    shared system prompt and context are computed once) and computes the rest."""
+
     name = "llama-cpp-python"
 
-    def __init__(self, eos_id: int) -> None:
-        from llama_cpp import Llama
+    def __init__(self, gguf: str, eos_ids: list[int], threads: int, n_ctx: int) -> None:
+        import llama_cpp
 
-        self.llm = Llama(
-            model_path=str(default_model_file()),
-            n_ctx=4096,
-            n_threads=torch.get_num_threads(),
+        self.llm = llama_cpp.Llama(
+            model_path=gguf,
+            n_ctx=n_ctx,
+            n_threads=threads,
+            n_threads_batch=threads,
             verbose=False,
         )
-        self.eos_id = eos_id
+        self.eos_ids = eos_ids
+        self.about = {
+            "version": llama_cpp.__version__,
+            "system_info": llama_cpp.llama_print_system_info().decode().strip(),
+            "n_ctx": self.llm.n_ctx(),
+        }
 
     def run(self, prompts, max_tokens):
-        outs, ttfts = [], []
-        for p in prompts:  # no batching: one request at a time, reusing the previous prefix
-            t0 = time.perf_counter()
+        outs, ttfts, start = [], [], time.perf_counter()
+        for p in prompts:
             tokens = []
             # reset=True keeps the longest prefix shared with the previous prompt (llama.cpp reuse).
             for tok in self.llm.generate(p, temp=0.0, reset=True, logits_processor=[self._no_eos]):
                 if not tokens:
-                    ttfts.append(time.perf_counter() - t0)
+                    ttfts.append(time.perf_counter() - start)
                 tokens.append(tok)
                 if len(tokens) == max_tokens:
                     break
@@ -267,7 +289,7 @@ class LlamaCpp:
         return outs, ttfts
 
     def _no_eos(self, _ids, logits):
-        logits[self.eos_id] = -float("inf")
+        logits[self.eos_ids] = -float("inf")
         return logits
 
 
@@ -337,7 +359,7 @@ class VllmPeer:
             raise RuntimeError(f"sent no result (log: {self.log})") from None
 
 
-def run_vllm(args, ours: Ours, replay: dict[str, list[tuple[list[int], list[int]]]], results):
+def run_vllm(args, replay: dict, model_path: str, dtype: torch.dtype, results: dict) -> None:
     """vLLM on the prompts ours ran (chat: the turn prompts ours built), into `results`; a
     one-line reason in results["vllm"] when it cannot run."""
     if not args.vllm_python:
@@ -349,9 +371,7 @@ def run_vllm(args, ours: Ours, replay: dict[str, list[tuple[list[int], list[int]
     if not Path(args.vllm_python).exists():
         results["vllm"] = f"not run: {args.vllm_python} does not exist"
         return
-    peer = VllmPeer(
-        args.vllm_python, str(ours.engine.model_path), ours.engine.runner.dtype, args.max_tokens
-    )
+    peer = VllmPeer(args.vllm_python, model_path, dtype, args.max_tokens)
     serial = [name for name in replay if name in ("single", "chat")]
     try:
         got = peer.run_all({name: [p for p, _ in reqs] for name, reqs in replay.items()}, serial)
@@ -372,12 +392,18 @@ def run_vllm(args, ours: Ours, replay: dict[str, list[tuple[list[int], list[int]
         r["prefix_cache_hit_rate"] = (
             w["cached_prompt_tokens"] / w["prompt_tokens"] if w["prompt_tokens"] else 0.0
         )
-        n = AGREEMENT_TOKENS
-        r["token_agreement"] = sum(
-            list(theirs[:n]) == list(mine[:n])
-            for theirs, (_, mine) in zip(w["outputs"], reqs, strict=True)
-        ) / len(reqs)
+        r["token_agreement"] = token_agreement(w["outputs"], reqs)
         results[name]["vllm"] = r
+
+
+def token_agreement(outputs: list[list[int]], reqs: list[tuple[list[int], list[int]]]) -> float:
+    """The share of `outputs` whose first AGREEMENT_TOKENS tokens are ours' for the same request
+    (`reqs`: what ours ran, in order; a peer that ran the first few has as many outputs)."""
+    n = AGREEMENT_TOKENS
+    return sum(
+        list(theirs[:n]) == list(mine[:n])
+        for theirs, (_, mine) in zip(outputs, reqs[: len(outputs)], strict=True)
+    ) / len(outputs)
 
 
 # ---- measuring --------------------------------------------------------------------------------
@@ -456,25 +482,27 @@ def summarize(outputs, ttfts, elapsed) -> dict:
 
 
 def run_workload(engine, name: str, prompts, max_tokens: int, serial_prompts: int | None = None):
-    """Run `prompts` (chat: turn by turn, each prompt built from the previous answer)."""
-    if name == "chat":
+    """Run `prompts`, one request at a time on single and chat, else all at once (the first
+    `serial_prompts` of them where given). `prompts` None (ours' chat): build the turns, each
+    prompt from the previous answer. Returns (figures, each request's output token ids)."""
+    if prompts is None:
         return run_chat(engine, max_tokens)
-    if name == "single":
-        outs, ttfts, start = [], [], time.perf_counter()
+    if serial_prompts is not None:
+        prompts = prompts[:serial_prompts]
+    start = time.perf_counter()
+    if name in ("single", "chat"):
+        outs, ttfts = [], []
         for p in prompts:
             o, t = engine.run([p], max_tokens)
             outs += o
             ttfts += t
-        return summarize(outs, ttfts, time.perf_counter() - start)
-    if serial_prompts is not None:
-        prompts = prompts[:serial_prompts]
-    start = time.perf_counter()
-    outs, ttfts = engine.run(prompts, max_tokens)
-    return summarize(outs, ttfts, time.perf_counter() - start)
+    else:
+        outs, ttfts = engine.run(prompts, max_tokens)
+    return summarize(outs, ttfts, time.perf_counter() - start), outs
 
 
-def run_chat(engine, max_tokens: int) -> dict:
-    tokenizer = run_chat.tokenizer
+def run_chat(engine, max_tokens: int):
+    tokenizer = engine.tokenizer
     messages: list[dict] = [{"role": "system", "content": "You are a helpful travel assistant."}]
     outs, ttfts, start = [], [], time.perf_counter()
     for turn in CHAT_TURNS:
@@ -485,17 +513,199 @@ def run_chat(engine, max_tokens: int) -> dict:
         messages.append(
             {"role": "assistant", "content": tokenizer.decode(o[0], skip_special_tokens=True)}
         )
-    return summarize(outs, ttfts, time.perf_counter() - start)
+    return summarize(outs, ttfts, time.perf_counter() - start), outs
+
+
+# ---- one process per engine and workload ------------------------------------------------------
+def measure_ours(ours: Ours, args, name: str) -> dict:
+    """Ours on the workload `name`, with what the parent needs for its rooflines and for the
+    peers: the prompts ours ran (chat: the turns it built from its answers), and its outputs."""
+    engine, tok = ours.engine, ours.tokenizer
+    if name == "rag":
+        prompts = rag_prompts(tok, args.requests)
+    elif name == "distinct":
+        prompts = distinct_prompts(tok, args.requests, args.distinct_tokens)
+    elif name == "single":
+        prompts = distinct_prompts(tok, 2, tokens=0)
+    else:
+        prompts = None  # chat
+    engine.kv.pool.reset_cache()  # nothing left from the warm-up
+    ours.decode_steps.clear()
+    ours.kv_usage.clear()
+    ours.requests.clear()
+    before = engine.stats()
+    r, _ = run_workload(ours, name, prompts, args.max_tokens)
+    after = engine.stats()
+    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    r["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
+    r["kv_utilization_min"] = min(ours.kv_usage) if ours.kv_usage else None
+    r["kv_utilization_mean"] = statistics.mean(ours.kv_usage) if ours.kv_usage else None
+    # The engine's own account: its weights (every copy) and KV cache, and what is resident.
+    r["engine_memory_mb"] = {k: v / 2**20 for k, v in after.items() if k.endswith("_bytes")}
+    layer_flops, head_flops, _ = flops = model_flops(engine)
+    computed = queries - hits + r["output_tokens"]
+    # Linears only here (attention over prefills is not counted): a lower bound.
+    r["linear_flops"] = computed * layer_flops + r["output_tokens"] * head_flops
+    model = engine.runner.model
+    native = engine.model_config.impl == "native"  # else transformers' modules
+    return {
+        "figures": r,
+        "replay": ours.requests,
+        "big_steps": [s for s in ours.decode_steps if s[0] >= min(32, args.requests)],
+        "config": {
+            "dtype": str(engine.runner.dtype),
+            "model_impl": engine.model_config.impl,
+            # (a GGUF's quantized head is a QuantLinear, which packs nothing)
+            "packed_weights": native and getattr(model.cpu_head, "packed", None) is not None,
+            "block_size": engine.config.block_size,
+            "quantization": args.quantization,
+            "cpu_kernels": native and model.layers[0].input_layernorm.norm is cpu_ops.rms_norm,
+        },
+        "flops": flops,
+        "bytes": step_bytes(engine),
+        "model_path": str(engine.model_path),
+        "eos_ids": list(engine.eos_token_ids),
+        "pad_id": tok.pad_token_id or 0,
+    }
+
+
+def measure_peer(peer, args, job: dict) -> dict:
+    """A peer on the prompts ours ran, with the share of requests whose first tokens are ours'."""
+    reqs = job["replay"]
+    slow = isinstance(peer, TransformersSequential) and job["workload"] in ("rag", "distinct")
+    serial = args.hf_requests if slow else None  # its rate is taken from the first few
+    r, outs = run_workload(peer, job["workload"], [p for p, _ in reqs], args.max_tokens, serial)
+    r["token_agreement"] = token_agreement(outs, reqs)
+    return {"figures": r, "about": getattr(peer, "about", None)}
+
+
+def _hf_model(args, job: dict):
+    from transformers import AutoModelForCausalLM
+
+    path, kwargs = Path(job["model_path"]), {"dtype": getattr(torch, args.hf_dtype)}
+    gguf = gguf_weights_file(path)
+    if gguf is not None:  # ours reads a GGUF's weights from the file: transformers dequantizes it
+        path, kwargs["gguf_file"] = gguf.parent, gguf.name
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+
+
+# Each engine by its key in the results: how its process builds it.
+ENGINES = {
+    "ours": lambda args, job: Ours(
+        args.dtype,
+        model=args.model,
+        model_impl=args.model_impl,
+        num_threads=args.threads,
+        pack_weights=False if args.no_pack_weights else None,
+        quantization=args.quantization,
+        cpu_kernels=False if args.no_cpu_kernels else None,
+    ),
+    "hf_sequential": lambda args, job: TransformersSequential(_hf_model(args, job)),
+    "hf_static_batch": lambda args, job: TransformersStaticBatch(
+        _hf_model(args, job), job["pad_id"]
+    ),
+    # The same model through transformers' modules.
+    "ours_transformers_impl": lambda args, job: Ours(
+        args.dtype, model=args.model, model_impl="transformers", num_threads=args.threads
+    ),
+    "llama_cpp": lambda args, job: LlamaCpp(
+        job["gguf"], job["eos_ids"], args.threads, job["n_ctx"]
+    ),
+}
+# The peers' --engines names, in the order they run.
+PEERS = {
+    "hf-seq": "hf_sequential",
+    "hf-batch": "hf_static_batch",
+    "ours-transformers": "ours_transformers_impl",
+    "llama-cpp": "llama_cpp",
+}
+
+
+def memory_mb(*fields: str) -> list[float]:
+    """Fields of Linux's /proc/self/status, in MB: VmRSS (the resident set now), RssFile (its
+    file-backed part: mapped weight files and libraries), VmHWM (the peak so far). Not
+    getrusage's ru_maxrss: Linux carries it over exec, so a process spawned by a parent that
+    once held more (the read-bandwidth test's tensor) reports the parent's peak."""
+    status = Path("/proc/self/status").read_text()
+    return [int(re.search(rf"^{f}:\s*(\d+) kB", status, re.M)[1]) / 1024 for f in fields]
+
+
+WARMUP_PROMPT = list(range(100, 116))
+
+
+def engine_process(key: str, args, job: dict) -> dict:
+    """Build the engine `key` and run the workload job["workload"] on it, in a process of its
+    own; its figures get the resident set before the engine is built (Python, torch and this
+    script), after it is built (its weights, and what it allocates and writes up front:
+    llama.cpp clears its whole KV cache, ours' pages are touched as they fill), the peak while
+    building it, and the peak from then on (the workload's KV cache and activations). A short
+    request runs first, untimed, as vLLM's peer warms up: every engine starts each workload
+    warm."""
+    torch.set_num_threads(args.threads)
+    start, start_file = memory_mb("VmRSS", "RssFile")
+    engine = ENGINES[key](args, job)
+    loaded, loaded_file, load_peak = memory_mb("VmRSS", "RssFile", "VmHWM")
+    with contextlib.suppress(OSError):  # else the peak below counts the load's too
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM restarts from VmRSS (Linux 4.0)
+    engine.run([WARMUP_PROMPT], 4)  # first-use costs (lazy set-up, kernel selection): untimed
+    if key == "ours":
+        out = measure_ours(engine, args, job["workload"])
+    else:
+        out = measure_peer(engine, args, job)
+    (peak,) = memory_mb("VmHWM")
+    out["figures"]["memory"] = {
+        "start_mb": start,
+        "loaded_mb": loaded,
+        "loaded_file_backed_mb": loaded_file - start_file,  # of loaded - start
+        "load_peak_mb": load_peak,
+        "peak_mb": peak,
+    }
+    return out
+
+
+def in_own_process(key: str, args, job: dict) -> dict:
+    """engine_process in a new Python process (spawned: nothing of this one's memory is
+    inherited), so that its resident set is that engine's alone. A crash of that process
+    raises BrokenProcessPool here."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(engine_process, key, args, job).result()
+
+
+def peer_gguf(args) -> str | None:
+    """The GGUF file llama.cpp runs: --gguf, else the file ours runs, if ours runs one."""
+    if args.gguf:
+        return args.gguf
+    if args.model is None:
+        return str(default_model_file())
+    return args.model if str(args.model).endswith(".gguf") else None
+
+
+def memory_ratios(ours: dict, peer: dict) -> dict:
+    """Ours' memory over a peer's, on what each engine adds to its process's starting resident
+    set: once loaded (weights, and what is allocated up front) and at its peak running the
+    workload."""
+    return {
+        f"ours_memory_ratio_{when}": (ours[f"{when}_mb"] - ours["start_mb"])
+        / (peer[f"{when}_mb"] - peer["start_mb"])
+        for when in ("loaded", "peak")
+    }
+
+
+WORKLOADS = ("rag", "distinct", "single", "chat")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--workloads", default="rag,distinct,single,chat")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--engines", default="ours,hf-seq,hf-batch,llama-cpp,vllm")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--threads", type=int, default=2, help="threads of every engine (and of the roofs)"
+    )
     parser.add_argument(
         "--distinct-tokens", type=int, default=250, help="prompt length of the distinct workload"
     )
@@ -528,7 +738,15 @@ def main() -> None:
         "variable PAGED_BACKEND_VLLM_PYTHON); without it the vllm engine is skipped",
     )
     parser.add_argument(
-        "--model", default=None, help="a model directory, .gguf file or hub id (default: ours)"
+        "--model",
+        default=None,
+        help="a model directory, .gguf file or hub id (default: ours); llama.cpp runs the same "
+        ".gguf file",
+    )
+    parser.add_argument(
+        "--gguf",
+        default=None,
+        help="the GGUF file llama.cpp runs, when --model names a directory of the same weights",
     )
     parser.add_argument(
         "--model-impl",
@@ -540,78 +758,77 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     workloads = args.workloads.split(",")
+    if set(workloads) - set(WORKLOADS):
+        parser.error(f"--workloads: choose from {','.join(WORKLOADS)}")
     wanted = set(args.engines.split(","))
+    torch.set_num_threads(args.threads)  # for the roofs measured here
+    # A hub download or GGUF conversion happens here once, not inside an engine's process.
+    resolve_model_path(args.model)
 
-    ours = Ours(
-        args.dtype,
-        model=args.model,
-        model_impl=args.model_impl,
-        pack_weights=False if args.no_pack_weights else None,
-        quantization=args.quantization,
-        cpu_kernels=False if args.no_cpu_kernels else None,
-    )
-    tok = ours.tokenizer
-    run_chat.tokenizer = tok
-    prompts = {
-        "rag": rag_prompts(tok, args.requests),
-        "distinct": distinct_prompts(tok, args.requests, args.distinct_tokens),
-        "single": distinct_prompts(tok, 2, tokens=0),
-        "chat": None,
-    }
-    peak = matmul_peak_gflops(ours.engine.runner.dtype)
-    bandwidth = read_bandwidth_gbps()
-    weight_bytes, kv_bytes = step_bytes(ours.engine)
-    model = ours.engine.runner.model
-    native = ours.engine.model_config.impl == "native"  # else transformers' modules
-    layer_flops, head_flops, attention_flops = model_flops(ours.engine)
+    ours = {name: in_own_process("ours", args, {"workload": name}) for name in workloads}
+    first = ours[workloads[0]]  # what every workload's process says alike: model, config
+    dtype = getattr(torch, first["config"]["dtype"].removeprefix("torch."))
+    peak, bandwidth = matmul_peak_gflops(dtype), read_bandwidth_gbps()
     results: dict = {
         "config": {
-            "dtype": str(ours.engine.runner.dtype),
-            "model_impl": ours.engine.model_config.impl,
-            "packed_weights": native
-            and model.cpu_head is not None
-            and model.cpu_head.packed is not None,
-            "block_size": ours.engine.config.block_size,
-            "quantization": args.quantization,
-            "cpu_kernels": native and model.layers[0].input_layernorm.norm is cpu_ops.rms_norm,
-            "threads": torch.get_num_threads(),
+            **first["config"],
+            "threads": args.threads,
             "hf_dtype": args.hf_dtype,
-            "matmul_peak_gflops": peak,
-            "read_bandwidth_gbps": bandwidth,
             "requests": args.requests,
             "max_tokens": args.max_tokens,
-            "block_hash_ns_per_token": block_hash_ns_per_token(ours.engine.config.block_size),
+            "block_hash_ns_per_token": block_hash_ns_per_token(first["config"]["block_size"]),
             "cpu": cpu_description(),
         }
     }
-    replay: dict[str, list[tuple[list[int], list[int]]]] = {}  # what ours ran, per workload
-    big_steps: dict[str, list[tuple[int, float, int]]] = {}  # decode steps at the full batch
-    for name in workloads:
-        ours.engine.kv.pool.reset_cache()  # every workload starts cold
-        before = ours.engine.stats()
-        ours.decode_steps.clear()
-        ours.kv_usage.clear()
-        ours.requests.clear()
-        r = run_workload(ours, name, prompts[name], args.max_tokens)
-        after = ours.engine.stats()
-        queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
-        hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
-        r["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
-        r["kv_utilization_min"] = min(ours.kv_usage) if ours.kv_usage else None
-        r["kv_utilization_mean"] = statistics.mean(ours.kv_usage) if ours.kv_usage else None
-        computed = queries - hits + r["output_tokens"]
-        # Linears only here (attention over prefills is not counted): a lower bound.
-        linear_flops = computed * layer_flops + r["output_tokens"] * head_flops
-        r["gflops_achieved"] = linear_flops / r["elapsed_s"] / 1e9
-        big_steps[name] = [s for s in ours.decode_steps if s[0] >= min(32, args.requests)]
-        results.setdefault(name, {})["ours"] = r
-        replay[name] = list(ours.requests)
+    for name, out in ours.items():
+        r = out["figures"]
+        r["gflops_achieved"] = r.pop("linear_flops") / r["elapsed_s"] / 1e9
+        results[name] = {"ours": r}
+
+    replay = {name: out["replay"] for name, out in ours.items()}
+    longest = max(len(p) for reqs in replay.values() for p, _ in reqs)
+    job = {
+        "model_path": first["model_path"],
+        "pad_id": first["pad_id"],
+        "eos_ids": first["eos_ids"],
+        "gguf": peer_gguf(args),
+        "n_ctx": -(-(longest + args.max_tokens + 1) // 256) * 256,
+    }
+    for engine, key in PEERS.items():
+        if engine not in wanted:
+            continue
+        if key == "llama_cpp" and importlib.util.find_spec("llama_cpp") is None:
+            results[key] = "not installed (pip install llama-cpp-python)"
+            continue
+        if key == "llama_cpp" and job["gguf"] is None:
+            results[key] = "not run: ours runs no GGUF file; name one with --gguf"
+            continue
+        for name in workloads:
+            if key == "hf_static_batch" and name in ("single", "chat"):
+                continue  # one request at a time: same as sequential
+            try:
+                out = in_own_process(key, args, {**job, "workload": name, "replay": replay[name]})
+            except Exception as e:  # a peer that fails (a GGUF llama.cpp refuses) is reported
+                results[key] = f"failed on {name}: {type(e).__name__}: {e}"
+                break
+            r, mine = out["figures"], results[name]["ours"]
+            r["ours_speedup"] = mine["tokens_per_s"] / r["tokens_per_s"]
+            r.update(memory_ratios(mine["memory"], r["memory"]))
+            results[name][key] = r
+            if out["about"]:
+                results["config"][key] = out["about"]
+    if "vllm" in wanted:
+        run_vllm(args, replay, first["model_path"], dtype, results)
+
     # The machine's roofs again, after the workloads: the better of the two measurements, so that
     # a neighbour's burst during one of them does not move every roofline below.
-    peak = max(peak, matmul_peak_gflops(ours.engine.runner.dtype))
+    peak = max(peak, matmul_peak_gflops(dtype))
     bandwidth = max(bandwidth, read_bandwidth_gbps())
     results["config"].update(matmul_peak_gflops=peak, read_bandwidth_gbps=bandwidth)
-    for name, big in big_steps.items():
+    layer_flops, head_flops, attention_flops = first["flops"]
+    weight_bytes, kv_bytes = first["bytes"]
+    for name, out in ours.items():
+        big = out["big_steps"]
         if not big:
             continue
         r = results[name]["ours"]
@@ -631,49 +848,6 @@ def main() -> None:
         r["decode_over_roofline"] = statistics.median(
             s / roof for (_, s, _), roof in zip(big, roofs, strict=True)
         )
-    results["peak_rss_mb_ours"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-    peers = []
-    if wanted & {"hf-seq", "hf-batch"}:
-        from transformers import AutoModelForCausalLM
-
-        hf = AutoModelForCausalLM.from_pretrained(
-            ours.engine.model_path, dtype=getattr(torch, args.hf_dtype)
-        ).eval()
-        if "hf-seq" in wanted:
-            peers.append(("hf_sequential", TransformersSequential(hf), args.hf_requests))
-        if "hf-batch" in wanted:
-            peers.append(
-                ("hf_static_batch", TransformersStaticBatch(hf, tok.pad_token_id or 0), None)
-            )
-    if "ours-transformers" in wanted:  # the same model through transformers' modules
-        through = Ours(args.dtype, model=args.model, model_impl="transformers")
-        peers.append(("ours_transformers_impl", through, None))
-    if "llama-cpp" in wanted and args.model is not None:
-        results["llama_cpp"] = "not run: it runs the default model's GGUF only"
-    elif "llama-cpp" in wanted:
-        try:
-            peers.append(("llama_cpp", LlamaCpp(ours.engine.eos_token_ids[0]), None))
-        except ImportError:
-            results["llama_cpp"] = "not installed (pip install llama-cpp-python)"
-    for key, peer, serial in peers:
-        for name in workloads:
-            if key == "hf_static_batch" and name in ("single", "chat"):
-                continue  # one request at a time: same as sequential
-            r = run_workload(
-                peer,
-                name,
-                prompts[name],
-                args.max_tokens,
-                serial if name in ("rag", "distinct") else None,
-            )
-            results[name][key] = r
-            results[name][key]["ours_speedup"] = (
-                results[name]["ours"]["tokens_per_s"] / r["tokens_per_s"]
-            )
-    if "vllm" in wanted:
-        run_vllm(args, ours, replay, results)
-    results["peak_rss_mb_total"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.json:
         print(json.dumps(results, indent=2))
     else:
@@ -703,16 +877,34 @@ def print_table(results: dict, workloads: list[str]) -> None:
         f"{c['threads']} threads, "
         f"bf16 matmul peak {c['matmul_peak_gflops']:.0f} GFLOP/s, "
         f"memory read {c['read_bandwidth_gbps']:.0f} GB/s, "
-        f"peak RSS ours {results['peak_rss_mb_ours']:.0f} MB, "
         f"prefix-cache block hashing (SHA-256) {c['block_hash_ns_per_token']:.0f} ns/prompt token"
+    )
+    if "llama_cpp" in c:
+        about = c["llama_cpp"]
+        print(
+            f"llama-cpp-python {about['version']}, n_ctx {about['n_ctx']}: {about['system_info']}"
+        )
+    print(
+        "Each engine runs each workload in a process of its own. RSS, in MB above what the "
+        "process held before (Python, torch, this script: the 'of N'): once the model is loaded "
+        "(file: of that, pages of mapped files; and the peak while loading) and the peak from "
+        "then on, running the workload"
     )
     for name in workloads:
         print(f"\n[{name}]")
         for key, r in results[name].items():
+            m = r.get("memory")
             line = (
                 f"  {key:16s} {r['tokens_per_s']:8.1f} tok/s  TTFT median "
                 f"{r['ttft_median_s']:6.2f}s p90 {r['ttft_p90_s']:6.2f}s"
             )
+            if m:
+                line += (
+                    f"  RSS loaded +{m['loaded_mb'] - m['start_mb']:.0f} "
+                    f"(file {m['loaded_file_backed_mb']:.0f}, loading peak "
+                    f"+{m['load_peak_mb'] - m['start_mb']:.0f}) "
+                    f"peak +{m['peak_mb'] - m['start_mb']:.0f} (of {m['start_mb']:.0f})"
+                )
             if key == "ours":
                 line += f"  hit rate {r['prefix_cache_hit_rate']:.1%}"
                 if r.get("kv_utilization_mean") is not None:
@@ -724,15 +916,27 @@ def print_table(results: dict, workloads: list[str]) -> None:
                         f"{r['decode_fraction_of_peak']:.0%} of peak, roofline "
                         f"{r['decode_roofline_ms']:.0f} ms ({r['decode_over_roofline']:.1f}x)"
                     )
+                e = r["engine_memory_mb"]
+                line += (
+                    f"\n{'':18s} its own account at the end, MB: weights {e['weights_bytes']:.0f} "
+                    f"({e['weights_resident_bytes']:.0f} resident), KV cache "
+                    f"{e['kv_cache_bytes']:.0f} ({e['kv_cache_resident_bytes']:.0f} resident)"
+                )
             else:
                 line += f"  ours {r['ours_speedup']:.1f}x"
+                if m:
+                    line += (
+                        f"  ours/peer RSS loaded {r['ours_memory_ratio_loaded']:.2f}x "
+                        f"peak {r['ours_memory_ratio_peak']:.2f}x"
+                    )
                 if "prefix_cache_hit_rate" in r:
                     line += f"  prompt tokens cached {r['prefix_cache_hit_rate']:.1%}"
                 if "token_agreement" in r:
                     line += f"  same first {AGREEMENT_TOKENS} tokens {r['token_agreement']:.0%}"
             print(line)
-    if isinstance(results.get("llama_cpp"), str):
-        print(f"\nllama-cpp-python: {results['llama_cpp']}")
+    for key in PEERS.values():
+        if isinstance(results.get(key), str):
+            print(f"\n{key}: {results[key]}")
     v = results.get("vllm")
     if isinstance(v, str):
         print(f"\nvLLM: {v}")
@@ -741,7 +945,8 @@ def print_table(results: dict, workloads: list[str]) -> None:
             f"\nvLLM {v['version']} (CPU build, {v['dtype']}, {v['threads']} threads): started, "
             f"compiled and warmed up in {v['startup_s']:.0f} s (not timed); prefix cache "
             f"{'reset' if v['prefix_cache_reset'] else 'NOT reset (reset_prefix_cache failed)'} "
-            "before each workload; chat replays the turn prompts ours built"
+            "before each workload; chat replays the turn prompts ours built; its RSS is not "
+            "measured (its engine runs in processes of its own)"
         )
 
 
