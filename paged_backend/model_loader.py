@@ -126,11 +126,19 @@ def gguf_model_dir(path: Path) -> Path:
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     target = cache_dir() / "gguf" / f"{path.stem}-config-{key.hexdigest()[:24]}"
-    if not (target / GGUF_WEIGHTS).is_file():
+    if not _gguf_dir_complete(target):
         with locked(target.name):
-            if not (target / GGUF_WEIGHTS).is_file():
+            if not _gguf_dir_complete(target):  # written by another process while we waited?
                 _write_gguf_dir(path, target, weights=False)
     return target
+
+
+def _gguf_dir_complete(target: Path) -> bool:
+    """Whether `target` holds all a `gguf_model_dir` has now (not one an older version wrote)."""
+    try:
+        return "architecture" in json.loads((target / GGUF_WEIGHTS).read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def gguf_weights_file(model_dir: Path) -> Path | None:

@@ -13,7 +13,7 @@ from paged_backend.block_pool import FREED_BLOCK
 from paged_backend.config import EngineConfig
 from paged_backend.cpu import kernel_choice
 from paged_backend.cpu.linear import GemmRows, can_pack, quantize_linears_int4
-from paged_backend.cpu.memory import resident_bytes
+from paged_backend.cpu.memory import advise_huge_pages, huge_page_tokens, resident_bytes
 from paged_backend.cpu.quant import (
     QuantLinear,
     QuantWeight,
@@ -102,6 +102,12 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+        # The KV cache goes on 2 MiB pages once a step's sequences hold this many blocks: below,
+        # 4 KiB pages commit only what is written (`cpu.memory.zeros_on_huge_pages`).
+        self.huge_pages_from_blocks = None
+        if self.device.type == "cpu":
+            tokens = huge_page_tokens(mc.head_dim, self.dtype)
+            self.huge_pages_from_blocks = -(-tokens // config.block_size)
 
     def _ops(self, config: EngineConfig, backend: str) -> str:
         """Who runs the layers' elementwise ops (`paged_backend.models.llama.make_ops`): fused
@@ -259,6 +265,10 @@ class ModelRunner:
         one row each and one more per draft (a request's rows consecutive), and their indices
         into `scheduled`, in the order of their rows."""
         drafts = drafts or {}
+        held = self.huge_pages_from_blocks
+        if held is not None and sum(len(t) for t in block_tables) >= held:
+            advise_huge_pages([t for layer in self.kv_caches for t in layer])
+            self.huge_pages_from_blocks = None
         order = sorted(range(len(scheduled)), key=lambda i: scheduled[i][1] != 1)
         bs = self.block_size
         ids, positions, qsl, seq_lens, logit_rows, sampling = [], [], [0], [], [], []

@@ -23,7 +23,12 @@ from paged_backend.attention.torch_backend import TorchAttention
 from paged_backend.cpu import library
 from paged_backend.cpu import ops as cpu_ops
 from paged_backend.cpu.features import cpu_flags
-from paged_backend.cpu.memory import zeros_on_huge_pages
+from paged_backend.cpu.memory import (
+    advise_huge_pages,
+    huge_page_tokens,
+    resident_bytes,
+    zeros_on_huge_pages,
+)
 
 needs_ops = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
 BF16 = torch.bfloat16
@@ -519,6 +524,25 @@ def test_the_kv_cache_lies_on_huge_pages():
     if "[madvise]" in THP.read_text():
         plain = torch.zeros(32, 1024, 1024, dtype=torch.bfloat16)
         assert _mapping_of(plain.data_ptr() + (32 << 20))["THPeligible"] == "0"
+
+
+@pytest.mark.skipif(
+    not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here"
+)
+def test_the_kv_cache_is_advised_onto_huge_pages_only_when_asked():
+    """Without the advice a first touch commits a 4 KiB page, not 2 MiB: a cache of many regions
+    (a layer's K or V of one KV head) that holds a few tokens stays small until the runner
+    advises huge pages (`ModelRunner.huge_pages_from_blocks`)."""
+    cache = zeros_on_huge_pages((8, 1 << 20), torch.float32, advise=False)  # 8 regions, 4 MiB each
+    cache[:, 0] = 1.0
+    assert resident_bytes([cache])[1] <= 8 * (64 << 10)
+    fields = _mapping_of(cache.data_ptr())
+    if "THPeligible" in fields:
+        assert fields["THPeligible"] == ("1" if "[always]" in THP.read_text() else "0")
+    assert advise_huge_pages([cache[2:5]])
+    if "THPeligible" in fields:
+        assert _mapping_of(cache[3].data_ptr())["THPeligible"] == "1"
+    assert huge_page_tokens(64, torch.bfloat16) == 16384
 
 
 def _rss_mib() -> int:

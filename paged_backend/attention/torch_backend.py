@@ -93,7 +93,7 @@ class TorchAttention:
     ) -> list[KVCache]:
         shape = (num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim)
         if torch.device(device).type == "cpu":
-            cache = zeros_on_huge_pages(shape, dtype)
+            cache = zeros_on_huge_pages(shape, dtype, advise=False)  # see ModelRunner
         else:
             cache = torch.zeros(shape, dtype=dtype, device=device)
         return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]

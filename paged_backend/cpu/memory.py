@@ -1,5 +1,5 @@
 """The KV cache's memory: zero pages that are committed as they are first used, on 2 MiB pages
-where Linux allows; and how much of a set of tensors is resident."""
+where Linux allows once the cache is well used; and how much of a set of tensors is resident."""
 
 from __future__ import annotations
 
@@ -13,24 +13,51 @@ import torch
 _HUGE_PAGE = 2 << 20
 
 
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor in a private anonymous mapping of its own. The kernel hands out such
-    pages zeroed at their first touch, so nothing is written or committed here: zeroing a 2 GiB
-    cache took ~4 s of every engine start, and kept all of it resident whatever the process used.
+def zeros_on_huge_pages(
+    shape: tuple[int, ...], dtype: torch.dtype, advise: bool = True
+) -> torch.Tensor:
+    """A zero CPU tensor in a private anonymous mapping of its own, starting on a 2 MiB
+    boundary. The kernel hands out such pages zeroed at their first touch, so nothing is written
+    or committed here: zeroing a 2 GiB cache took ~4 s of every engine start, and kept all of it
+    resident whatever the process used.
 
-    The kernel is asked (madvise, before the first touch) to back it with 2 MiB pages, where
-    transparent huge pages allow it (`madvise` mode is a common default). The KV cache needs
-    them: a decode step reads each sequence's blocks, a few hundred bytes each, from all over the
-    cache, and on 4 KiB pages nearly every block read missed the TLB."""
+    With `advise`, the kernel is asked (madvise, before the first touch) to back it with 2 MiB
+    pages, where transparent huge pages allow it (`madvise` mode is a common default); else later,
+    by `advise_huge_pages`. A busy KV cache needs them: a decode step reads each sequence's
+    blocks, a few hundred bytes each, from all over the cache, and on 4 KiB pages nearly every
+    block read missed the TLB. But a first touch then commits 2 MiB, and the cache is one region
+    per layer, K or V and KV head: the first token of a 1B Llama committed 512 MiB."""
     size = math.prod(shape) * dtype.itemsize
     if not hasattr(mmap, "MAP_ANONYMOUS"):  # not a POSIX system
         return torch.zeros(shape, dtype=dtype)
     buf = mmap.mmap(-1, size + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(buf, dtype=torch.uint8)  # keeps `buf` alive as long as it lives
     start = -raw.data_ptr() % _HUGE_PAGE  # the mapping's first 2 MiB boundary
-    if hasattr(mmap, "MADV_HUGEPAGE") and size:
-        buf.madvise(mmap.MADV_HUGEPAGE, start, size)
-    return raw[start : start + size].view(dtype).view(shape)
+    tensor = raw[start : start + size].view(dtype).view(shape)
+    if advise:
+        advise_huge_pages([tensor])
+    return tensor
+
+
+def advise_huge_pages(tensors: list[torch.Tensor]) -> bool:
+    """Ask for 2 MiB pages, from now on, behind the memory that `tensors` span (views of one
+    `zeros_on_huge_pages` tensor; pages touched before may be merged by the kernel later). False
+    where Linux offers no such advice."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    start = min(t.data_ptr() for t in tensors)
+    end = max(t.data_ptr() + t.numel() * t.element_size() for t in tensors)
+    start -= start % mmap.PAGESIZE
+    if advice is None or end <= start:
+        return False
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) == 0
+
+
+def huge_page_tokens(head_dim: int, dtype: torch.dtype) -> int:
+    """Tokens a KV cache holds when each of its regions (a layer's K or V of one KV head) would
+    fill a 2 MiB page: from there on huge pages cost no memory that 4 KiB pages would not."""
+    return _HUGE_PAGE // (head_dim * dtype.itemsize)
 
 
 def resident_bytes(tensors) -> tuple[int, int]:
