@@ -136,7 +136,7 @@ def gguf_model_dir(path: Path) -> Path:
 def _gguf_dir_complete(target: Path) -> bool:
     """Whether `target` holds all a `gguf_model_dir` has now (not one an older version wrote)."""
     try:
-        return "architecture" in json.loads((target / GGUF_WEIGHTS).read_text())
+        return "tensors" in json.loads((target / GGUF_WEIGHTS).read_text())
     except (OSError, ValueError):
         return False
 
@@ -147,9 +147,10 @@ def gguf_weights_file(model_dir: Path) -> Path | None:
     return Path(json.loads(marker.read_text())["gguf"]) if marker.is_file() else None
 
 
-def gguf_architecture(model_dir: Path) -> str:
-    """The general.architecture of the GGUF file a `gguf_model_dir` stands for."""
-    return json.loads((Path(model_dir) / GGUF_WEIGHTS).read_text())["architecture"]
+def gguf_source(model_dir: Path) -> dict:
+    """What a `gguf_model_dir` knows of its GGUF file: "gguf" (its path), "architecture"
+    (general.architecture) and "tensors" (`paged_backend.gguf.weights.tensor_table`)."""
+    return json.loads((Path(model_dir) / GGUF_WEIGHTS).read_text())
 
 
 def convert_gguf(path: Path) -> Path:
@@ -198,12 +199,12 @@ def _write_gguf_dir(path: Path, target: Path, weights: bool) -> None:
             tmp.mkdir()
             config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
             config.save_pretrained(tmp)
-            arch, scaling = read_metadata(path)
+            arch, scaling, tensors = read_metadata(path)
             if scaling is not None:  # kept in the file as a tensor, which transformers drops
                 raw = json.loads((tmp / "config.json").read_text())
                 raw["rope_scaling"] = scaling
                 (tmp / "config.json").write_text(json.dumps(raw, indent=2))
-            marker = {"gguf": str(path.absolute()), "architecture": arch}
+            marker = {"gguf": str(path.absolute()), "architecture": arch, "tensors": tensors}
             (tmp / GGUF_WEIGHTS).write_text(json.dumps(marker))
         tokenizer.model_max_length = config.max_position_embeddings
         tokenizer.save_pretrained(tmp)

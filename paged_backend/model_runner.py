@@ -23,7 +23,7 @@ from paged_backend.cpu.quant import (
 from paged_backend.gguf import ARCHITECTURES as GGUF_ARCHITECTURES
 from paged_backend.model_loader import (
     convert_gguf,
-    gguf_architecture,
+    gguf_source,
     gguf_weights_file,
     load_safetensors,
 )
@@ -74,7 +74,7 @@ class ModelRunner:
         self.model_config = model_config
         self.gemm_rows = None
         gguf = gguf_weights_file(model_path)
-        if gguf is not None and gguf_architecture(model_path) not in GGUF_ARCHITECTURES:
+        if gguf is not None and gguf_source(model_path)["architecture"] not in GGUF_ARCHITECTURES:
             # names we do not map: transformers' conversion (dequantized, cached) reads them
             model_path, gguf = convert_gguf(gguf), None
         if model_config.impl == "transformers" and config.quantization in ("int4", "int8"):
@@ -161,13 +161,13 @@ class ModelRunner:
         # A GGUF file's weights stay in its block formats (the CPU kernels read them), unless
         # dequantized weights or int4 / int8 copies are asked for.
         if gguf is not None and config.quantization is None and self.device.type == "cpu":
-            load_gguf(model, gguf, self.dtype)
+            load_gguf(model, gguf, self.dtype, **_mapped(model_path))
             return model.to(self.dtype)
         if config.quantization == "int8" and self.device.type != "cpu":
             raise ValueError(f"quantization='int8' runs on CPU only, not {self.device.type}")
         pack, fp16_copy = self._cpu_linears(config, model)
         if gguf is not None:
-            load_gguf(model, gguf, self.dtype, quantized=False)
+            load_gguf(model, gguf, self.dtype, **_mapped(model_path), quantized=False)
         else:
             load_safetensors(model, model_path, model.checkpoint_name_map)
         if config.quantization == "int8":
@@ -337,3 +337,9 @@ def _weight_tensors(model: torch.nn.Module):
                     yield item
                 elif isinstance(item, QuantWeight):
                     yield item.data
+
+
+def _mapped(model_dir: Path) -> dict:
+    """`load_gguf`'s architecture and tensor table, from a GGUF file's cached directory."""
+    source = gguf_source(model_dir)
+    return {"architecture": source["architecture"], "table": source["tensors"]}

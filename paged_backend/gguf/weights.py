@@ -12,7 +12,9 @@ kernels do not read) is dequantized into its parameter.
 
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +56,7 @@ _LAYER = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_FLOAT_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
 _IGNORED = ("rope_freqs.weight",)  # llama3's rotary factors: `read_metadata` reads them
 # Llama 3.1/3.2's llama3 RoPE scaling but for its factor: what every such file was made with.
 _LLAMA3_ROPE = {
@@ -68,24 +71,68 @@ def architecture(reader: GGUFReader) -> str:
     return bytes(field.parts[field.data[0]]).decode()
 
 
-def read_metadata(path: Path) -> tuple[str, dict | None]:
-    """(general.architecture, the llama3 `rope_scaling` of a Llama 3.1+ file or None) of GGUF
-    file `path`. llama.cpp's converter keeps llama3 scaling as a `rope_freqs` tensor (each
-    rotary frequency's divisor) rather than as its parameters, and transformers' GGUF loader
-    drops it (the model would rotate its long-range dims too fast): the parameters that give
-    those divisors are found here."""
+@dataclass(frozen=True)
+class MappedTensor:
+    """A tensor of a GGUF file as `load_gguf` reads it: `data` a view of the mapped file, with
+    GGUFReader's shape (floats [rows, cols] or [n], blocks uint8 [rows, bytes a row])."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # ggml's order: inputs first
+    data: np.ndarray
+
+
+def tensor_table(reader: GGUFReader) -> list[dict]:
+    """Where each tensor lies in the file, and its type and shape: kept with the file's config
+    so that later starts map the tensors without parsing the file's metadata again (GGUFReader
+    took 2.6 s on a 1B model's file, most of it the tokenizer's 49k-entry arrays)."""
+    return [
+        {
+            "name": t.name,
+            "type": int(t.tensor_type),
+            "shape": [int(d) for d in t.shape],
+            "offset": int(t.data_offset),
+            "bytes": int(t.n_bytes),
+        }
+        for t in reader.tensors
+    ]
+
+
+def map_tensors(path: Path, table: list[dict]) -> list[MappedTensor]:
+    """The tensors of `table` (from `tensor_table`) as views of GGUF file `path`, mapped
+    copy-on-write (writable views; the file never changes)."""
+    mapped = np.memmap(path, dtype=np.uint8, mode="c")
+    tensors = []
+    for entry in table:
+        kind = GGMLQuantizationType(entry["type"])
+        raw = mapped[entry["offset"] : entry["offset"] + entry["bytes"]]
+        dims = tuple(reversed(entry["shape"]))
+        if kind in _FLOAT_TYPES:
+            data = raw.view(_FLOAT_TYPES[kind]).reshape(dims)
+        else:
+            data = raw.reshape(-1, entry["bytes"] // max(1, math.prod(dims[:-1])))
+        tensors.append(MappedTensor(entry["name"], kind, tuple(entry["shape"]), data))
+    return tensors
+
+
+def read_metadata(path: Path) -> tuple[str, dict | None, list[dict]]:
+    """(general.architecture, the llama3 `rope_scaling` of a Llama 3.1+ file or None, the
+    `tensor_table`) of GGUF file `path`. llama.cpp's converter keeps llama3 scaling as a
+    `rope_freqs` tensor (each rotary frequency's divisor) rather than as its parameters, and
+    transformers' GGUF loader drops it (the model would rotate its long-range dims too fast):
+    the parameters that give those divisors are found here."""
     reader = GGUFReader(path)
     arch = architecture(reader)
     tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if tensor is None:
-        return arch, None
+        return arch, None, tensor_table(reader)
     factors = np.asarray(tensor.data, dtype=np.float64)
     field = reader.fields[f"{arch}.rope.freq_base"]
     theta = float(field.parts[field.data[0]][0])
     scaling = {"rope_type": "llama3", "factor": float(factors.max()), **_LLAMA3_ROPE}
     if not np.allclose(llama3_factors(scaling, theta, 2 * len(factors)), factors, rtol=1e-3):
         raise ValueError(f"{path}: its rope_freqs are not llama3 RoPE scaling's")
-    return arch, scaling
+    return arch, scaling, tensor_table(reader)
 
 
 def llama3_factors(scaling: dict, theta: float, dim: int) -> np.ndarray:
@@ -118,13 +165,20 @@ def unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def load_gguf(model: nn.Module, path: Path, dtype: torch.dtype, quantized: bool = True) -> None:
+def load_gguf(
+    model: nn.Module,
+    path: Path,
+    dtype: torch.dtype,
+    architecture: str,
+    table: list[dict],
+    quantized: bool = True,
+) -> None:
     """Fill `model` (our Llama-family or Gemma modules, parameters allocated but unloaded) from
-    the GGUF file `path`: linears and the embedding quantized where `quantized` and their
-    format allows, every other tensor dequantized into its parameter. Call before casting the
-    model to `dtype` (the dtype the embedding's rows come out in)."""
-    reader = GGUFReader(path, "c")
-    arch = architecture(reader)
+    the GGUF file `path` of `architecture`, whose tensors `table` (`tensor_table`) locates:
+    linears and the embedding quantized where `quantized` and their format allows, every other
+    tensor dequantized into its parameter. Call before casting the model to `dtype` (the dtype
+    the embedding's rows come out in)."""
+    arch = architecture
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"GGUF architecture {arch!r} is not one we load ({', '.join(ARCHITECTURES)})"
@@ -132,7 +186,7 @@ def load_gguf(model: nn.Module, path: Path, dtype: torch.dtype, quantized: bool 
     config = model.config
     params = dict(model.named_parameters())
     by_param: dict[str, list[tuple[int | None, tuple | None, object, np.ndarray]]] = {}
-    for tensor in reader.tensors:
+    for tensor in map_tensors(path, table):
         name = hf_name(tensor.name, arch)
         if name is None:
             if tensor.name not in _IGNORED:
