@@ -56,6 +56,7 @@ from paged_backend import EngineConfig, LLMEngine, SamplingParams
 from paged_backend.cpu import ops as cpu_ops
 from paged_backend.cpu.features import cpu_description
 from paged_backend.cpu.linear import CpuLinear, can_pack
+from paged_backend.cpu.quant import QuantLinear
 from paged_backend.default_model import default_model_file
 from paged_backend.model_loader import gguf_weights_file, resolve_model_path
 from paged_backend.request import Request
@@ -461,11 +462,17 @@ def model_flops(engine: LLMEngine) -> tuple[float, float, float]:
 
 
 def step_bytes(engine: LLMEngine) -> tuple[float, float]:
-    """Bytes a decode step must read: (every weight once: the layers' linears and the head; the
-    keys and values of one context token in every layer)."""
+    """Bytes a decode step must read: (every weight once: the layers' linears and the head, at
+    their size in memory: a quantized model's blocks; the keys and values of one context token
+    in every layer)."""
     mc = engine.model_config
     size = engine.runner.dtype.itemsize
     weights = (_layer_weights(engine) * mc.num_layers + mc.hidden_size * mc.vocab_size) * size
+    model = engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if linears:  # blocks, plus any linear left in float
+        quantized = sum(m.in_features * m.out_features for m in linears)
+        weights += sum(m.nbytes for m in linears) - quantized * size
     return float(weights), 2.0 * mc.num_layers * mc.num_kv_heads * mc.head_dim * size
 
 
