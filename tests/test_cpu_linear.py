@@ -182,7 +182,7 @@ def test_fp32_engines_keep_plain_weights_and_refuse_the_options(llm_fp32):
     for name, value in (
         ("pack_weights", 1.0),
         ("fp16_decode_weights", "yes"),
-        ("quantization", "int8"),
+        ("quantization", "int3"),
     ):
         with pytest.raises(ValueError, match=name):
             EngineConfig(**{name: value})
