@@ -141,16 +141,18 @@ def _gguf_dir_complete(target: Path) -> bool:
         return False
 
 
+def gguf_source(model_dir: Path) -> dict | None:
+    """What a `gguf_model_dir` knows of its GGUF file: "gguf" (its path), "architecture"
+    (general.architecture) and "tensors" (`paged_backend.gguf.weights.tensor_table`); None for
+    other directories."""
+    marker = Path(model_dir) / GGUF_WEIGHTS
+    return json.loads(marker.read_text()) if marker.is_file() else None
+
+
 def gguf_weights_file(model_dir: Path) -> Path | None:
     """The GGUF file whose weights a `gguf_model_dir` stands for; None for other directories."""
-    marker = Path(model_dir) / GGUF_WEIGHTS
-    return Path(json.loads(marker.read_text())["gguf"]) if marker.is_file() else None
-
-
-def gguf_source(model_dir: Path) -> dict:
-    """What a `gguf_model_dir` knows of its GGUF file: "gguf" (its path), "architecture"
-    (general.architecture) and "tensors" (`paged_backend.gguf.weights.tensor_table`)."""
-    return json.loads((Path(model_dir) / GGUF_WEIGHTS).read_text())
+    source = gguf_source(model_dir)
+    return None if source is None else Path(source["gguf"])
 
 
 def convert_gguf(path: Path) -> Path:
@@ -232,7 +234,7 @@ def load_safetensors(module: torch.nn.Module, path: Path, rename) -> None:
                     param_name, shard, sizes = target
                     if param_name not in params:
                         raise ValueError(f"{file}: unexpected weight {name!r}")
-                    data = _shard(params[param_name].data, shard, sizes)
+                    data = param_shard(params[param_name].data, shard, sizes)
                     stored = f.get_slice(name)
                     if list(data.shape) != stored.get_shape():
                         raise ValueError(
@@ -256,7 +258,8 @@ def load_safetensors(module: torch.nn.Module, path: Path, rename) -> None:
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
-def _shard(param: torch.Tensor, shard: int | None, sizes) -> torch.Tensor:
+def param_shard(param: torch.Tensor, shard: int | None, sizes) -> torch.Tensor:
+    """The rows of a fused parameter that shard `shard` of `sizes` fills (all of it for None)."""
     return param if shard is None else param.narrow(0, sum(sizes[:shard]), sizes[shard])
 
 

@@ -14,17 +14,11 @@ from paged_backend.config import EngineConfig
 from paged_backend.cpu import kernel_choice
 from paged_backend.cpu.linear import GemmRows, can_pack, quantize_linears_int4
 from paged_backend.cpu.memory import advise_huge_pages, huge_page_tokens, resident_bytes
-from paged_backend.cpu.quant import (
-    QuantLinear,
-    QuantWeight,
-    quantize_linears_q8_0_,
-    quantize_q8_0,
-)
+from paged_backend.cpu.quant import QuantWeight
 from paged_backend.gguf import ARCHITECTURES as GGUF_ARCHITECTURES
 from paged_backend.model_loader import (
     convert_gguf,
     gguf_source,
-    gguf_weights_file,
     load_safetensors,
 )
 from paged_backend.models import LlamaForCausalLM, native_model_class
@@ -73,22 +67,23 @@ class ModelRunner:
         )
         self.model_config = model_config
         self.gemm_rows = None
-        gguf = gguf_weights_file(model_path)
-        if gguf is not None and gguf_source(model_path)["architecture"] not in GGUF_ARCHITECTURES:
-            # names we do not map: transformers' conversion (dequantized, cached) reads them
-            model_path, gguf = convert_gguf(gguf), None
         if model_config.impl == "transformers" and config.quantization in ("int4", "int8"):
             raise ValueError(
                 f"quantization={config.quantization!r} needs our native modules; "
                 f"{model_config.architecture} runs on transformers' (model_impl)"
             )
+        gguf = gguf_source(model_path)
+        if gguf is not None and (
+            gguf["architecture"] not in GGUF_ARCHITECTURES or model_config.impl == "transformers"
+        ):
+            # names we do not map, or transformers' modeling code (which loads safetensors):
+            # transformers' conversion (dequantized, cached) reads them
+            model_path, gguf = convert_gguf(Path(gguf["gguf"])), None
         if model_config.impl == "transformers":
-            if gguf is not None:  # its modeling code loads dequantized safetensors only
-                model_path = convert_gguf(gguf)
             model = TransformersForCausalLM(model_path, self.dtype, self.device)
         else:
             model = self._native_model(
-                config, model_config, model_path, max_model_len, ops, bf16_kernels
+                config, model_config, model_path, gguf, max_model_len, ops, bf16_kernels
             )
         self.model = model.eval().requires_grad_(False)
         self.num_blocks = self._num_blocks(config, max_model_len)
@@ -145,35 +140,38 @@ class ModelRunner:
         config: EngineConfig,
         model_config: ModelConfig,
         model_path: Path,
+        gguf: dict | None,
         max_model_len: int,
         ops: str,
         bf16_kernels: bool,
     ) -> LlamaForCausalLM:
-        """Our own modules for the architecture, loaded, cast, and on CPU with the linears of
+        """Our own modules for the architecture, loaded (from the GGUF file `gguf` describes,
+        `model_loader.gguf_source`, where given), cast, and on CPU with the linears of
         `cpu.linear` (the C GEMM's copies where `bf16_kernels`)."""
         with torch.device(self.device):
             model = native_model_class(model_config.architecture)(
                 model_config, max_model_len, ops=ops
             )
-        gguf = gguf_weights_file(model_path)
         if gguf is not None:  # `gguf` takes ~40 ms to import: only for GGUF files
             from paged_backend.gguf.weights import load_gguf
+
+            file, arch, table = Path(gguf["gguf"]), gguf["architecture"], gguf["tensors"]
         # A GGUF file's weights stay in its block formats (the CPU kernels read them), unless
         # dequantized weights or int4 / int8 copies are asked for.
         if gguf is not None and config.quantization is None and self.device.type == "cpu":
-            load_gguf(model, gguf, self.dtype, **_mapped(model_path))
+            load_gguf(model, file, self.dtype, arch, table)
             return model.to(self.dtype)
         if config.quantization == "int8" and self.device.type != "cpu":
             raise ValueError(f"quantization='int8' runs on CPU only, not {self.device.type}")
         pack, fp16_copy = self._cpu_linears(config, model)
         if gguf is not None:
-            load_gguf(model, gguf, self.dtype, **_mapped(model_path), quantized=False)
+            load_gguf(model, file, self.dtype, arch, table, quantized=False)
         else:
             load_safetensors(model, model_path, model.checkpoint_name_map)
         if config.quantization == "int8":
+            from paged_backend.gguf.quantize import quantize_linears_q8_0_
+
             quantize_linears_q8_0_(model)
-            if model.lm_head is None:  # tied: the embedding stays for lookups, the head reads Q8_0
-                model.cpu_head = QuantLinear([quantize_q8_0(model.embed_tokens.weight)])
             return model.to(self.dtype)
         # From the full-precision weights: a Q4 grid survives only until the cast.
         int4 = quantize_linears_int4(model.layers) if config.quantization == "int4" else None
@@ -337,9 +335,3 @@ def _weight_tensors(model: torch.nn.Module):
                     yield item
                 elif isinstance(item, QuantWeight):
                     yield item.data
-
-
-def _mapped(model_dir: Path) -> dict:
-    """`load_gguf`'s architecture and tensor table, from a GGUF file's cached directory."""
-    source = gguf_source(model_dir)
-    return {"architecture": source["architecture"], "table": source["tensors"]}

@@ -49,8 +49,9 @@ def advise_huge_pages(tensors: list[torch.Tensor]) -> bool:
     start -= start % mmap.PAGESIZE
     if advice is None or end <= start:
         return False
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise = _libc("madvise", ctypes.c_int)
+    if madvise is None:
+        return False
     return madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) == 0
 
 
@@ -73,7 +74,7 @@ def resident_bytes(tensors) -> tuple[int, int]:
             storage = tensor.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     total = sum(storages.values()) + opaque
-    mincore = _libc_mincore()
+    mincore = _libc("mincore", ctypes.c_void_p)
     if mincore is None:
         return total, total
     page = mmap.PAGESIZE
@@ -90,10 +91,11 @@ def resident_bytes(tensors) -> tuple[int, int]:
     return total, resident
 
 
-def _libc_mincore():
+def _libc(name: str, third: type):
+    """libc's `name`(void *addr, size_t length, `third`), or None where there is none."""
     try:
-        mincore = ctypes.CDLL(None, use_errno=True).mincore
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    return mincore
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, third]
+    return function

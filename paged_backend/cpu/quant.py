@@ -211,30 +211,3 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return dequantize(self.weight_q, ids.reshape(-1)).to(self.dtype).view(*ids.shape, -1)
-
-
-def quantize_q8_0(weight: torch.Tensor) -> QuantWeight:
-    """A float weight [n, k] (k a multiple of 32) as Q8_0 blocks: per 32 inputs an fp16 scale
-    (the block's largest magnitude / 127) and 32 int8 levels, as ggml rounds them."""
-    n, k = weight.shape
-    blocks = weight.detach().float().reshape(n, k // 32, 32)
-    scale = (blocks.abs().amax(-1, keepdim=True) / 127).to(torch.float16)
-    inverse = torch.where(
-        scale > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float32)
-    )
-    levels = torch.round(blocks * inverse).clamp(-127, 127).to(torch.int8)
-    data = torch.cat((scale.view(torch.uint8), levels.view(torch.uint8)), dim=-1)
-    return QuantWeight("Q8_0", data.reshape(n, -1).contiguous(), k)
-
-
-def quantize_linears_q8_0_(model: nn.Module) -> None:
-    """Replace every `nn.Linear` below `model` whose inputs are a multiple of 32 with a Q8_0
-    `QuantLinear` (`quantization="int8"`): half the bytes of bf16 for each step to read."""
-    for name, child in list(model.named_modules()):
-        if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
-            parent, _, attr = name.rpartition(".")
-            setattr(
-                model.get_submodule(parent),
-                attr,
-                QuantLinear([quantize_q8_0(child.weight)], child.bias),
-            )

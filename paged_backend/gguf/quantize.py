@@ -1,4 +1,5 @@
-"""GGUF block bytes from float32 weights, so that quantized checkpoints can be written offline.
+"""GGUF block bytes from float32 weights, so that quantized checkpoints can be written offline
+(and a float model's linears served as Q8_0 blocks, `quantization="int8"`).
 
 The `gguf` package quantizes the legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) but only
 dequantizes the K-quants; Q4_K, Q5_K and Q6_K are packed here, in vectorized numpy, into
@@ -23,8 +24,12 @@ differ bit for bit, in the same format, which is what test and benchmark checkpo
 from __future__ import annotations
 
 import numpy as np
+import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
+from torch import nn
+
+from paged_backend.cpu.quant import QuantLinear, QuantWeight
 
 QK_K = 256  # weights in a K-quant super-block
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
@@ -131,3 +136,21 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
 
 
 _K_PACKERS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+
+
+def quantize_linears_q8_0_(model: nn.Module) -> None:
+    """`quantization="int8"`: every `nn.Linear` below `model` whose inputs are a multiple of 32
+    as a Q8_0 `QuantLinear` of its weight (half the bytes of bf16 for each step to read), and a
+    tied head as Q8_0 blocks of the embedding table, which stays as it is for lookups."""
+
+    def q8_0(weight: torch.Tensor) -> QuantWeight:
+        blocks = quantize(weight.detach().float().numpy(), "Q8_0")
+        return QuantWeight("Q8_0", torch.from_numpy(blocks), weight.shape[1])
+
+    for name, child in list(model.named_modules()):
+        if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
+            parent, _, attr = name.rpartition(".")
+            linear = QuantLinear([q8_0(child.weight)], child.bias)
+            setattr(model.get_submodule(parent), attr, linear)
+    if getattr(model, "lm_head", False) is None:
+        model.cpu_head = QuantLinear([q8_0(model.embed_tokens.weight)])

@@ -31,6 +31,7 @@ from paged_backend.cpu.quant import (
     dequantize,
 )
 from paged_backend.gguf import ARCHITECTURES
+from paged_backend.model_loader import param_shard
 
 # Of `ARCHITECTURES`, those whose q/k rows llama.cpp's converter permutes and whose norms it
 # stores as 1 + weight.
@@ -169,16 +170,15 @@ def load_gguf(
     model: nn.Module,
     path: Path,
     dtype: torch.dtype,
-    architecture: str,
+    arch: str,
     table: list[dict],
     quantized: bool = True,
 ) -> None:
     """Fill `model` (our Llama-family or Gemma modules, parameters allocated but unloaded) from
-    the GGUF file `path` of `architecture`, whose tensors `table` (`tensor_table`) locates:
+    the GGUF file `path` of architecture `arch`, whose tensors `table` (`tensor_table`) locates:
     linears and the embedding quantized where `quantized` and their format allows, every other
     tensor dequantized into its parameter. Call before casting the model to `dtype` (the dtype
     the embedding's rows come out in)."""
-    arch = architecture
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"GGUF architecture {arch!r} is not one we load ({', '.join(ARCHITECTURES)})"
@@ -255,12 +255,12 @@ def _dequantize_into(param: torch.Tensor, shard, sizes, tensor, rows: np.ndarray
     if block_weight is not None:
         values = dequantize(block_weight).reshape(-1)
     else:
-        if tensor.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        if tensor.tensor_type not in _FLOAT_TYPES:
             rows = gguf_dequantize(rows, tensor.tensor_type)
         values = torch.from_numpy(np.asarray(rows, dtype=np.float32)).reshape(-1)
     if arch in _GEMMA and tensor.name.endswith("norm.weight"):
         values = values - 1.0  # stored as 1 + weight; our Gemma norms take the weight
-    target = param.data if shard is None else param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+    target = param_shard(param.data, shard, sizes)
     if target.numel() != values.numel():
         raise ValueError(
             f"GGUF tensor {tensor.name!r} has {values.numel()} values, the model takes "

@@ -500,7 +500,6 @@ void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_
         int64_t mt = rows - m0 < ROW_TILE ? rows - m0 : ROW_TILE;
         const int8_t *x = xq + m0 * kp;
         const float *d = xd + m0 * (kp / 32), *sd = xsd + m0 * (kp / 16);
-        const int16_t *bs = bsum + m0 * (kp / 16);
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
         for (int64_t j = 0; j < n; j++) {
             acc_t acc[ROW_TILE];
@@ -511,7 +510,8 @@ void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_
                 if (type >= Q4_K) {
                     k_chunk c;
                     unpack_k_chunk(type, row + (first >> 8) * block_bytes(type), &c);
-                    dot_rows_k(&c, x + first, d + first / 32, bs + first / 16, kp, mt, acc);
+                    const int16_t *bs = bsum + m0 * (kp / 16) + first / 16;
+                    dot_rows_k(&c, x + first, d + first / 32, bs, kp, mt, acc);
                     continue;
                 }
 #endif
