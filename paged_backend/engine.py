@@ -24,10 +24,10 @@ from paged_backend.models.config import ModelConfig
 from paged_backend.ngram_proposer import NgramProposer
 from paged_backend.outputs import CompletionOutput, RequestOutput
 from paged_backend.request import Request, RequestStatus
-from paged_backend.sampler import Sampler, SamplerOutput, to_logprob_dict
+from paged_backend.sampler import Sampler, to_logprob_dict
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.scheduler import Scheduler, SchedulerOutput
-from paged_backend.spec_decode import accept_greedy
+from paged_backend.spec_decode import verify
 from paged_backend.structured_output import GrammarCache
 from paged_backend.tokenizer import Tokenizer
 
@@ -330,7 +330,7 @@ class LLMEngine:
             logits, sampling = self.runner.execute(scheduled, tables, sched.drafts)
             sampled_requests = [scheduled[i][0] for i in sampling]
             self._inject_fault("sample", sampled_requests)
-            sampled, new_tokens = self._sample(logits, sampled_requests, sched.drafts)
+            new_tokens, logprobs = self._sample(logits, sampled_requests, sched.drafts)
         except Exception as exc:  # one bad step fails its requests, never the engine
             logger.exception("engine step failed")
             failed = dict.fromkeys((r.parent_id for r in sched.num_scheduled), exc)
@@ -341,10 +341,11 @@ class LLMEngine:
         for j, request in enumerate(sampled_requests):
             touched[request.parent_id] = self.parents[request.parent_id]
             try:
-                for token in new_tokens[j]:  # accepted drafts past a stop are discarded
+                # accepted drafts past a stop are discarded
+                for token, lp in zip(new_tokens[j], logprobs[j], strict=True):
                     if request.status is RequestStatus.FINISHED:
                         break
-                    self._append_token(request, token, sampled.logprobs[j])
+                    self._append_token(request, token, lp)
                     self.num_generated_tokens += 1
             except Exception as exc:
                 logger.exception("request %s failed taking its token", request.request_id)
@@ -356,24 +357,13 @@ class LLMEngine:
 
     def _sample(
         self, logits: torch.Tensor, requests: list[Request], drafts: dict[Request, list[int]]
-    ) -> tuple[SamplerOutput, list[list[int]]]:
-        """The sampler's output at each request's first row, and each request's new tokens: the
-        sampled one, or for a drafting request the drafts that the argmax of their rows accepts
-        and the model's own token after them (`accept_greedy`)."""
+    ) -> tuple[list[list[int]], list[list]]:
+        """Each request's new tokens and their logprobs: the sampled token, or for a drafting
+        request the drafts its rows keep and the token sampled after them (`spec_decode`)."""
         if not drafts:
             sampled = self.sampler(logits, requests)
-            return sampled, [[t] for t in sampled.token_ids]
-        counts = [1 + len(drafts.get(r, ())) for r in requests]
-        firsts = list(itertools.accumulate(counts, initial=0))[:-1]
-        sampled = self.sampler(logits[firsts], requests)
-        extra = [row for f, c in zip(firsts, counts, strict=True) for row in range(f + 1, f + c)]
-        targets = iter(self.sampler.argmax(logits[extra, : self.sampler.vocab_size]).tolist())
-        new_tokens = []
-        for request, token in zip(requests, sampled.token_ids, strict=True):
-            drafted = drafts.get(request, [])
-            rows = [token, *itertools.islice(targets, len(drafted))]
-            new_tokens.append(accept_greedy(drafted, rows))
-        return sampled, new_tokens
+            return [[t] for t in sampled.token_ids], [[lp] for lp in sampled.logprobs]
+        return verify(self.sampler, logits, requests, drafts)
 
     def _count_rejected(
         self, requests: list[Request], new_tokens: list[list[int]], sched: SchedulerOutput

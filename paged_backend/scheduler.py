@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from paged_backend.kv_cache_manager import KVCacheManager
 from paged_backend.ngram_proposer import NgramProposer
 from paged_backend.request import Request, RequestStatus
-from paged_backend.spec_decode import why_no_drafts
+from paged_backend.spec_decode import grammar_prefix
 
 
 @dataclass
@@ -153,14 +153,10 @@ class Scheduler:
         """Drafted tokens to verify after a request's one uncomputed token, within the step's
         `budget` and leaving room for the model's own token after them (`num_tokens_left` is
         within max_model_len too: `LLMEngine.validate` keeps prompt + max_tokens within it)."""
-        if (
-            self.proposer is None
-            or request.num_tokens - request.num_computed_tokens != 1
-            or why_no_drafts(request) is not None
-        ):
+        if self.proposer is None or request.num_tokens - request.num_computed_tokens != 1:
             return []
         room = min(budget, request.num_tokens_left) - 1
-        return self.proposer.propose(request.all_token_ids, room)
+        return grammar_prefix(request, self.proposer.propose(request.all_token_ids, room))
 
     def _prefix_pending(self, request: Request, num_hit_blocks: int) -> bool:
         """Whether the block after a waiting request's cache hits is one that a running

@@ -1,12 +1,14 @@
-"""Speculative decoding (ngram drafts, greedy verification): outputs are token for token those of
-plain decoding, whatever else runs in the step (sampling, prefill, preemption, cache hits);
-rejected drafts leave no block held and no block findable; who does not draft, and why."""
+"""Speculative decoding (ngram drafts, verified by the sampler's own rule): greedy and seeded
+outputs are token for token those of plain decoding, whatever else runs in the step (prefill,
+preemption, cache hits, penalties, grammars, logprobs); unseeded sampling keeps the model's
+distribution (rejection sampling); rejected drafts leave no block held and no block findable."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,8 +17,9 @@ from paged_backend.config import EngineConfig, SpeculativeConfig
 from paged_backend.engine import LLMEngine
 from paged_backend.ngram_proposer import NgramProposer
 from paged_backend.request import Request
+from paged_backend.sampler import Sampler
 from paged_backend.scheduler import SchedulerOutput
-from paged_backend.spec_decode import accept_greedy, why_no_drafts
+from paged_backend.spec_decode import verify
 from paged_backend.structured_output import StructuredOutputsParams
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
@@ -48,11 +51,48 @@ def test_the_proposer_prefers_the_longest_suffix_and_respects_lookup_min():
     assert NgramProposer(2, 1, 4).propose([1, 1, 1], 0) == []
 
 
-def test_accept_greedy_keeps_drafts_up_to_the_first_disagreement_then_the_models_token():
-    assert accept_greedy([4, 5, 6], [4, 5, 7, 8]) == [4, 5, 7]
-    assert accept_greedy([4, 5, 6], [4, 5, 6, 8]) == [4, 5, 6, 8]  # all + the bonus token
-    assert accept_greedy([4, 5, 6], [9, 5, 6, 8]) == [9]
-    assert accept_greedy([], [3]) == [3]
+def test_greedy_verification_keeps_drafts_up_to_the_first_disagreement_then_the_models_token():
+    """Rows: the token after the known ones, then one after each draft. Here the model's argmax
+    at row i is `targets[i]`."""
+    sampler = Sampler(8, [0], seed=0)
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+
+    def run(drafts: list[int], targets: list[int]) -> list[int]:
+        logits = torch.nn.functional.one_hot(torch.tensor(targets), 8).float()
+        request = Request("r", [1, 2], greedy)
+        tokens, _ = verify(sampler, logits, [request], {request: drafts} if drafts else {})
+        return tokens[0]
+
+    assert run([4, 5, 6], [4, 5, 7, 3]) == [4, 5, 7]
+    assert run([4, 5, 6], [4, 5, 6, 3]) == [4, 5, 6, 3]  # all + the bonus token
+    assert run([4, 5, 6], [1, 5, 6, 3]) == [1]
+    assert run([], [3]) == [3]
+
+
+def test_rejection_sampling_keeps_the_models_distribution():
+    """Unseeded sampling at temperature 1 on a 6-token vocabulary, 30,000 sequences drafting
+    [d0, d1]: the first token is distributed as the model's first row, the second (present only
+    after d0 was kept) as its second row, the third as its third. A rule that kept a draft more
+    often than p(d) (or drew the replacement from p again) fails by hundreds of sigmas."""
+    n, vocab, drafts = 30_000, 6, [2, 4]
+    rows = torch.tensor([[0.5, 1.0, 1.5, -1.0, 0.0, 0.2], [1.0, 0.0, 0.3, 0.3, 1.2, -2.0]])
+    rows = torch.cat([rows, torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6]])])
+    probs = torch.softmax(rows, dim=-1)
+    params = SamplingParams(temperature=1.0, max_tokens=10)
+    requests = [Request(str(i), [1], params) for i in range(n)]
+    torch.manual_seed(0)
+    tokens, _ = verify(
+        Sampler(vocab, [], seed=1), rows.repeat(n, 1), requests, {r: drafts for r in requests}
+    )
+    for i in range(3):
+        seen = [t[i] for t in tokens if len(t) > i]
+        counts = torch.bincount(torch.tensor(seen), minlength=vocab).double()
+        expected = probs[i].double() * len(seen)
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 25.7, (i, counts, expected)  # chi-square, 5 d.o.f., p = 1e-4
+    # How often each draft is kept: p(d0), then p(d1) after d0.
+    kept = sum(len(t) > 1 for t in tokens) / n
+    assert abs(kept - probs[0, 2]) < 4 * (probs[0, 2] * (1 - probs[0, 2]) / n) ** 0.5
 
 
 # ---- the engine argument -----------------------------------------------------------------------
@@ -129,32 +169,71 @@ def tiny_plain(tiny_model, one_thread):
     return LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=256)
 
 
+RIVALS = {11: 30.0, 12: 29.0, 13: 28.0}
+SAMPLED_CASES = [
+    dict(temperature=0.8, seed=1),
+    dict(temperature=1.0, seed=7, top_k=5, top_p=0.9, min_p=0.05),
+    dict(temperature=0, logprobs=2),
+    dict(temperature=0.9, seed=2, logprobs=0),
+    # min_tokens bans the stop token, which the bias makes the argmax from then on
+    dict(temperature=0, min_tokens=9, stop_token_ids=[200], logit_bias={200: 30.0}),
+    # penalties on tokens the bias makes the likeliest: which one wins depends on every token
+    # before the row (the tiny random model's own logits never repeat a token)
+    dict(temperature=0, repetition_penalty=1.5, logit_bias=RIVALS),
+    dict(temperature=0, frequency_penalty=2.0, logit_bias=RIVALS),
+    dict(temperature=0.7, seed=5, presence_penalty=2.0, frequency_penalty=1.0, logit_bias=RIVALS),
+    dict(temperature=0, logit_bias={5: 1.0, 9: -2.0}),
+    dict(temperature=0, structured_outputs=StructuredOutputsParams(regex="[a-z ]{1,40}")),
+    dict(temperature=0.8, seed=3, structured_outputs=StructuredOutputsParams(json_object=True)),
+]
+
+
 @pytest.mark.parametrize(
-    ("params", "reason"),
-    [
-        (dict(temperature=0.8, seed=1), "temperature > 0"),
-        (dict(logprobs=2), "logprobs"),
-        (dict(min_tokens=12), "min_tokens not reached"),
-        (dict(repetition_penalty=1.2), "penalties"),
-        (dict(logit_bias={5: 1.0}), "logit_bias"),
-        (dict(structured_outputs=StructuredOutputsParams(regex="[a-z ]{1,40}")), "structured"),
-    ],
+    "params", SAMPLED_CASES, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items())
 )
-def test_these_requests_do_not_draft(tiny_model, params, reason):
-    """Drafted rows are argmax rows and nothing else: a request whose sampler does more than the
-    argmax decodes plainly. Each reason is in `spec_decode.why_no_drafts`, which the scheduler
-    asks before it asks the proposer."""
+def test_every_request_drafts_and_keeps_its_plain_output(tiny_model, tiny_plain, params):
+    """Seeded sampling, top-k/p and min-p, logprobs, min_tokens, penalties, logit bias and
+    grammars all draft, and give plain decoding's tokens (and logprobs): each row is sampled as
+    plain decoding samples the token after the drafts before it, with one draw of the request's
+    generator per token gained. Drafts are the request's own plain output, wrong from a random
+    point on, so that every acceptance length happens."""
+    sampling = SamplingParams(**{"max_tokens": 20, **params})
+    prompt = [301, *REPEATING]
+    want = tiny_plain.generate([prompt], sampling, use_tqdm=False)[0].outputs[0]
     llm = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=64, speculative_config=SPEC)
-    sampling = SamplingParams(**{"temperature": 0, "max_tokens": 12, **params})
-    request = Request("r", REPEATING, sampling, grammar=llm.engine._new_grammar(sampling))
-    assert reason in why_no_drafts(request)
-    asked = []
-    llm.engine.scheduler.proposer.propose = lambda ids, n: asked.append(ids) or []
+    references = {prompt[0]: prompt + want.token_ids}
+    for seed in range(3):
+        llm.engine.scheduler.proposer = OracleProposer(references, 4, seed)
+        got = llm.generate([prompt], sampling, use_tqdm=False)[0].outputs[0]
+        assert got.token_ids == want.token_ids
+        assert got.text == want.text
+        if params.get("logprobs") is not None:
+            for g, w in zip(got.logprobs, want.logprobs, strict=True):
+                assert g.keys() == w.keys()
+                for t in g:
+                    assert g[t].logprob == pytest.approx(w[t].logprob, abs=1e-4)
+    stats = llm.stats()
+    assert stats["spec_num_accepted_tokens"] > 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_drafts_the_grammar_rejects_are_cut_before_verification(tiny_model):
+    """A regex of lowercase letters: drafts past the first token it forbids are never run."""
+    llm = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=64, speculative_config=SPEC)
+    engine = llm.engine
+    letters = engine.tokenize("abc", add_special_tokens=False)
+    digit = engine.tokenize("7", add_special_tokens=False)
+    proposed = [*letters, *digit, *letters]
+    engine.scheduler.proposer.propose = lambda ids, n: proposed[:n]
+    sampling = SamplingParams(
+        temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-z]+")
+    )
+    run = engine.runner.execute
+    verified = []
+    engine.runner.execute = lambda s, t, d: verified.extend(d.values()) or run(s, t, d)
     llm.generate([REPEATING], sampling, use_tqdm=False)
-    assert not asked
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    llm.generate([REPEATING], greedy, use_tqdm=False)
-    assert asked
+    assert verified
+    assert all(drafts == letters[: len(drafts)] for drafts in verified)
 
 
 # ---- outputs identical to plain decoding -------------------------------------------------------
