@@ -1,7 +1,8 @@
-"""Speculative decoding through the framework adapters: `speculative_config` in an adapter's
-engine arguments reaches the engine, and a greedy stream with accepted drafts arrives in chunks
-of several tokens whose text is exactly that of the same adapter without drafts. On the tiny
-model that quotes its prompt (conftest `quoting_model`), so that drafts are accepted."""
+"""Speculative decoding where users see it: `speculative_config` in an adapter's engine
+arguments reaches the engine, a greedy stream with accepted drafts arrives in chunks of several
+tokens whose text is exactly that of the same adapter without drafts, and the drafting stats are
+exported as Prometheus gauges. On the tiny model that quotes its prompt (conftest
+`quoting_model`), so that drafts are accepted."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from llama_index.core.llms import ChatMessage
 from langchain_paged import ChatPaged
 from langchain_paged import PagedLLM as LangChainLLM
 from llama_index.llms.paged import PagedLLM as LlamaIndexLLM
-from paged_backend import get_engine, release_engine
+from paged_backend import SamplingParams, get_engine, release_engine
 
 ENGINE_ARGS = {"dtype": "float32", "num_kv_blocks": 64}
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
@@ -85,3 +86,20 @@ def test_streams_with_drafts_give_the_plain_text_in_fewer_chunks(quoting_model, 
     # token, several tokens a chunk.
     assert len([c for c in expected if c]) > MAX_TOKENS // 2
     assert len([c for c in got if c]) < MAX_TOKENS // 2
+
+
+def test_the_drafting_stats_are_prometheus_gauges(engines):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    _, drafting = engines
+    list(drafting.generate_stream(QUOTED, SamplingParams(temperature=0, max_tokens=MAX_TOKENS)))
+    stats = drafting.stats()  # exports them
+    assert stats["spec_num_accepted_tokens"] > 0
+    labels = {"model": drafting.model_name, "engine": stats["engine_id"], "replica": ""}
+    for key in (
+        "spec_num_draft_tokens",
+        "spec_num_accepted_tokens",
+        "spec_acceptance_rate",
+        "spec_mean_acceptance_length",
+    ):
+        value = prometheus_client.REGISTRY.get_sample_value(f"paged_backend_{key}", labels)
+        assert value == stats[key], key
