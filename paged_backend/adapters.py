@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from paged_backend.chat_formats import load_tokenizer
-from paged_backend.config import EngineConfig
+from paged_backend.config import EngineConfig, SpeculativeConfig
 from paged_backend.engine_client import EngineClient
 from paged_backend.errors import EngineOverloadedError
 from paged_backend.model_loader import model_name, resolve_model_path
@@ -292,12 +292,16 @@ def build_sampling_params(adapter: object, overrides: dict, *stops) -> SamplingP
 
 
 def check_engine_args(engine_args: dict) -> None:
-    """Reject unknown engine arguments when an adapter is built, not at its first call."""
+    """Reject unknown engine arguments, and a malformed `speculative_config` (a nested dict,
+    easy to get wrong), when an adapter is built, not at its first call."""
     unknown = set(engine_args) - set(ENGINE_ARGS)
     if unknown:
         raise TypeError(
             f"unknown engine argument(s) {sorted(unknown)}; allowed: {', '.join(ENGINE_ARGS)}"
         )
+    spec = engine_args.get("speculative_config")
+    if spec is not None and not isinstance(spec, SpeculativeConfig):
+        SpeculativeConfig.from_dict(spec)
 
 
 @functools.lru_cache(maxsize=16)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import secrets
 import sys
 from pathlib import Path
 
-from paged_backend.config import EngineConfig
+from paged_backend.config import EngineConfig, SpeculativeConfig
 from paged_backend.default_model import download_default_model
 from paged_backend.engine import LLMEngine
 from paged_backend.errors import EngineError
@@ -17,6 +18,28 @@ from paged_backend.model_loader import resolve_model_path
 from paged_backend.sampling_params import SamplingParams
 
 USER_ERRORS = (ValueError, TypeError, OSError, EngineError)
+SPECULATIVE_FORM = "ngram:K or ngram:K:MIN:MAX (positive integers), or none"
+_SPECULATIVE = re.compile(r"ngram:(\d+)(?::(\d+):(\d+))?", re.ASCII)
+
+
+def parse_speculative(value: str) -> SpeculativeConfig | None:
+    """`--speculative` as the engine's `speculative_config` (vLLM's names): `ngram:K` drafts up
+    to K tokens, `ngram:K:MIN:MAX` also bounds the n-gram lengths looked up, `none` is off.
+    `SpeculativeConfig.from_dict` checks the numbers, here at parse time, so that any mistake is
+    one line naming the flag (argparse's `argument --speculative:`) and its form."""
+    if value.strip().lower() == "none":
+        return None
+    match = _SPECULATIVE.fullmatch(value.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{value!r} is not {SPECULATIVE_FORM}")
+    k, lo, hi = match.groups()
+    spec = {"method": "ngram", "num_speculative_tokens": int(k)}
+    if lo is not None:
+        spec.update(prompt_lookup_min=int(lo), prompt_lookup_max=int(hi))
+    try:
+        return SpeculativeConfig.from_dict(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{value!r}: {exc}; allowed: {SPECULATIVE_FORM}") from None
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -85,6 +108,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     common.add_argument(
         "--stop", action="append", default=None, help="stop string, repeatable (default: none)"
+    )
+    common.add_argument(
+        "--speculative",
+        type=parse_speculative,
+        default=None,
+        metavar="ngram:K[:MIN:MAX]",
+        help="speculative decoding by prompt lookup: draft up to K tokens a step from where the "
+        "last MIN..MAX tokens (5..5 unless given) occurred before in the prompt or reply, "
+        "verified in one forward (default: off)",
     )
     gen = sub.add_parser("generate", parents=[common], help="complete a raw prompt")
     gen.add_argument("prompt", help="prompt text ('-' reads standard input)")
@@ -164,7 +196,10 @@ def _run(args: argparse.Namespace) -> int:
         stop=args.stop,
     )
     seed = secrets.randbits(31) if args.seed is None else args.seed
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, seed=seed))
+    config = EngineConfig(
+        model=args.model, dtype=args.dtype, seed=seed, speculative_config=args.speculative
+    )
+    engine = LLMEngine(config)
     if args.command == "generate":
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         _stream(engine, engine.tokenize(prompt), params, sys.stdout)

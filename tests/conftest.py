@@ -166,6 +166,51 @@ def tiny_model(tmp_path_factory, default_model_path) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), default_model_path)
 
 
+# What the `quoting_model` fixture's model quotes: every token distinct, so that each one says
+# which comes next.
+QUOTED = (
+    "The municipal archive of Lindenfeld was founded in 1873 to keep council minutes, parish "
+    "registers and guild books."
+)
+
+
+def make_quoting_model(path: Path, default_model_path: Path, text: str = QUOTED) -> Path:
+    """A tiny Llama whose greedy continuation of a prompt that ends with `text`, or of a chat
+    prompt, is `text` quoted over and over: what a real model does when asked to repeat its
+    context, so that ngram drafts are accepted, which a random model's babble never lets happen.
+    Attention and MLP add nothing to the residual (zero output projections), so each next token
+    depends on the current one only: one-hot embeddings of `text`'s tokens (and of "\\n", where
+    chat templates end) and an lm_head that maps each to the token after it, the last to the
+    first."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    make_tiny_model(path, default_model_path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    newline = tokenizer("\n", add_special_tokens=False).input_ids
+    assert len(set(ids)) == len(ids) and not set(newline) & set(ids), "tokens must be distinct"
+    file = path / "model.safetensors"
+    weights = load_file(file)
+    hidden = weights["model.embed_tokens.weight"].shape[1]
+    assert len(ids) + len(newline) <= hidden, "one embedding dimension per token"
+    for name, tensor in weights.items():
+        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            tensor.zero_()
+    successors = [*ids[1:], ids[0], *[ids[0]] * len(newline)]
+    for dim, (token, successor) in enumerate(zip([*ids, *newline], successors, strict=True)):
+        weights["model.embed_tokens.weight"][token] = 0.0
+        weights["model.embed_tokens.weight"][token, dim] = 1.0
+        weights["lm_head.weight"][successor, dim] = 10.0  # a logit of ~80 against random ~N(0, 2)
+    save_file(weights, file, metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="session")
+def quoting_model(tmp_path_factory, default_model_path) -> Path:
+    return make_quoting_model(tmp_path_factory.mktemp("quoting-llama"), default_model_path)
+
+
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 

@@ -77,3 +77,25 @@ def test_llama_index_fields_and_additional_kwargs_reach_the_request():
     # Every other field goes through `additional_kwargs` (n must stay 1: one text per reply).
     extra = {name: NON_DEFAULT[name] for name in ALL_FIELDS if name not in {*declared, "n"}}
     assert_carried(LlamaIndexLLM(additional_kwargs=extra)._sampling_params({}), extra)
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3}
+ADAPTERS = {
+    "ChatPaged": ChatPaged,
+    "langchain PagedLLM": LangChainLLM,
+    "llama_index PagedLLM": LlamaIndexLLM,
+}
+
+
+@pytest.mark.parametrize("cls", ADAPTERS.values(), ids=ADAPTERS)
+def test_speculative_config_is_an_engine_argument_of_every_adapter(cls):
+    """As a keyword of its own or in `engine_args`; a malformed one fails when the adapter is
+    built, as an unknown engine argument does, not at its first call."""
+    assert cls(speculative_config=SPEC).engine_args == {"speculative_config": SPEC}
+    assert cls(engine_args={"speculative_config": SPEC}).engine_args == {"speculative_config": SPEC}
+    with pytest.raises(ValueError, match=r"speculative_config\['method'\] must be 'ngram'"):
+        cls(engine_args={"speculative_config": {**SPEC, "method": "eagle"}})
+    with pytest.raises(ValueError, match="must be None or a dict, got str"):
+        cls(engine_args={"speculative_config": "ngram:3"})
+    with pytest.raises(TypeError, match=r"unknown engine argument\(s\) \['speculative'\]"):
+        cls(engine_args={"speculative": SPEC})

@@ -8,8 +8,12 @@ import subprocess
 import sys
 
 import pytest
+from conftest import QUOTED
 
-from paged_backend.cli import main
+from paged_backend import cli
+from paged_backend.cli import main, parse_speculative
+from paged_backend.config import SpeculativeConfig
+from paged_backend.engine import LLMEngine
 
 
 def _one_error_line(capsys) -> str:
@@ -60,6 +64,7 @@ SAMPLING_DEFAULTS = {
     "--repetition-penalty": "1.0",
     "--seed": "random each run",
     "--stop": "none",
+    "--speculative": "off",
 }
 DEFAULTS = {
     "generate": SAMPLING_DEFAULTS,
@@ -76,8 +81,9 @@ DEFAULTS = {
 def test_help_shows_each_flags_default(capsys, command):
     text = _help(capsys, command)
     for flag, default in DEFAULTS[command].items():
-        # the flag's own entry (no other flag before its default) ends with it
-        entry = rf"\s{flag} [A-Z_{{}},0-9a-z]*\s(?:(?! --).)*?\(default: {re.escape(default)}\)"
+        # the flag's own entry (its metavar, then no other flag before its default) ends with it
+        metavar = r"[A-Z_{},0-9a-z:\[\]]*"
+        entry = rf"\s{flag} {metavar}\s(?:(?! --).)*?\(default: {re.escape(default)}\)"
         assert re.search(entry, text), (flag, default, text)
     assert text.count("(default:") == len(DEFAULTS[command])  # none twice, no "False"
 
@@ -117,3 +123,65 @@ def test_the_command_exits_with_mains_code_and_output(tmp_path, tiny_model):
     assert ok.returncode == 0 and ok.stdout.endswith("\n"), ok.stderr  # its last write
     bad = subprocess.run([*command, "--model", str(tmp_path / "nope")], capture_output=True)
     assert bad.returncode == 2 and bad.stderr.decode().startswith("error: ")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("ngram:4", SpeculativeConfig(4, 5, 5)),  # vLLM's default lookup bounds
+        ("ngram:4:2:3", SpeculativeConfig(4, 2, 3)),
+        (" ngram:1:1:1 ", SpeculativeConfig(1, 1, 1)),
+        ("none", None),
+        ("None", None),
+    ],
+)
+def test_speculative_maps_to_the_engines_speculative_config(value, expected):
+    assert parse_speculative(value) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("ngram", "is not ngram:K"),
+        ("ngram:4:2", "is not ngram:K"),  # MIN without MAX
+        ("ngram:-1", "is not ngram:K"),
+        ("ngram:x", "is not ngram:K"),
+        ("eagle:4", "is not ngram:K"),
+        ("ngram:٤", "is not ngram:K"),  # a digit, but not an ASCII one
+        ("ngram:0", "num_speculative_tokens"),
+        ("ngram:33", "num_speculative_tokens"),
+        ("ngram:4:3:2", "prompt_lookup_max"),
+    ],
+)
+@pytest.mark.parametrize("command", [["generate", "Hi"], ["chat"]])
+def test_bad_speculative_is_one_line_naming_the_flag_and_its_form(capsys, command, value, why):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--speculative", value])
+    assert exit_info.value.code == 2
+    line = _one_error_line(capsys)
+    assert line.startswith("error: argument --speculative: ")
+    assert why in line and "ngram:K or ngram:K:MIN:MAX" in line
+
+
+def test_speculative_run_drafts_and_prints_the_plain_text(capsys, monkeypatch, quoting_model):
+    """On a model that quotes its prompt, drafts are accepted, and the reply is the one printed
+    without `--speculative`."""
+    engines: list[LLMEngine] = []
+
+    class Recorded(LLMEngine):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(cli, "LLMEngine", Recorded)
+    args = ["generate", QUOTED, "--model", str(quoting_model), "--dtype", "float32"]
+    args += ["--temperature", "0", "--max-tokens", "30"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--speculative", "ngram:4:2:3"]) == 0
+    assert capsys.readouterr().out == plain
+    assert plain.startswith(QUOTED)  # the model quoted the prompt: drafts can be right
+    off, on = (engine.stats() for engine in engines)
+    assert off["spec_num_draft_tokens"] == 0
+    assert engines[1].config.speculative_config == SpeculativeConfig(4, 2, 3)
+    assert on["spec_num_accepted_tokens"] > 0

@@ -15,12 +15,14 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from conftest import QUOTED  # noqa: E402
 from langchain_core.messages import AIMessage  # noqa: E402
 from llama_index.core.llms import ChatMessage  # noqa: E402
 
 from langchain_paged import ChatPaged  # noqa: E402
 from llama_index.llms.paged import PagedLLM  # noqa: E402
 from paged_backend import (  # noqa: E402
+    LLM,
     EngineOverloadedError,
     EngineShutdownError,
     RequestFailedError,
@@ -30,7 +32,7 @@ from paged_backend import (  # noqa: E402
     release_engine,
 )
 from paged_backend.distributed import NoReplicaError, Router  # noqa: E402
-from paged_backend.distributed.engine import RayEngine  # noqa: E402
+from paged_backend.distributed.engine import RayEngine, _merge  # noqa: E402
 
 ENGINE_ARGS = {"dtype": "float32", "num_kv_blocks": 256}
 RAY_ARGS = {"backend": "ray", "num_replicas": 2, **ENGINE_ARGS}
@@ -141,6 +143,68 @@ def test_a_dead_replicas_gauges_are_removed_but_alive():
     assert (sample("alive"), sample("num_running")) == (1, 2)
     metrics.export({"alive": False}, "gauge-test", "e", replica="3")  # no stale num_running
     assert (sample("alive"), sample("num_running")) == (0, None)
+
+
+def test_merged_rates_are_those_of_one_engine_that_ran_every_replicas_requests(
+    quoting_model, one_thread
+):
+    """Rates are recomputed from the replicas' summed counts, not summed: two engines' stats
+    merged give the rates of one engine that ran both workloads (drafts accepted at different
+    rates: a raw quote, and a chat prompt whose first drafts miss; prefix-cache hits too)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
+    params = SamplingParams(temperature=0, max_tokens=30)
+    engines = [
+        LLM(model=str(quoting_model), dtype="float32", num_kv_blocks=128, speculative_config=spec)
+        for _ in range(3)
+    ]
+    chat = engines[0].engine.apply_chat_template([{"role": "user", "content": QUOTED}])
+    workloads = [[QUOTED, QUOTED], [chat]]
+    for engine, prompts in zip(engines[:2], workloads, strict=True):
+        engine.generate(prompts, params, use_tqdm=False)
+    for prompts in workloads:
+        engines[2].generate(prompts, params, use_tqdm=False)
+    replicas = [engine.stats() for engine in engines[:2]]
+    merged, alone = _merge(replicas), engines[2].stats()
+    assert replicas[0]["prefix_cache_hits"] > 0
+    assert replicas[0]["spec_mean_acceptance_length"] > replicas[1]["spec_mean_acceptance_length"]
+    assert replicas[0]["spec_acceptance_rate"] > replicas[1]["spec_acceptance_rate"]
+    for key in (
+        "prefix_cache_hit_rate",
+        "spec_num_draft_tokens",
+        "spec_acceptance_rate",
+        "spec_mean_acceptance_length",
+    ):
+        assert merged[key] == pytest.approx(alone[key]), key
+
+
+def _drafted(drafts: int, accepted: int, steps: int, *, with_steps: bool = False) -> dict:
+    """A replica's speculative stats as an engine reports them, with or without its count of
+    drafting steps."""
+    stats = {
+        "spec_num_draft_tokens": drafts,
+        "spec_num_accepted_tokens": accepted,
+        "spec_acceptance_rate": accepted / drafts if drafts else 0.0,
+        "spec_mean_acceptance_length": 1 + accepted / steps if steps else 0.0,
+    }
+    return {**stats, "spec_num_drafting_steps": steps} if with_steps else stats
+
+
+@pytest.mark.parametrize(
+    ("replicas", "mean"),
+    [
+        ([_drafted(0, 0, 0), _drafted(0, 0, 0)], 0.0),  # nothing drafted yet
+        ([_drafted(12, 9, 4), _drafted(6, 1, 3)], 1 + 10 / 7),
+        ([_drafted(8, 0, 2), _drafted(0, 0, 0)], 1.0),  # none accepted anywhere: 1 whatever
+        ([_drafted(8, 0, 2), _drafted(6, 3, 2)], None),  # 2 steps of 0 cannot be told from 9
+        ([_drafted(8, 0, 2, with_steps=True), _drafted(6, 3, 2, with_steps=True)], 1 + 3 / 4),
+    ],
+)
+def test_the_merged_mean_acceptance_length_is_exact_or_absent(replicas, mean):
+    merged = _merge(replicas)
+    drafts = sum(r["spec_num_draft_tokens"] for r in replicas)
+    accepted = sum(r["spec_num_accepted_tokens"] for r in replicas)
+    assert merged["spec_acceptance_rate"] == (accepted / drafts if drafts else 0.0)
+    assert merged.get("spec_mean_acceptance_length") == pytest.approx(mean)
 
 
 # ---- RayEngine on a local Ray cluster ----------------------------------------------------------

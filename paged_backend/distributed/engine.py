@@ -45,6 +45,11 @@ _MAX_REPLACEMENTS = 3
 _ACTOR_OPTIONS = {"max_restarts": 3, "max_task_retries": 0, "max_concurrency": 10_000}
 _QUEUE_ARG = "max_waiting_requests"  # AsyncEngine's own; every other engine argument is config
 _COMBINE = {"max_batch_size": max}  # every other numeric stat is a sum over replicas
+# Rates are not summed but recomputed from the summed counts: rate -> (numerator, denominator).
+_RATES = {
+    "prefix_cache_hit_rate": ("prefix_cache_hits", "prefix_cache_queries"),
+    "spec_acceptance_rate": ("spec_num_accepted_tokens", "spec_num_draft_tokens"),
+}
 _EXPORT_INTERVAL = 1.0  # seconds between gauge refreshes while requests run, as locally
 
 
@@ -322,10 +327,11 @@ class RayEngine(EngineClient[_Call]):
                 continue  # dead, as it should be (or the wait is over)
 
     def stats(self) -> dict:
-        """The replicas' numeric stats summed (`max_batch_size`: the largest), the prefix-cache
-        hit rate recomputed from the sums, `replicas` (each one's own, with `alive`) and
-        `routing` (how many requests each rule placed). With prometheus-client the totals are
-        exported with `replica=""` and each replica's with its index (see `metrics`)."""
+        """The replicas' numeric stats summed (`max_batch_size`: the largest), the rates (prefix
+        cache hits, accepted drafts) recomputed from the sums, `replicas` (each one's own, with
+        `alive`) and `routing` (how many requests each rule placed). With prometheus-client the
+        totals are exported with `replica=""` and each replica's with its index (see
+        `metrics`)."""
         with self._lock:
             actors, up = list(self._actors), list(self._router.up)
             decisions = dict(self._router.decisions)
@@ -366,6 +372,8 @@ def _refresh_gauges(ref: weakref.ref[RayEngine], stopped: threading.Event) -> No
 
 
 def _merge(replicas: list[dict]) -> dict:
+    """The replicas' numeric stats combined (`_COMBINE`; a sum by default), the rates
+    recomputed from the combined counts, as one engine reports them."""
     merged: dict = {}
     for stats in replicas:
         for key, value in stats.items():
@@ -374,6 +382,35 @@ def _merge(replicas: list[dict]) -> dict:
             if isinstance(value, int | float):
                 combine = _COMBINE.get(key, operator.add)
                 merged[key] = combine(merged[key], value) if key in merged else value
-    queries, hits = merged.get("prefix_cache_queries", 0), merged.get("prefix_cache_hits", 0)
-    merged["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
+    for rate, (numerator, denominator) in _RATES.items():
+        total = merged.get(denominator, 0)
+        merged[rate] = merged.get(numerator, 0) / total if total else 0.0
+    mean = _mean_acceptance_length(replicas)
+    if mean is None:
+        merged.pop("spec_mean_acceptance_length", None)  # no figure rather than a wrong one
+    else:
+        merged["spec_mean_acceptance_length"] = mean
     return merged
+
+
+def _mean_acceptance_length(replicas: list[dict]) -> float | None:
+    """1 + accepted drafts per drafting step over all replicas (0.0 before any step drafted),
+    as one engine computes it. The drafting steps are counted by `spec_num_drafting_steps`
+    where a replica reports it; otherwise they are recovered from the replica's own mean,
+    accepted / (mean - 1), which a replica that drafted but accepted nothing does not give:
+    then the mean is unknown (None), unless no replica accepted anything (1.0)."""
+    accepted, steps, unknown = 0, 0, False
+    for stats in replicas:
+        if not stats.get("spec_num_draft_tokens"):
+            continue
+        own = stats["spec_num_accepted_tokens"]
+        accepted += own
+        if "spec_num_drafting_steps" in stats:
+            steps += stats["spec_num_drafting_steps"]
+        elif own:
+            steps += round(own / (stats["spec_mean_acceptance_length"] - 1))
+        else:
+            unknown = True
+    if not accepted:
+        return 1.0 if unknown or steps else 0.0
+    return None if unknown else 1 + accepted / steps

@@ -52,6 +52,7 @@ from paged_backend.adapters import (
     alast_output,
     build_sampling_params,
     chat_message,
+    check_engine_args,
     check_max_retries,
     last_output,
     pop_request_options,
@@ -74,7 +75,7 @@ if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
 
 # Engine arguments `PagedLLM` also takes as keywords of its own (the others go in `engine_args`).
-_MOVED_ARGS = (*BACKEND_ARGS, "chat_template")
+_MOVED_ARGS = (*BACKEND_ARGS, "chat_template", "speculative_config")
 
 
 class PagedLLM(FunctionCallingLLM):
@@ -134,7 +135,8 @@ class PagedLLM(FunctionCallingLLM):
         default_factory=dict,
         description="Engine arguments (dtype, num_kv_blocks, max_model_len, ...; backend='ray' "
         "with num_replicas, routing, ray_actor_options for replicas on a Ray cluster; "
-        "chat_template for a model that has none).",
+        "chat_template for a model that has none; speculative_config={'method': 'ngram', "
+        "'num_speculative_tokens': k} for drafts by prompt lookup).",
     )
 
     _handle: EngineHandle = PrivateAttr()
@@ -143,7 +145,8 @@ class PagedLLM(FunctionCallingLLM):
     @classmethod
     def _collect_backend_args(cls, values: Any) -> Any:
         """`PagedLLM(backend="ray", num_replicas=2)` is `PagedLLM(engine_args={"backend": "ray",
-        "num_replicas": 2})`, as in the LangChain adapter; `chat_template` likewise."""
+        "num_replicas": 2})`, as in the LangChain adapter; `chat_template` and
+        `speculative_config` likewise."""
         if not isinstance(values, dict) or not set(_MOVED_ARGS) & set(values):
             return values
         rest = {k: v for k, v in values.items() if k not in _MOVED_ARGS}
@@ -152,6 +155,7 @@ class PagedLLM(FunctionCallingLLM):
 
     def model_post_init(self, context: Any, /) -> None:
         super().model_post_init(context)
+        check_engine_args(self.engine_args)
         self._handle = EngineHandle(self.model, self.engine_args)
         self._sampling_params({})  # bad values fail here, naming the field, not on first call
         check_max_retries(self.max_retries)
