@@ -414,3 +414,18 @@ async def test_function_agent_with_two_tools_completes_a_task():
     (call,) = calls
     assert (call.tool_name, call.tool_kwargs) == ("get_weather", {"city": "Paris"})
     assert "sunny and 21 degrees" in str(result).lower()
+
+
+def test_a_stream_outlives_its_dropped_adapter(tiny_model):
+    """`PagedLLM(...).stream_complete(...)` keeps no other reference to the adapter: its stream
+    holds the engine until it ends (else the engine shuts down under it), sync and async."""
+    args = {"dtype": "float32", "num_kv_blocks": 32}
+    fields = {"model": str(tiny_model), "engine_args": args, "temperature": 0}
+    chunks = list(PagedLLM(**fields, max_tokens=6).stream_complete("a b c"))
+    assert len(chunks) >= 2 and chunks[-1].text
+
+    async def consume() -> list:
+        stream = await PagedLLM(**fields, max_tokens=6).astream_complete("a b c")
+        return [chunk async for chunk in stream]
+
+    assert asyncio.run(consume())[-1].text == chunks[-1].text

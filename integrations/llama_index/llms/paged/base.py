@@ -264,7 +264,7 @@ class PagedLLM(FunctionCallingLLM):
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseGen:
         outputs = self._stream(self._completion_prompt(prompt, formatted), kwargs)
-        return _convert(outputs, partial(_completion_response, stream=True))
+        return _convert(outputs, partial(_completion_response, stream=True), self._handle)
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
@@ -275,7 +275,7 @@ class PagedLLM(FunctionCallingLLM):
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         prompt, kwargs, with_tools = self._chat_request(messages, kwargs)
-        return _convert(self._stream(prompt, kwargs), _ChatStream(with_tools))
+        return _convert(self._stream(prompt, kwargs), _ChatStream(with_tools), self._handle)
 
     @llm_completion_callback()
     async def acomplete(
@@ -291,7 +291,7 @@ class PagedLLM(FunctionCallingLLM):
     ) -> CompletionResponseAsyncGen:
         rendered = await asyncio.to_thread(self._completion_prompt, prompt, formatted)
         outputs = await self._astream(rendered, kwargs)
-        return _aconvert(outputs, partial(_completion_response, stream=True))
+        return _aconvert(outputs, partial(_completion_response, stream=True), self._handle)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
@@ -304,7 +304,9 @@ class PagedLLM(FunctionCallingLLM):
         self, messages: Sequence[ChatMessage], **kwargs: Any
     ) -> ChatResponseAsyncGen:
         prompt, kwargs, with_tools = await asyncio.to_thread(self._chat_request, messages, kwargs)
-        return _aconvert(await self._astream(prompt, kwargs), _ChatStream(with_tools))
+        return _aconvert(
+            await self._astream(prompt, kwargs), _ChatStream(with_tools), self._handle
+        )
 
     # ---- function calling ------------------------------------------------------------------
     def _prepare_chat_with_tools(
@@ -411,15 +413,20 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     return chat_message(message.role.value, message.content or "", calls, tool_call_id)
 
 
-def _convert(outputs: Iterator[RequestOutput], respond: Callable[[RequestOutput], Any]) -> Iterator:
+def _convert(
+    outputs: Iterator[RequestOutput], respond: Callable[[RequestOutput], Any], handle: EngineHandle
+) -> Iterator:
+    """The responses of a stream. It holds `handle` until it ends: an adapter dropped while its
+    stream runs (`PagedLLM(...).stream_complete(...)`) would otherwise release the engine."""
     with closing(outputs):  # a consumer that stops early aborts the request
         for out in outputs:
             yield respond(out)
 
 
 async def _aconvert(
-    outputs: AsyncIterator[RequestOutput], respond: Callable[[RequestOutput], Any]
+    outputs: AsyncIterator[RequestOutput], respond: Callable[[RequestOutput], Any], handle
 ) -> AsyncIterator:
+    """`_convert` for async streams."""
     async with aclosing(outputs):
         async for out in outputs:
             yield respond(out)
