@@ -506,6 +506,7 @@ class LLMEngine:
             # and the tokens a drafting sequence gains per step (accepted drafts + its own one).
             "spec_num_draft_tokens": self.num_draft_tokens,
             "spec_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_num_drafting_steps": self.num_drafting_steps,
             "spec_acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens
             if self.num_draft_tokens
             else 0.0,

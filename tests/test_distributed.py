@@ -177,36 +177,6 @@ def test_merged_rates_are_those_of_one_engine_that_ran_every_replicas_requests(
         assert merged[key] == pytest.approx(alone[key]), key
 
 
-def _drafted(drafts: int, accepted: int, steps: int, *, with_steps: bool = False) -> dict:
-    """A replica's speculative stats as an engine reports them, with or without its count of
-    drafting steps."""
-    stats = {
-        "spec_num_draft_tokens": drafts,
-        "spec_num_accepted_tokens": accepted,
-        "spec_acceptance_rate": accepted / drafts if drafts else 0.0,
-        "spec_mean_acceptance_length": 1 + accepted / steps if steps else 0.0,
-    }
-    return {**stats, "spec_num_drafting_steps": steps} if with_steps else stats
-
-
-@pytest.mark.parametrize(
-    ("replicas", "mean"),
-    [
-        ([_drafted(0, 0, 0), _drafted(0, 0, 0)], 0.0),  # nothing drafted yet
-        ([_drafted(12, 9, 4), _drafted(6, 1, 3)], 1 + 10 / 7),
-        ([_drafted(8, 0, 2), _drafted(0, 0, 0)], 1.0),  # none accepted anywhere: 1 whatever
-        ([_drafted(8, 0, 2), _drafted(6, 3, 2)], None),  # 2 steps of 0 cannot be told from 9
-        ([_drafted(8, 0, 2, with_steps=True), _drafted(6, 3, 2, with_steps=True)], 1 + 3 / 4),
-    ],
-)
-def test_the_merged_mean_acceptance_length_is_exact_or_absent(replicas, mean):
-    merged = _merge(replicas)
-    drafts = sum(r["spec_num_draft_tokens"] for r in replicas)
-    accepted = sum(r["spec_num_accepted_tokens"] for r in replicas)
-    assert merged["spec_acceptance_rate"] == (accepted / drafts if drafts else 0.0)
-    assert merged.get("spec_mean_acceptance_length") == pytest.approx(mean)
-
-
 # ---- RayEngine on a local Ray cluster ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def ray_cluster():

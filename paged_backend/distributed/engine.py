@@ -385,32 +385,8 @@ def _merge(replicas: list[dict]) -> dict:
     for rate, (numerator, denominator) in _RATES.items():
         total = merged.get(denominator, 0)
         merged[rate] = merged.get(numerator, 0) / total if total else 0.0
-    mean = _mean_acceptance_length(replicas)
-    if mean is None:
-        merged.pop("spec_mean_acceptance_length", None)  # no figure rather than a wrong one
-    else:
-        merged["spec_mean_acceptance_length"] = mean
+    steps = merged.get("spec_num_drafting_steps", 0)
+    merged["spec_mean_acceptance_length"] = (
+        1 + merged.get("spec_num_accepted_tokens", 0) / steps if steps else 0.0
+    )
     return merged
-
-
-def _mean_acceptance_length(replicas: list[dict]) -> float | None:
-    """1 + accepted drafts per drafting step over all replicas (0.0 before any step drafted),
-    as one engine computes it. The drafting steps are counted by `spec_num_drafting_steps`
-    where a replica reports it; otherwise they are recovered from the replica's own mean,
-    accepted / (mean - 1), which a replica that drafted but accepted nothing does not give:
-    then the mean is unknown (None), unless no replica accepted anything (1.0)."""
-    accepted, steps, unknown = 0, 0, False
-    for stats in replicas:
-        if not stats.get("spec_num_draft_tokens"):
-            continue
-        own = stats["spec_num_accepted_tokens"]
-        accepted += own
-        if "spec_num_drafting_steps" in stats:
-            steps += stats["spec_num_drafting_steps"]
-        elif own:
-            steps += round(own / (stats["spec_mean_acceptance_length"] - 1))
-        else:
-            unknown = True
-    if not accepted:
-        return 1.0 if unknown or steps else 0.0
-    return None if unknown else 1 + accepted / steps
