@@ -178,17 +178,33 @@ class ModelRunner:
         model.to(self.dtype)
         if pack or fp16_copy or int4:
             if bf16_kernels and fp16_copy:
-                self.gemm_rows = self._gemm_rows(config, model.linear_shapes())
+                self.gemm_rows = self._gemm_rows(config, model, kernel_choice.gemm_max_rows)
             model.use_cpu_linears_(pack, fp16_copy, int4, self.gemm_rows)
+        elif self._c_f32_linears(config, ops):
+            self.gemm_rows = self._gemm_rows(config, model, kernel_choice.f32_max_rows)
+            model.use_f32_linears_(self.gemm_rows)
         return model
 
+    def _c_f32_linears(self, config: EngineConfig, ops: str) -> bool:
+        """Whether an fp32 model's linears run `cpu_ops.linear_f32` for steps of few rows
+        (`cpu_kernels=False` keeps every op in torch)."""
+        return (
+            self.dtype == torch.float32
+            and self.device.type == "cpu"
+            and ops != "triton"
+            and config.cpu_kernels is not False
+            and cpu.available()
+        )
+
     @staticmethod
-    def _gemm_rows(config: EngineConfig, shapes: set[tuple[int, int]]) -> GemmRows:
-        """Up to how many rows a step runs each weight shape in the C GEMM rather than oneDNN:
-        `config.cpu_gemm_max_rows` where given, else timed on this machine (`kernel_choice`)."""
+    def _gemm_rows(config: EngineConfig, model, timed) -> GemmRows:
+        """Up to how many rows a step runs each weight shape in C rather than torch:
+        `config.cpu_gemm_max_rows` where given, else `timed(shapes)` on this machine
+        (`kernel_choice`)."""
+        shapes = model.linear_shapes()
         if config.cpu_gemm_max_rows is not None:
             return dict.fromkeys(shapes, config.cpu_gemm_max_rows)
-        return kernel_choice.gemm_max_rows(shapes)
+        return timed(shapes)
 
     def _cpu_linears(self, config: EngineConfig, model: torch.nn.Module) -> tuple[bool, bool]:
         """(pack the weights, keep a copy for small steps: bf16 for the C GEMM where the C

@@ -440,3 +440,34 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, out_dtype: torch.dtype) -> torch
         threads=torch.get_num_threads(),
     )
     return out
+
+
+def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for fp32 rows x [rows, k] (unit stride within a row) and a
+    contiguous fp32 weight [n, k], k a multiple of 8 (`linear_f32_fits`), in C: each weight is
+    read once for all rows, and a row's result does not depend on the others."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(rows, n, dtype=torch.float32)
+    load_library().linear_f32(
+        x=x.data_ptr(),
+        rows=rows,
+        x_stride=x.stride(0),
+        w=weight.data_ptr(),
+        n=n,
+        k=k,
+        y=out.data_ptr(),
+        y_stride=n,
+        threads=torch.get_num_threads(),
+    )
+    return out if bias is None else out.add_(bias)
+
+
+def linear_f32_fits(weight: torch.Tensor) -> bool:
+    """Whether `linear_f32` takes this weight."""
+    return (
+        weight.dtype == torch.float32
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and weight.shape[1] % 8 == 0
+    )

@@ -60,10 +60,18 @@ def make_ops(kind: str) -> Ops:
 class Linear(nn.Linear):
     """`nn.Linear` with its parameters left as allocated (`torch.empty`): every one is loaded
     from the checkpoint (`load_safetensors` checks), so a random init would be wasted work (over
-    a second of a start for the default model's 135M)."""
+    a second of a start for the default model's 135M). Steps of up to `c_rows` rows run the C
+    fp32 linear (`LlamaForCausalLM.use_f32_linears_`)."""
+
+    c_rows = 0
 
     def reset_parameters(self) -> None:
         pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.c_rows:
+            return cpu_ops.linear_f32(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Embedding):
@@ -260,6 +268,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.cpu_head: CpuLinear | None = None
+        self.head_c_rows = 0  # steps of up to this many rows: `cpu_ops.linear_f32`
         self.fused_decode: FusedDecode | None = None  # set by `use_cpu_linears_` where it fits
 
     def use_cpu_linears_(
@@ -275,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
         `quantize_linears_int4(self.layers)`); call after the weights are loaded and cast. A
         tied head gets its own copy: the embedding table stays as it is for lookups."""
         replace_linears_(self.layers, pack, fp16_copy, int4, gemm_rows)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self._head_weight()
         rows = None if gemm_rows is None else gemm_rows[tuple(weight.shape)]
         self.cpu_head = CpuLinear(weight, None, pack, fp16_copy, gemm_rows=rows)
         self.lm_head = None  # an untied head's weight lives on in `cpu_head`
@@ -286,10 +295,22 @@ class LlamaForCausalLM(nn.Module):
         ):
             self.fused_decode = FusedDecode.build(self)
 
+    def use_f32_linears_(self, rows: dict[tuple[int, int], int]) -> None:
+        """Run steps of up to `rows[shape]` rows of each fp32 projection and of the output head
+        through `cpu_ops.linear_f32` (timed against torch by `kernel_choice.f32_max_rows`). The
+        weights are used as they are: no copy."""
+        for module in self.layers.modules():
+            if isinstance(module, Linear) and cpu_ops.linear_f32_fits(module.weight):
+                module.c_rows = rows[tuple(module.weight.shape)]
+        head = self._head_weight()
+        self.head_c_rows = rows[tuple(head.shape)] if cpu_ops.linear_f32_fits(head) else 0
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def linear_shapes(self) -> set[tuple[int, int]]:
         """The weight shapes of the projections and the output head."""
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear_shapes(self.layers) | {tuple(head.shape)}
+        return linear_shapes(self.layers) | {tuple(self._head_weight().shape)}
 
     def forward(
         self,
@@ -319,7 +340,9 @@ class LlamaForCausalLM(nn.Module):
         """The output head on final hidden rows `x`, in fp32."""
         if self.cpu_head is not None:
             return self.cpu_head(x, out_dtype=torch.float32)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self._head_weight()
+        if x.shape[0] <= self.head_c_rows:
+            return cpu_ops.linear_f32(x, weight, None)
         return F.linear(x, weight).float()
 
     def checkpoint_name_map(self, name: str) -> tuple[str, int | None, tuple | None] | None:

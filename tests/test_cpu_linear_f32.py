@@ -1,0 +1,72 @@
+"""The C fp32 linear for steps of few rows (`cpu_ops.linear_f32`): torch's values to fp32
+rounding, a row's result independent of the other rows and of the thread count (so drafting,
+batching and thread counts never move a greedy token), and an fp32 engine that serves its small
+steps with it gives the torch-only engine's greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paged_backend import LLM, SamplingParams, cpu
+from paged_backend.cpu import ops as cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C kernels did not build")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 96, 161])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_f32_gives_torchs_values(n, rows, bias):
+    torch.manual_seed(n * 100 + rows)
+    k = 200
+    wide = torch.randn(rows, k + 24)
+    x = wide[:, 8 : 8 + k]  # rows k + 24 apart
+    weight = torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    # sums of 200 products of magnitude ~14: fp32 rounding in another order
+    got = cpu_ops.linear_f32(x, weight, b)
+    torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_threads():
+    torch.manual_seed(0)
+    x, weight = torch.randn(11, 576), torch.randn(250, 576)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [cpu_ops.linear_f32(x[i : i + 1], weight, None) for i in range(11)]
+        torch.set_num_threads(2)
+        together = cpu_ops.linear_f32(x, weight, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(torch.cat(alone), together)
+
+
+def test_linear_f32_fits_only_what_it_reads_right():
+    assert cpu_ops.linear_f32_fits(torch.zeros(4, 16))
+    assert not cpu_ops.linear_f32_fits(torch.zeros(4, 12))  # k not a multiple of 8
+    assert not cpu_ops.linear_f32_fits(torch.zeros(16, 4).t())  # not contiguous
+    assert not cpu_ops.linear_f32_fits(torch.zeros(4, 16, dtype=torch.bfloat16))
+
+
+def test_fp32_engines_serve_small_steps_in_c_with_torchs_tokens(tiny_model, one_thread):
+    """The choice shows in `stats()`; `cpu_kernels=False` keeps torch. Prompts of 1-40 tokens
+    batched: prefills of many rows run torch's linear, decodes of few the C one."""
+    c = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=64, cpu_gemm_max_rows=8)
+    plain = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=64, cpu_kernels=False)
+    assert set(c.stats()["cpu_gemm_max_rows"].values()) == {8}
+    assert plain.stats()["cpu_gemm_max_rows"] == {}
+    calls = []
+    linear_f32 = cpu_ops.linear_f32
+    cpu_ops.linear_f32 = lambda x, w, b: calls.append(x.shape[0]) or linear_f32(x, w, b)
+    prompts = [[7 + i] * (1 + 13 * i) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    try:
+        got = c.generate(prompts, params, use_tqdm=False)
+    finally:
+        cpu_ops.linear_f32 = linear_f32
+    assert calls and max(calls) <= 8
+    want = plain.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
