@@ -304,9 +304,7 @@ class PagedLLM(FunctionCallingLLM):
         self, messages: Sequence[ChatMessage], **kwargs: Any
     ) -> ChatResponseAsyncGen:
         prompt, kwargs, with_tools = await asyncio.to_thread(self._chat_request, messages, kwargs)
-        return _aconvert(
-            await self._astream(prompt, kwargs), _ChatStream(with_tools), self._handle
-        )
+        return _aconvert(await self._astream(prompt, kwargs), _ChatStream(with_tools), self._handle)
 
     # ---- function calling ------------------------------------------------------------------
     def _prepare_chat_with_tools(
