@@ -96,26 +96,29 @@ def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     )
 
 
-def rag_prompts(tokenizer, n: int, context_tokens: int = 900) -> list[list[int]]:
+def rag_messages(tokenizer, n: int, context_tokens: int = 900) -> list[list[dict]]:
+    """`n` chat requests sharing a system prompt of ~`context_tokens` retrieved documents, each
+    with a question of its own."""
     context, i = "", 0
     while len(tokenizer(context).input_ids) < context_tokens:
         context += PASSAGE.format(i=i)
         i += 1
     system = "You answer questions using only the retrieved documents.\n\n" + context
     return [
-        _chat_ids(
-            tokenizer,
-            [
-                {"role": "system", "content": system},
-                {
-                    "role": "user",
-                    "content": f"Question {k}: what does the archive say about "
-                    f"{TOPICS[k % len(TOPICS)]}?",
-                },
-            ],
-        )
+        [
+            {"role": "system", "content": system},
+            {
+                "role": "user",
+                "content": f"Question {k}: what does the archive say about "
+                f"{TOPICS[k % len(TOPICS)]}?",
+            },
+        ]
         for k in range(n)
     ]
+
+
+def rag_prompts(tokenizer, n: int, context_tokens: int = 900) -> list[list[int]]:
+    return [_chat_ids(tokenizer, m) for m in rag_messages(tokenizer, n, context_tokens)]
 
 
 NOTES = [
@@ -258,14 +261,22 @@ class LlamaCpp:
 
     name = "llama-cpp-python"
 
-    def __init__(self, gguf: str, eos_ids: list[int], threads: int, n_ctx: int) -> None:
+    def __init__(
+        self, gguf: str, eos_ids: list[int], threads: int, n_ctx: int, lookup_tokens: int = 0
+    ) -> None:
+        """`lookup_tokens`: draft that many tokens by prompt lookup (llama.cpp's lookup
+        decoding, `LlamaPromptLookupDecoding`); 0: none."""
         import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens) if lookup_tokens else None
         self.llm = llama_cpp.Llama(
             model_path=gguf,
             n_ctx=n_ctx,
             n_threads=threads,
             n_threads_batch=threads,
+            draft_model=draft,
+            logits_all=draft is not None,  # drafts are verified from every position's logits
             verbose=False,
         )
         self.eos_ids = eos_ids

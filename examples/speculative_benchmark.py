@@ -2,13 +2,21 @@
 (greedy) on two workloads, and the acceptance figures of the drafting engine.
 
   quote     the answer repeats a passage of its prompt (drafts match: the case drafting is for)
+  rag       questions over the retrieved documents of `benchmark.py`'s RAG workload
   distinct  prose on a topic that the prompt does not contain (drafts rarely match)
+  batch     `--batch` RAG questions at once (the per-step rule `disable_by_batch_size` keeps
+            large steps from drafting)
 
-Both engines run the same requests one at a time, taking turns on each (after a warm-up request)
-and must give the same tokens; the rate is total output tokens over total time.
+Both engines run the same requests, one at a time (but batch), taking turns on each (after a
+warm-up request), and must give the same tokens; the rate is total output tokens over total time.
 
     python examples/speculative_benchmark.py [--k 4] [--lookup-min 2] [--lookup-max 4]
-                                             [--requests 3] [--max-tokens 96] [--dtype auto]
+                                             [--requests 3] [--max-tokens 96] [--batch 32]
+                                             [--dtype auto] [--threads N] [--llama-cpp]
+
+`--llama-cpp` adds llama-cpp-python on the default model's GGUF file (its Q4_1 weights: other
+tokens, so only its rate compares), plain and with its prompt-lookup decoding (k drafts), one
+stream: quote, rag and distinct.
 """
 
 from __future__ import annotations
@@ -16,8 +24,12 @@ from __future__ import annotations
 import argparse
 import time
 
+import torch
+from benchmark import LlamaCpp, _chat_ids, rag_messages
+
 from paged_backend import LLM, SamplingParams
 from paged_backend.cpu.features import cpu_description
+from paged_backend.default_model import default_model_file
 
 PASSAGES = [
     "The municipal archive of Lindenfeld was founded in 1873 to preserve the records of the town "
@@ -36,29 +48,31 @@ PASSAGES = [
 TOPICS = ["the history of tea", "how glaciers move", "a day at a chess tournament"]
 
 
-def workloads(n: int) -> dict[str, list[list[dict]]]:
+def workloads(n: int, tokenizer, batch: int) -> dict[str, list[list[dict]]]:
     quote = [
         [{"role": "user", "content": f"Repeat this passage word for word:\n\n{p}"}]
         for p in PASSAGES
     ]
     distinct = [[{"role": "user", "content": f"Write a few paragraphs about {t}."}] for t in TOPICS]
-    return {"quote": quote[:n], "distinct": distinct[:n]}
+    rag = rag_messages(tokenizer, max(n, batch))
+    return {"quote": quote[:n], "rag": rag[:n], "distinct": distinct[:n], "batch": rag[:batch]}
 
 
-def run(engines: dict[str, LLM], conversations: list[list[dict]], params: SamplingParams):
-    """Per engine: (token ids of each answer, seconds, drafted, accepted), one request at a time,
-    the engines taking turns on each request so that both see the same load from elsewhere."""
+def run(engines: dict[str, LLM], conversations: list[list[dict]], params, batched: bool = False):
+    """Per engine: (token ids of each answer, seconds, drafted, accepted), one request at a time
+    (`batched`: all at once), the engines taking turns on each request so that both see the
+    same load from elsewhere."""
     results = {name: ([], 0.0, 0, 0) for name in engines}
-    for conversation in conversations:
+    for group in [conversations] if batched else [[c] for c in conversations]:
         for name, llm in engines.items():
             before = llm.stats()
             start = time.perf_counter()
-            out = llm.chat([conversation], params, use_tqdm=False)[0]
+            outs = llm.chat(group, params, use_tqdm=False)
             seconds = time.perf_counter() - start
             after = llm.stats()
             tokens, total, drafted, accepted = results[name]
             results[name] = (
-                [*tokens, out.outputs[0].token_ids],
+                [*tokens, *(o.outputs[0].token_ids for o in outs)],
                 total + seconds,
                 drafted + after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"],
                 accepted + after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"],
@@ -73,8 +87,10 @@ def main() -> None:
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--requests", type=int, default=3, help="per workload (at most 3)")
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--batch", type=int, default=32, help="requests of the batch workload")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None, help="num_threads (default: torch's)")
+    parser.add_argument("--llama-cpp", action="store_true", help="add llama-cpp-python's rates")
     args = parser.parse_args()
     spec = {
         "method": "ngram",
@@ -82,14 +98,15 @@ def main() -> None:
         "prompt_lookup_min": args.lookup_min,
         "prompt_lookup_max": args.lookup_max,
     }
-    common = dict(dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=False)
+    common = dict(dtype=args.dtype, num_threads=args.threads)
     engines = {"plain": LLM(**common), "ngram": LLM(**common, speculative_config=spec)}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     warm = [[{"role": "user", "content": "Say hello."}]]
     run(engines, warm, SamplingParams(temperature=0, max_tokens=8))
     print(f"CPU: {cpu_description()}; dtype {args.dtype}; speculative_config {spec}")
-    for name, conversations in workloads(args.requests).items():
-        results = run(engines, conversations, params)
+    tokenizer = engines["plain"].get_tokenizer()
+    for name, conversations in workloads(args.requests, tokenizer, args.batch).items():
+        results = run(engines, conversations, params, batched=name == "batch")
         plain, ngram = results["plain"], results["ngram"]
         plain_rate = sum(map(len, plain[0])) / plain[1]
         rate = sum(map(len, ngram[0])) / ngram[1]
@@ -99,6 +116,28 @@ def main() -> None:
             f"x{rate / plain_rate:.2f}  acceptance {accepted / max(drafted, 1):.2f} "
             f"({accepted}/{drafted} drafts)  identical tokens: {plain[0] == ngram[0]}"
         )
+        if args.llama_cpp and name != "batch":
+            prompts = [_chat_ids(tokenizer, c) for c in conversations]
+            print(f"{'':9s} llama-cpp-python {llama_cpp_rates(prompts, args, engines['plain'])}")
+
+
+def llama_cpp_rates(prompts: list[list[int]], args, llm: LLM) -> str:
+    """llama-cpp-python's one-stream rate on `prompts`, plain and with prompt lookup (k drafts),
+    each generating `--max-tokens` tokens a prompt."""
+    rates = []
+    for lookup in (0, args.k):
+        peer = LlamaCpp(
+            str(default_model_file()),
+            llm.engine.eos_token_ids,
+            args.threads or torch.get_num_threads(),
+            max(map(len, prompts)) + args.max_tokens + args.k + 1,  # drafts past the end
+            lookup_tokens=lookup,
+        )
+        peer.run(prompts[:1], 8)  # warm-up
+        start = time.perf_counter()
+        outs, _ = peer.run(prompts, args.max_tokens)
+        rates.append(sum(map(len, outs)) / (time.perf_counter() - start))
+    return f"plain {rates[0]:6.1f} tok/s  lookup {rates[1]:6.1f} tok/s"
 
 
 if __name__ == "__main__":

@@ -134,6 +134,7 @@ class LLMEngine:
             config.scheduling_policy,
             config.long_prefill_token_threshold,
             self._proposer(),
+            spec.disable_by_batch_size if (spec := config.speculative_config) else 0,
         )
         self.eos_token_ids = self._eos_ids()
         self.grammars = GrammarCache(

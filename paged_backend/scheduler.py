@@ -15,7 +15,9 @@ per-request cap, with the share of long prefills bounded as V0's `max_long_parti
 
 Speculative decoding: a running request with one token left to compute may add drafted tokens
 (`NgramProposer`) after it, as one chunk of 1 + drafts rows that the model runs as it runs a
-prefill chunk. Drafts count against the token budget, stop before `max_tokens` and
+prefill chunk, in steps that start with at most `max_drafting_seqs` running (larger steps are
+compute-bound: rows cost nearly their share, and rejected drafts are lost time). Drafts count
+against the token budget, stop before `max_tokens` and
 `max_model_len`, and are dropped rather than preempting anything when blocks are short. Their
 blocks are never hashed (hashes cover known tokens only); `update` gives back those that hold
 rejected drafts only.
@@ -53,8 +55,10 @@ class Scheduler:
         policy: str,
         long_prefill_token_threshold: int | None = None,
         proposer: NgramProposer | None = None,
+        max_drafting_seqs: int = 0,
     ) -> None:
-        """`proposer`: drafts for the requests that may draft (None: no drafting)."""
+        """`proposer`: drafts for the requests that may draft (None: no drafting), in steps
+        that start with at most `max_drafting_seqs` running requests."""
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -64,6 +68,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.proposer = proposer
+        self.max_drafting_seqs = max_drafting_seqs
 
     def _key(self, request: Request) -> tuple[int, ...]:
         return request.sort_key(self.policy)
@@ -93,6 +98,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        drafting = len(self.running) <= self.max_drafting_seqs
         for request in sorted(self.running, key=self._key):
             if budget == 0:
                 break
@@ -101,7 +107,7 @@ class Scheduler:
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             if num_new == 0:
                 continue  # a long prefill while others hold the long share: next step
-            drafts = self._drafts(request, budget)
+            drafts = self._drafts(request, budget) if drafting else []
             if drafts and self.kv.allocate_slots(request, num_new + len(drafts)):
                 out.drafts[request] = drafts
                 out.num_scheduled[request] = num_new + len(drafts)

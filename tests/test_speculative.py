@@ -118,6 +118,10 @@ def test_rejection_sampling_keeps_the_models_distribution():
             r"\['prompt_lookup_max'\] must be an int >= 4, got 3",
         ),
         ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, r"unknown keys \['k'\]"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
+            r"\['disable_by_batch_size'\] must be an int >= 1, got 0",
+        ),
         ("ngram:4", "speculative_config must be None or a dict, got str"),
     ],
 )
@@ -234,6 +238,24 @@ def test_drafts_the_grammar_rejects_are_cut_before_verification(tiny_model):
     llm.generate([REPEATING], sampling, use_tqdm=False)
     assert verified
     assert all(drafts == letters[: len(drafts)] for drafts in verified)
+
+
+def test_steps_with_more_sequences_than_disable_by_batch_size_do_not_draft(tiny_model):
+    """Six requests: while more than three run, no step drafts; as they finish, steps draft."""
+    spec = {**SPEC, "disable_by_batch_size": 3}
+    llm = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=128, speculative_config=spec)
+    scheduler = llm.engine.scheduler
+    running_when_asked = []
+    scheduler.proposer.propose = lambda ids, n: (
+        running_when_asked.append(len(scheduler.running)) or [5, 6][:n]
+    )
+    params = [
+        SamplingParams(temperature=0, max_tokens=4 + 6 * i, ignore_eos=True) for i in range(6)
+    ]
+    llm.generate([[300 + i, *REPEATING] for i in range(6)], params, use_tqdm=False)
+    assert running_when_asked and max(running_when_asked) <= 3
+    assert llm.stats()["max_batch_size"] == 6
+    assert llm.stats()["spec_num_draft_tokens"] > 0
 
 
 # ---- outputs identical to plain decoding -------------------------------------------------------
