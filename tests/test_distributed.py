@@ -485,3 +485,24 @@ def test_shutdown_leaves_no_actors_and_ends_requests(ray_cluster, tiny_model):
     gc.collect()
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
     assert not [n for n in names if n.startswith(engine._name)]
+
+
+def test_replicas_draft_and_keep_the_local_engines_tokens(ray_cluster, quoting_model):
+    """`speculative_config` reaches the replicas: a seeded sampled request and a greedy one
+    give the local engine's tokens without drafting, and the totals count accepted drafts."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
+    engine = RayEngine(str(quoting_model), num_replicas=1, speculative_config=spec, **ENGINE_ARGS)
+    plain = LLM(model=str(quoting_model), **ENGINE_ARGS)
+    params = [
+        SamplingParams(temperature=0, max_tokens=30),
+        SamplingParams(temperature=0.8, seed=4, max_tokens=30),
+    ]
+    try:
+        got = [list(engine.generate_stream(QUOTED, p))[-1] for p in params]
+        want = plain.generate([QUOTED] * 2, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        stats = engine.stats()
+        assert stats["spec_num_accepted_tokens"] > 0
+        assert stats["spec_mean_acceptance_length"] > 1
+    finally:
+        engine.shutdown()
