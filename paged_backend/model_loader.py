@@ -19,6 +19,7 @@ from paged_backend.default_model import NAME as DEFAULT_MODEL_NAME
 from paged_backend.default_model import default_model_file, file_sha256
 from paged_backend.file_cache import cache_dir, locked, notice
 from paged_backend.models.config import ModelConfig
+from paged_backend.models.llama import param_shard
 
 # In a GGUF file's directory of configuration and tokenizer: the file its weights are read from.
 GGUF_WEIGHTS = "gguf_weights.json"
@@ -256,11 +257,6 @@ def load_safetensors(module: torch.nn.Module, path: Path, rename) -> None:
 
 # safetensors dtype names, of the tensors read straight into a parameter of the same dtype
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-
-
-def param_shard(param: torch.Tensor, shard: int | None, sizes) -> torch.Tensor:
-    """The rows of a fused parameter that shard `shard` of `sizes` fills (all of it for None)."""
-    return param if shard is None else param.narrow(0, sum(sizes[:shard]), sizes[shard])
 
 
 def _readable_into(data: torch.Tensor, stored_dtype: str) -> bool:

@@ -31,6 +31,7 @@ from paged_backend.cpu.quant import (
     dequantize,
 )
 from paged_backend.gguf import ARCHITECTURES
+from paged_backend.models.llama import param_shard
 
 # Of `ARCHITECTURES`, those whose q/k rows llama.cpp's converter permutes and whose norms it
 # stores as 1 + weight.
@@ -259,8 +260,7 @@ def _dequantize_into(param: torch.Tensor, shard, sizes, tensor, rows: np.ndarray
         values = torch.from_numpy(np.asarray(rows, dtype=np.float32)).reshape(-1)
     if arch in _GEMMA and tensor.name.endswith("norm.weight"):
         values = values - 1.0  # stored as 1 + weight; our Gemma norms take the weight
-    # model_loader.param_shard's rows, written out: model_loader imports this module
-    target = param.data if shard is None else param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+    target = param_shard(param.data, shard, sizes)
     if target.numel() != values.numel():
         raise ValueError(
             f"GGUF tensor {tensor.name!r} has {values.numel()} values, the model takes "

@@ -346,7 +346,8 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(x, weight).float()
 
     def checkpoint_name_map(self, name: str) -> tuple[str, int | None, tuple | None] | None:
-        """Map a Hugging Face checkpoint tensor name onto ours (fusing qkv and gate/up)."""
+        """Map a Hugging Face checkpoint tensor name onto ours (fusing qkv and gate/up): our
+        parameter's name, and the shard of it the tensor fills (`param_shard`)."""
         if name.startswith("model."):
             name = name[len("model.") :]
         if name == "lm_head.weight" and self.lm_head is None:
@@ -363,3 +364,10 @@ class LlamaForCausalLM(nn.Module):
             size = self.config.intermediate_size
             return f"{m[1]}gate_up_proj.{m[3]}", ("gate", "up").index(m[2]), (size, size)
         return name, None, None
+
+
+def param_shard(param: torch.Tensor, shard: int | None, sizes) -> torch.Tensor:
+    """The rows of a fused parameter that shard `shard` of `sizes` fills (all of it for None),
+    as `LlamaForCausalLM.checkpoint_name_map` names them: here, beside that map, so that both
+    weight loaders (safetensors, GGUF) read its shards one way."""
+    return param if shard is None else param.narrow(0, sum(sizes[:shard]), sizes[shard])
