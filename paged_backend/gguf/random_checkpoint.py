@@ -4,14 +4,19 @@ benchmark the quantized GGUF path at real sizes without downloading a model:
     python -m paged_backend.gguf.random_checkpoint --shape llama-3.2-1b --out DIR \\
         [--formats bf16,q4_k_m,q4_0,q8_0] [--seed 0]
 
-writes, from one set of weights (normal, std 0.02; norms ones), rounded to bfloat16:
+writes, from one set of weights (normal, std 0.02; norms ones, Gemma's offsets from one normal
+too), rounded to bfloat16:
 - `DIR/bf16/`: a Hugging Face directory (config.json, model.safetensors, the default model's
   tokenizer files);
 - `DIR/<shape>-Q4_K_M.gguf`, `-Q4_0.gguf`, `-Q8_0.gguf`: those weights quantized, as
   llama.cpp's convert_hf_to_gguf.py and llama-quantize write them: its tensor names, its
-  hyperparameter keys (arch `llama` or `qwen2`), Q and K rows permuted for `llama`, llama3
-  rope scaling as a `rope_freqs.weight` tensor, and the default model's tokenizer (`tokenizer.*`
-  keys copied from its GGUF file, vocabulary 49152 for every shape).
+  hyperparameter keys (arch `llama` for Llama and Mistral, `qwen2`, `qwen3`, `gemma2`, `gemma3`),
+  Q and K rows permuted for `llama`, llama3 rope scaling as a `rope_freqs.weight` tensor, Gemma's
+  norms as 1 + weight, and the default model's tokenizer (`tokenizer.*` keys copied from its GGUF
+  file, vocabulary 49152 for every shape). Real Gemma files hold a SentencePiece vocabulary,
+  and transformers' GGUF loader reads a `gemma2`/`gemma3` file's tokenizer as one: the Gemma
+  shapes' text tokenizes otherwise than through their bf16 copy (spaces come out unknown), so
+  compare them with their copy by weights and config, and generations within one file.
 
 Tensor types: Q4_K_M follows llama.cpp's `llama_tensor_get_type`: Q4_K, Q6_K for `attn_v` and
 `ffn_down` on the layers `use_more_bits` picks and for the output (the token embeddings where
@@ -67,11 +72,26 @@ LLAMA3_ROPE = {
 }
 
 
+# transformers' class -> llama.cpp's architecture (its converter writes Mistral as `llama`).
+GGUF_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+}
+# Gemma 2's soft-caps (attention scores, final logits): every Gemma 2's, and the values
+# transformers' GGUF loader assumes (it reads neither key).
+GEMMA2_SOFTCAPS = (50.0, 30.0)
+GEMMA3_LOCAL_ROPE_THETA = 10000.0  # its sliding layers' base; GGUF files do not store it
+
+
 @dataclass(frozen=True)
 class Shape:
     """A model's real dimensions (the vocabulary is the default tokenizer's)."""
 
-    architecture: str  # transformers' class: LlamaForCausalLM or Qwen2ForCausalLM
+    architecture: str  # transformers' class, a key of GGUF_ARCHS
     hidden: int
     layers: int
     heads: int
@@ -83,14 +103,31 @@ class Shape:
     tied: bool = True
     rope_scaling: dict | None = None
     vocab: int = 49152
+    key_length: int | None = None  # head_dim, where it is not hidden // heads
+    sliding_window: int | None = None  # Gemma's sliding layers' window
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.key_length or self.hidden // self.heads
 
     @property
     def gguf_arch(self) -> str:
-        return {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}[self.architecture]
+        return GGUF_ARCHS[self.architecture]
+
+    @property
+    def model_type(self) -> str:
+        """config.json's model_type."""
+        special = {"MistralForCausalLM": "mistral", "Gemma3ForCausalLM": "gemma3_text"}
+        return special.get(self.architecture, self.gguf_arch)
+
+    @property
+    def gemma(self) -> bool:
+        return self.gguf_arch in ("gemma2", "gemma3")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether each layer norms its q and k heads (per-head RMSNorms)."""
+        return self.gguf_arch in ("qwen3", "gemma3")
 
 
 _LLAMA_3_2 = {
@@ -107,6 +144,19 @@ SHAPES = {
     # one untied (an `output.weight`) with Llama 3.2's rope, the qwen2 one tied with biases.
     "tiny": Shape("LlamaForCausalLM", 256, 2, 4, 2, 512, **_LLAMA_3_2, tied=False),
     "tiny-qwen2": Shape("Qwen2ForCausalLM", 256, 2, 4, 2, 512, 32768, 1e6, 1e-6),
+    # The other families our modules serve, each on its real models' constants: Qwen3 (q/k
+    # norms, head_dim 128 as in every Qwen3, wider than hidden / heads), Mistral (v0.3's: no
+    # window, untied), Gemma 2 (sliding and global layers alternating, soft-caps; head_dim 256)
+    # and Gemma 3 (five sliding layers to one global, q/k norms, 1B's single KV head). Windows
+    # of 16 so that short prompts reach past them.
+    "tiny-qwen3": Shape("Qwen3ForCausalLM", 256, 2, 4, 2, 512, 40960, 1e6, 1e-6, key_length=128),
+    "tiny-mistral": Shape("MistralForCausalLM", 256, 2, 4, 2, 512, 32768, 1e6, 1e-5, tied=False),
+    "tiny-gemma2": Shape(
+        "Gemma2ForCausalLM", 256, 2, 4, 2, 512, 8192, 1e4, 1e-6, key_length=256, sliding_window=16
+    ),
+    "tiny-gemma3": Shape(
+        "Gemma3ForCausalLM", 256, 6, 4, 1, 512, 32768, 1e6, 1e-6, key_length=256, sliding_window=16
+    ),
 }
 
 # Format -> (file name suffix, llama.cpp's LLAMA_FTYPE, its type for plain 2-D weights).
@@ -126,7 +176,7 @@ class TensorSpec:
     gguf_name: str
     shape: tuple[int, ...]
     layer: int | None = None
-    ones: bool = False  # a norm's weight
+    ones: bool = False  # a norm's weight (Gemma's are offsets from one: random)
 
     @property
     def role(self) -> str:
@@ -136,33 +186,44 @@ class TensorSpec:
 
 def tensor_plan(shape: Shape) -> list[TensorSpec]:
     """The checkpoint's tensors, in writing order, with their names in both formats."""
+    ones = not shape.gemma  # Gemma's norms hold offsets from one
     embed = TensorSpec(
         "model.embed_tokens.weight", "token_embd.weight", (shape.vocab, shape.hidden)
     )
-    norm = TensorSpec("model.norm.weight", "output_norm.weight", (shape.hidden,), ones=True)
+    norm = TensorSpec("model.norm.weight", "output_norm.weight", (shape.hidden,), None, ones)
     layers = [spec for i in range(shape.layers) for spec in _layer_plan(shape, i)]
     output = [] if shape.tied else [TensorSpec("lm_head.weight", "output.weight", embed.shape)]
     return [embed, *layers, norm, *output]
 
 
 def _layer_plan(shape: Shape, i: int) -> list[TensorSpec]:
-    q_rows, kv_rows = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    h, f = shape.hidden, shape.intermediate
+    h, f, d = shape.hidden, shape.intermediate, shape.head_dim
+    q_rows, kv_rows = shape.heads * d, shape.kv_heads * d
     names = [("input_layernorm.weight", "attn_norm.weight", (h,))]
     for proj, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
         names.append((f"self_attn.{proj}_proj.weight", f"attn_{proj}.weight", (rows, h)))
         if shape.gguf_arch == "qwen2":  # Qwen2's q, k and v have biases
             names.append((f"self_attn.{proj}_proj.bias", f"attn_{proj}.bias", (rows,)))
+    if shape.qk_norm:
+        for proj in "qk":
+            names.append((f"self_attn.{proj}_norm.weight", f"attn_{proj}_norm.weight", (d,)))
+    names.append(("self_attn.o_proj.weight", "attn_output.weight", (h, q_rows)))
+    if shape.gemma:  # the sandwich: each sublayer's output is normed too
+        names.append(("post_attention_layernorm.weight", "post_attention_norm.weight", (h,)))
+        names.append(("pre_feedforward_layernorm.weight", "ffn_norm.weight", (h,)))
+    else:
+        names.append(("post_attention_layernorm.weight", "ffn_norm.weight", (h,)))
     names += [
-        ("self_attn.o_proj.weight", "attn_output.weight", (h, q_rows)),
-        ("post_attention_layernorm.weight", "ffn_norm.weight", (h,)),
         ("mlp.gate_proj.weight", "ffn_gate.weight", (f, h)),
         ("mlp.up_proj.weight", "ffn_up.weight", (f, h)),
         ("mlp.down_proj.weight", "ffn_down.weight", (h, f)),
     ]
+    if shape.gemma:
+        names.append(("post_feedforward_layernorm.weight", "post_ffw_norm.weight", (h,)))
+    ones = not shape.gemma  # Gemma's norms hold offsets from one
     return [
         TensorSpec(
-            f"model.layers.{i}.{hf}", f"blk.{i}.{gg}", dims, i, ones=hf.endswith("norm.weight")
+            f"model.layers.{i}.{hf}", f"blk.{i}.{gg}", dims, i, ones and hf.endswith("norm.weight")
         )
         for hf, gg, dims in names
     ]
@@ -230,6 +291,53 @@ def random_tensor(spec: TensorSpec, seed: int, index: int) -> torch.Tensor:
     return torch.from_numpy(values).to(torch.bfloat16)
 
 
+def family_config(shape: Shape) -> dict:
+    """The keys of config.json that the family's real models have beyond the common ones."""
+    window = shape.sliding_window
+    if shape.architecture == "LlamaForCausalLM":  # Llama 3.2's names its head_dim and biases
+        return {
+            "head_dim": shape.head_dim,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "rope_scaling": shape.rope_scaling,
+            "pretraining_tp": 1,
+        }
+    if shape.architecture == "MistralForCausalLM":  # v0.3's
+        return {"sliding_window": window}
+    if not shape.gemma:  # Qwen2.5's and Qwen3's: sliding-window fields, the window off
+        qwen3 = {"head_dim": shape.head_dim, "attention_bias": False, "rope_scaling": None}
+        return {
+            **(qwen3 if shape.gguf_arch == "qwen3" else {}),
+            "use_sliding_window": False,
+            "sliding_window": None if shape.gguf_arch == "qwen3" else shape.max_positions,
+            "max_window_layers": shape.layers,
+        }
+    gemma = {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "head_dim": shape.head_dim,
+        "attention_bias": False,
+        "query_pre_attn_scalar": shape.head_dim,
+        "sliding_window": window,
+    }
+    if shape.gguf_arch == "gemma2":
+        attn_cap, final_cap = GEMMA2_SOFTCAPS
+        return {
+            **gemma,
+            "attn_logit_softcapping": attn_cap,
+            "final_logit_softcapping": final_cap,
+            "cache_implementation": "hybrid",
+        }
+    return {
+        **gemma,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "rope_local_base_freq": GEMMA3_LOCAL_ROPE_THETA,
+        "rope_scaling": None,
+        "sliding_window_pattern": 6,
+    }
+
+
 def hf_config(shape: Shape, default_dir: Path) -> dict:
     """config.json as the real model's, on the default tokenizer's special tokens."""
     default = json.loads((default_dir / "config.json").read_text())
@@ -243,7 +351,7 @@ def hf_config(shape: Shape, default_dir: Path) -> dict:
         "initializer_range": INIT_STD,
         "intermediate_size": shape.intermediate,
         "max_position_embeddings": shape.max_positions,
-        "model_type": shape.gguf_arch,
+        "model_type": shape.model_type,
         "num_attention_heads": shape.heads,
         "num_hidden_layers": shape.layers,
         "num_key_value_heads": shape.kv_heads,
@@ -254,13 +362,7 @@ def hf_config(shape: Shape, default_dir: Path) -> dict:
         "use_cache": True,
         "vocab_size": shape.vocab,
     }
-    if shape.gguf_arch == "llama":  # Llama 3.2's config.json names its head_dim and biases
-        config.update(head_dim=shape.head_dim, attention_bias=False, mlp_bias=False)
-        config.update(rope_scaling=shape.rope_scaling, pretraining_tp=1)
-    else:  # Qwen2.5's: sliding-window fields, the window off
-        config.update(use_sliding_window=False, sliding_window=shape.max_positions)
-        config.update(max_window_layers=shape.layers)
-    return config
+    return config | family_config(shape)
 
 
 @functools.cache
@@ -276,10 +378,12 @@ def tokenizer_fields(path: Path) -> tuple[tuple[str, object, list[gguf.GGUFValue
 
 
 def _metadata(writer: gguf.GGUFWriter, shape: Shape, fmt: str, name: str, tokenizer: tuple) -> None:
-    """The keys convert_hf_to_gguf.py writes for a `llama` or `qwen2` config (TextModel's, then
-    LlamaModel's vocab size and rope dimensions; key/value lengths where config.json has
-    head_dim, which Llama's has and Qwen2.5's has not), the file type llama-quantize sets, and
-    the default model's tokenizer."""
+    """The keys convert_hf_to_gguf.py writes for the shape's config: TextModel's (key/value
+    lengths where config.json has head_dim, which Llama 3.2's, Qwen3's and Gemma's have and
+    Qwen2.5's and Mistral's have not), then LlamaModel's vocab size and rope dimensions,
+    Gemma2Model's (no rope base: llama.cpp's default is Gemma 2's; soft-caps, window) or
+    Gemma3Model's window; the file type llama-quantize sets, and the default model's
+    tokenizer."""
     writer.add_type("model")
     writer.add_name(f"random {name}")
     writer.add_block_count(shape.layers)
@@ -288,13 +392,20 @@ def _metadata(writer: gguf.GGUFWriter, shape: Shape, fmt: str, name: str, tokeni
     writer.add_feed_forward_length(shape.intermediate)
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.kv_heads)
-    writer.add_rope_freq_base(shape.rope_theta)
+    if shape.gguf_arch != "gemma2":
+        writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
-    if shape.gguf_arch == "llama":
+    if "head_dim" in family_config(shape):
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
+    if shape.gguf_arch == "llama":
         writer.add_vocab_size(shape.vocab)
         writer.add_rope_dimension_count(shape.head_dim)
+    if shape.gguf_arch == "gemma2":
+        writer.add_attn_logit_softcapping(GEMMA2_SOFTCAPS[0])
+        writer.add_final_logit_softcapping(GEMMA2_SOFTCAPS[1])
+    if shape.gemma:
+        writer.add_sliding_window(shape.sliding_window)
     writer.add_file_type(GGUF_FORMATS[fmt][1])
     for key, value, types in tokenizer:
         sub_type = types[-1] if types[0] == gguf.GGUFValueType.ARRAY else None
@@ -385,6 +496,8 @@ class _GGUFSink:
         if self.shape.gguf_arch == "llama" and spec.role in ("attn_q.weight", "attn_k.weight"):
             heads = self.shape.heads if spec.role == "attn_q.weight" else self.shape.kv_heads
             values = permute_qk(values, heads)
+        if self.shape.gemma and spec.role.endswith("norm.weight"):
+            values = values + 1.0  # Gemma's norms scale by 1 + weight: llama.cpp stores the sum
         type_name = gguf_type(spec, self.shape, self.fmt)
         self.writer.write_tensor_data(values if type_name == "F32" else quantize(values, type_name))
 
