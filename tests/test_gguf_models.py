@@ -101,10 +101,15 @@ def test_stats_report_weights_near_the_file_size_and_kv_cache_committed_on_use(q
     assert 0 < stats["kv_cache_resident_bytes"] < stats["kv_cache_bytes"]
 
 
-@pytest.fixture(scope="module", params=["tiny", "tiny-qwen2"])
+K_QUANT_SHAPES = ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-gemma3"]
+
+
+@pytest.fixture(scope="module", params=K_QUANT_SHAPES)
 def k_quant_checkpoint(request, tmp_path_factory):
-    """A random checkpoint (llama: untied, q/k rows permuted in the file; qwen2: tied, biases) as
-    a float32 directory and a Q4_K_M file (Q4_K and Q6_K blocks) of the same weights."""
+    """A random checkpoint of each family our modules serve (llama: untied, q/k rows permuted in
+    the file; qwen2: tied, biases; qwen3: q/k norms, head_dim 128; mistral: a `llama` file;
+    gemma2/gemma3: sandwich norms stored as 1 + weight, sliding windows, soft-caps) as a bf16
+    directory and a Q4_K_M file (Q4_K and Q6_K blocks) of the same weights."""
     out = tmp_path_factory.mktemp(request.param)
     bf16, q4_k_m = write_checkpoint(request.param, out, ("bf16", "q4_k_m"))
     return bf16, q4_k_m
@@ -122,9 +127,13 @@ def test_k_quant_files_hold_the_weights_of_their_float_copy(k_quant_checkpoint):
     dequantized = LLM(model=str(gguf), dtype="float32", quantization="none", num_kv_blocks=64)
     float_copy = LLM(model=str(directory), dtype="float32", num_kv_blocks=64)
     # the llama file's llama3 RoPE scaling, which it keeps as a rope_freqs tensor, comes back;
-    # GGUF keeps the norm's epsilon in float32
+    # GGUF keeps the norm's epsilon in float32; llama.cpp writes Mistral as `llama`, which runs
+    # on the same modules as Llama
     config, expected = dequantized.engine.model_config, float_copy.engine.model_config
     assert config.rms_norm_eps == pytest.approx(expected.rms_norm_eps, rel=1e-6)
+    if expected.architecture == "MistralForCausalLM":
+        assert config.architecture == "LlamaForCausalLM"
+        expected = replace(expected, architecture=config.architecture)
     assert replace(config, rms_norm_eps=expected.rms_norm_eps) == expected
     ours, reference = _weights(dequantized), _weights(float_copy)
     assert ours.keys() == reference.keys()
@@ -147,6 +156,20 @@ def test_k_quant_linears_compute_what_their_dequantized_weights_do(k_quant_check
     assert formats == {"Q4_K", "Q6_K"}
     out = quantized.generate(["Hello"], GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_k_quant_greedy_tokens_start_as_the_dequantized_weights_do(k_quant_checkpoint):
+    """The file served in its blocks and the same file read into full-precision weights give
+    the same first greedy tokens (they differ by the int8 activations only; random weights
+    leave near-ties, so a later token may flip), on the family's own modules."""
+    _, gguf = k_quant_checkpoint
+    quantized = LLM(model=str(gguf), dtype="float32", num_kv_blocks=64)
+    dequantized = LLM(model=str(gguf), dtype="float32", quantization="none", num_kv_blocks=64)
+    assert quantized.engine.model_config.impl == "native"
+    runs = [llm.generate(PROMPTS, GREEDY, use_tqdm=False) for llm in (quantized, dequantized)]
+    ours, reference = ([o.outputs[0].token_ids for o in run] for run in runs)
+    assert sum(a[:4] == r[:4] for a, r in zip(ours, reference, strict=True)) >= 3
+    assert_all_blocks_free(quantized.engine)
 
 
 def test_int8_linears_are_q8_0_blocks_of_the_float_weights(llm_fp32):

@@ -6,6 +6,7 @@ tokenizer's ~100k strings, so each file is read once."""
 from __future__ import annotations
 
 import functools
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -155,7 +156,8 @@ def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def gguf_weights(path: Path, shape: rc.Shape) -> dict[str, np.ndarray]:
-    """The file's tensors dequantized by gguf, in Hugging Face's names and row order."""
+    """The file's tensors dequantized by gguf, in Hugging Face's names, row order and norm
+    values (Gemma's less the one llama.cpp adds, as transformers reads them)."""
     tensors = {t.name: t for t in read_gguf(path).tensors}
     weights = {}
     for spec in rc.tensor_plan(shape):
@@ -163,6 +165,8 @@ def gguf_weights(path: Path, shape: rc.Shape) -> dict[str, np.ndarray]:
         values = dequantize(tensor.data, tensor.tensor_type).reshape(spec.shape)
         if shape.gguf_arch == "llama" and spec.role in ("attn_q.weight", "attn_k.weight"):
             values = unpermute(values, shape.heads if "attn_q" in spec.role else shape.kv_heads)
+        if shape.gemma and spec.role.endswith("norm.weight"):
+            values = values - np.float32(1)
         weights[spec.hf_name] = values
     return weights
 
@@ -355,3 +359,150 @@ def test_unknown_shapes_and_formats_are_named():
         rc.write_checkpoint("llama-9b", Path("unused"))
     with pytest.raises(ValueError, match=r"unknown formats \['q5_k_m'\]"):
         rc.write_checkpoint("tiny", Path("unused"), ("bf16", "q5_k_m"))
+
+
+# The other families, each written once (bf16 and Q4_K_M) for the tests below.
+FAMILIES = ("tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-gemma3")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory) -> tuple[rc.Shape, Path, Path]:
+    """(shape, bf16 directory, Q4_K_M file) of one of FAMILIES."""
+    out = tmp_path_factory.mktemp(request.param)
+    bf16, q4_k_m = rc.write_checkpoint(request.param, out, ("bf16", "q4_k_m"))
+    return rc.SHAPES[request.param], bf16, q4_k_m
+
+
+# Each family's tensors of one layer, as llama.cpp's converter names them.
+LAYER_TENSORS = {
+    "llama": ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm"),
+    "qwen3": ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm"),
+    "gemma2": ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "post_attention_norm"),
+    "gemma3": ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm"),
+}
+LAYER_TENSORS["qwen3"] += ("attn_output", "ffn_norm")
+LAYER_TENSORS["gemma2"] += ("ffn_norm", "post_ffw_norm")
+LAYER_TENSORS["gemma3"] += ("attn_output", "post_attention_norm", "ffn_norm", "post_ffw_norm")
+LAYER_TENSORS = {k: (*v, "ffn_gate", "ffn_up", "ffn_down") for k, v in LAYER_TENSORS.items()}
+
+
+def test_family_tensors_are_llama_cpp_s_names_and_q4_k_m_types(family):
+    """Names from gguf's own table of the architecture's tensors; Q4_K_M's types as llama.cpp
+    picks them: Q6_K for the output (the embeddings where tied) and for attn_v and ffn_down on
+    `use_more_bits` layers, F32 norms."""
+    import gguf
+
+    shape, _, path = family
+    types = file_types(path)
+    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == shape.gguf_arch)
+    known = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch]}
+    for name in types:
+        assert re.sub(r"^blk\.\d+\.", "blk.{bid}.", name.removesuffix(".weight")) in known, name
+    top = {"token_embd.weight": "Q6_K" if shape.tied else "Q4_K", "output_norm.weight": "F32"}
+    expected = top | ({} if shape.tied else {"output.weight": "Q6_K"})
+    for i in range(shape.layers):
+        for part in LAYER_TENSORS[shape.gguf_arch]:
+            more = part in ("attn_v", "ffn_down") and rc.use_more_bits(i, shape.layers)
+            kind = "F32" if part.endswith("norm") else "Q6_K" if more else "Q4_K"
+            expected[f"blk.{i}.{part}.weight"] = kind
+    assert types == expected
+
+
+# convert_hf_to_gguf.py's keys beyond general.*, for each family's tiny shape.
+FAMILY_METADATA = {
+    "tiny-qwen3": {
+        "qwen3.context_length": 40960,
+        "qwen3.attention.head_count_kv": 2,
+        "qwen3.rope.freq_base": 1e6,
+        "qwen3.attention.layer_norm_rms_epsilon": float(np.float32(1e-6)),
+        "qwen3.attention.key_length": 128,
+        "qwen3.attention.value_length": 128,
+    },
+    "tiny-mistral": {  # LlamaModel's keys: no key_length (no head_dim in config.json)
+        "llama.context_length": 32768,
+        "llama.attention.head_count_kv": 2,
+        "llama.rope.freq_base": 1e6,
+        "llama.attention.layer_norm_rms_epsilon": float(np.float32(1e-5)),
+        "llama.vocab_size": 49152,
+        "llama.rope.dimension_count": 64,
+    },
+    "tiny-gemma2": {  # Gemma2Model's keys: no rope base
+        "gemma2.context_length": 8192,
+        "gemma2.attention.head_count_kv": 2,
+        "gemma2.attention.layer_norm_rms_epsilon": float(np.float32(1e-6)),
+        "gemma2.attention.key_length": 256,
+        "gemma2.attention.value_length": 256,
+        "gemma2.attn_logit_softcapping": 50.0,
+        "gemma2.final_logit_softcapping": 30.0,
+        "gemma2.attention.sliding_window": 16,
+    },
+    "tiny-gemma3": {
+        "gemma3.block_count": 6,
+        "gemma3.context_length": 32768,
+        "gemma3.attention.head_count_kv": 1,
+        "gemma3.rope.freq_base": 1e6,
+        "gemma3.attention.layer_norm_rms_epsilon": float(np.float32(1e-6)),
+        "gemma3.attention.key_length": 256,
+        "gemma3.attention.value_length": 256,
+        "gemma3.attention.sliding_window": 16,
+    },
+}
+
+
+def test_family_metadata_is_convert_hf_to_gguf_s(family):
+    shape, _, path = family
+    name = path.name.removesuffix("-Q4_K_M.gguf")
+    arch = shape.gguf_arch
+    expected = {
+        "general.type": "model",
+        "general.quantization_version": 2,
+        "general.architecture": arch,
+        "general.name": f"random {name}",
+        "general.file_type": 15,
+        f"{arch}.block_count": 2,
+        f"{arch}.embedding_length": 256,
+        f"{arch}.feed_forward_length": 512,
+        f"{arch}.attention.head_count": 4,
+    }
+    assert _plain_fields(path) == expected | FAMILY_METADATA[name]
+
+
+def test_family_gguf_weights_are_the_bf16_weights_quantized(family):
+    """Gemma's norms less one are the bf16 copy's (a file without the added one fails);
+    Mistral's q/k rows un-permuted (as llama's)."""
+    shape, bf16_dir, path = family
+    bf16 = load_file(bf16_dir / "model.safetensors")
+    types, ours = file_types(path), gguf_weights(path, shape)
+    for spec in rc.tensor_plan(shape):
+        values, expected = ours[spec.hf_name], bf16[spec.hf_name].float().numpy()
+        if types[spec.gguf_name] == "F32":  # 1 + w rounds to float32: w within its last bit
+            np.testing.assert_allclose(values, expected, rtol=0, atol=2e-7, err_msg=spec.hf_name)
+        else:
+            assert rel_rms(values, expected) < ERROR_BOUNDS[types[spec.gguf_name]], spec.hf_name
+    norms = [bf16[s.hf_name] for s in rc.tensor_plan(shape) if s.hf_name.endswith("norm.weight")]
+    assert all(bool((n == 1).all()) != shape.gemma for n in norms)  # Gemma's: offsets from 1
+
+
+def test_transformers_reads_each_family_s_file(family):
+    """transformers' GGUF loader gives the bf16 copy's class and configuration (Mistral's file
+    is a `llama` one: Llama's class, the same modules) and gguf's dequantization of our bytes
+    as its weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape, bf16_dir, path = family
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    expected = AutoConfig.from_pretrained(bf16_dir)
+    mistral = shape.architecture == "MistralForCausalLM"
+    assert type(model).__name__ == ("LlamaForCausalLM" if mistral else shape.architecture)
+    config = model.config
+    for key in (
+        *("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"),
+        *("head_dim", "sliding_window", "layer_types", "query_pre_attn_scalar"),
+        *("attn_logit_softcapping", "final_logit_softcapping", "tie_word_embeddings"),
+        *("intermediate_size", "rope_parameters"),
+    ):
+        if hasattr(expected, key) and not (mistral and key == "sliding_window"):
+            assert getattr(config, key) == getattr(expected, key), key
+    state = model.state_dict()
+    for name, values in gguf_weights(path, shape).items():
+        np.testing.assert_array_equal(state[name].float().numpy(), values, err_msg=name)
