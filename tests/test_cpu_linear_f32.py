@@ -70,3 +70,22 @@ def test_fp32_engines_serve_small_steps_in_c_with_torchs_tokens(tiny_model, one_
     assert calls and max(calls) <= 8
     want = plain.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_without_c_kernels_no_step_calls_the_c_linear(tiny_model, one_thread, monkeypatch):
+    """`cpu_kernels=False` keeps every linear in torch, steps whose logits have no rows (a
+    chunked prefill's first chunks) included: the C library may not even exist there."""
+
+    def refuse(*args):
+        raise AssertionError("linear_f32 called")
+
+    monkeypatch.setattr(cpu_ops, "linear_f32", refuse)
+    llm = LLM(
+        model=str(tiny_model),
+        dtype="float32",
+        num_kv_blocks=64,
+        cpu_kernels=False,
+        max_num_batched_tokens=16,
+    )
+    out = llm.generate([[7] * 40], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3

@@ -69,7 +69,7 @@ class Linear(nn.Linear):
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.c_rows:
+        if self.c_rows and x.shape[0] <= self.c_rows:  # 0: never (a step may have no rows)
             return cpu_ops.linear_f32(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -341,7 +341,7 @@ class LlamaForCausalLM(nn.Module):
         if self.cpu_head is not None:
             return self.cpu_head(x, out_dtype=torch.float32)
         weight = self._head_weight()
-        if x.shape[0] <= self.head_c_rows:
+        if self.head_c_rows and x.shape[0] <= self.head_c_rows:
             return cpu_ops.linear_f32(x, weight, None)
         return F.linear(x, weight).float()
 
