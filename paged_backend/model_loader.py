@@ -172,6 +172,8 @@ def _write_gguf_dir(path: Path, target: Path, weights: bool) -> None:
     into `target`, with its weights dequantized to fp32 safetensors where `weights`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from paged_backend.gguf.weights import apply_config_fixes, read_metadata
+
     what = "converting" if weights else "reading the configuration and tokenizer of"
     notice(f"{what} {path.name} once into {target}" + (" (under a minute)" if weights else ""))
     target.parent.mkdir(mode=0o700, exist_ok=True)
@@ -181,8 +183,10 @@ def _write_gguf_dir(path: Path, target: Path, weights: bool) -> None:
             kwargs = {"gguf_file": path.name}
             tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
             config = AutoConfig.from_pretrained(path.parent, **kwargs)
+            arch, fixes, tensors = read_metadata(path)
+            apply_config_fixes(config, fixes)
             model = weights and AutoModelForCausalLM.from_pretrained(
-                path.parent, dtype=torch.float32, **kwargs
+                path.parent, config=config, dtype=torch.float32, **kwargs
             )
         except Exception as exc:
             raise ValueError(f"could not read GGUF file {path}: {exc}") from exc
@@ -197,16 +201,9 @@ def _write_gguf_dir(path: Path, target: Path, weights: bool) -> None:
         else:
             from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-            from paged_backend.gguf.weights import read_metadata
-
             tmp.mkdir()
             config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
             config.save_pretrained(tmp)
-            arch, scaling, tensors = read_metadata(path)
-            if scaling is not None:  # kept in the file as a tensor, which transformers drops
-                raw = json.loads((tmp / "config.json").read_text())
-                raw["rope_scaling"] = scaling
-                (tmp / "config.json").write_text(json.dumps(raw, indent=2))
             marker = {"gguf": str(path.absolute()), "architecture": arch, "tensors": tensors}
             (tmp / GGUF_WEIGHTS).write_text(json.dumps(marker))
         tokenizer.model_max_length = config.max_position_embeddings

@@ -6,16 +6,20 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import gguf
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_all_blocks_free
+from gguf import GGUFReader
 
 from paged_backend import LLM, SamplingParams, cpu
 from paged_backend.cpu.quant import QuantEmbedding, QuantLinear
 from paged_backend.default_model import default_model_file
 from paged_backend.gguf.random_checkpoint import write_checkpoint
-from paged_backend.model_loader import gguf_weights_file, resolve_model_path
+from paged_backend.gguf.weights import config_fixes
+from paged_backend.model_loader import convert_gguf, gguf_weights_file, resolve_model_path
+from paged_backend.models.config import ModelConfig
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
 
@@ -107,8 +111,9 @@ K_QUANT_SHAPES = ["tiny", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemm
 @pytest.fixture(scope="module", params=K_QUANT_SHAPES)
 def k_quant_checkpoint(request, tmp_path_factory):
     """A random checkpoint of each family our modules serve (llama: untied, q/k rows permuted in
-    the file; qwen2: tied, biases; qwen3: q/k norms, head_dim 128; mistral: a `llama` file;
-    gemma2/gemma3: sandwich norms stored as 1 + weight, sliding windows, soft-caps) as a bf16
+    the file; qwen2: tied, biases; qwen3: q/k norms, head_dim neither hidden / heads nor 128;
+    mistral: a `llama` file; gemma2/gemma3: sandwich norms stored as 1 + weight, sliding
+    windows; gemma2's soft-caps and gemma3's linear rope scaling, neither the default) as a bf16
     directory and a Q4_K_M file (Q4_K and Q6_K blocks) of the same weights."""
     out = tmp_path_factory.mktemp(request.param)
     bf16, q4_k_m = write_checkpoint(request.param, out, ("bf16", "q4_k_m"))
@@ -135,6 +140,9 @@ def test_k_quant_files_hold_the_weights_of_their_float_copy(k_quant_checkpoint):
         assert config.architecture == "LlamaForCausalLM"
         expected = replace(expected, architecture=config.architecture)
     assert replace(config, rms_norm_eps=expected.rms_norm_eps) == expected
+    # transformers' conversion (architectures we do not map) builds its model on that config
+    converted = ModelConfig.from_dir(convert_gguf(gguf))
+    assert replace(converted, rms_norm_eps=expected.rms_norm_eps) == expected
     ours, reference = _weights(dequantized), _weights(float_copy)
     assert ours.keys() == reference.keys()
     for name, weight in reference.items():
@@ -206,3 +214,39 @@ def test_architectures_we_do_not_map_go_through_transformers_conversion(monkeypa
     ours = converted.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     reference = llm_fp32.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in reference]
+
+
+def _metadata_file(path, arch: str, layers: int, keys: dict) -> GGUFReader:
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(layers)
+    writer.add_embedding_length(5376)
+    writer.add_head_count(32)
+    for key, value in keys.items():
+        getattr(writer, f"add_{key}")(value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return GGUFReader(path)
+
+
+def test_config_fixes_are_what_the_file_holds_and_transformers_drops(tmp_path):
+    """Only the keys a file has give fixes; a 27B Gemma's query scale is hidden // heads (as
+    llama.cpp tells it by its layer count), a smaller one's is left to head_dim."""
+    keys = {"key_length": 128, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+    reader = _metadata_file(tmp_path / "g2.gguf", "gemma2", 46, keys)
+    assert config_fixes(reader, "gemma2", tmp_path) == {
+        "head_dim": 128,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "query_pre_attn_scalar": 5376 // 32,
+    }
+    linear = {"rope_scaling_type": gguf.RopeScalingType.LINEAR, "rope_scaling_factor": 8.0}
+    reader = _metadata_file(tmp_path / "g3.gguf", "gemma3", 34, linear)
+    assert config_fixes(reader, "gemma3", tmp_path) == {
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}
+    }
+    reader = _metadata_file(tmp_path / "g3-27b.gguf", "gemma3", 62, {})
+    assert config_fixes(reader, "gemma3", tmp_path) == {"query_pre_attn_scalar": 168}
+    reader = _metadata_file(tmp_path / "llama.gguf", "llama", 62, {})
+    assert config_fixes(reader, "llama", tmp_path) == {}

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from paged_backend.default_model import default_model_file
 from paged_backend.gguf import random_checkpoint as rc
 from paged_backend.gguf.quantize import TYPES, quantize
+from paged_backend.gguf.weights import apply_config_fixes, read_metadata
 from paged_backend.models.config import ModelConfig
 
 # Relative RMS error of a round trip on gaussian weights (measured: Q4_K 0.078, Q5_K 0.038,
@@ -415,8 +416,8 @@ FAMILY_METADATA = {
         "qwen3.attention.head_count_kv": 2,
         "qwen3.rope.freq_base": 1e6,
         "qwen3.attention.layer_norm_rms_epsilon": float(np.float32(1e-6)),
-        "qwen3.attention.key_length": 128,
-        "qwen3.attention.value_length": 128,
+        "qwen3.attention.key_length": 192,
+        "qwen3.attention.value_length": 192,
     },
     "tiny-mistral": {  # LlamaModel's keys: no key_length (no head_dim in config.json)
         "llama.context_length": 32768,
@@ -432,8 +433,8 @@ FAMILY_METADATA = {
         "gemma2.attention.layer_norm_rms_epsilon": float(np.float32(1e-6)),
         "gemma2.attention.key_length": 256,
         "gemma2.attention.value_length": 256,
-        "gemma2.attn_logit_softcapping": 50.0,
-        "gemma2.final_logit_softcapping": 30.0,
+        "gemma2.attn_logit_softcapping": 40.0,
+        "gemma2.final_logit_softcapping": 20.0,
         "gemma2.attention.sliding_window": 16,
     },
     "tiny-gemma3": {
@@ -445,6 +446,8 @@ FAMILY_METADATA = {
         "gemma3.attention.key_length": 256,
         "gemma3.attention.value_length": 256,
         "gemma3.attention.sliding_window": 16,
+        "gemma3.rope.scaling.type": "linear",
+        "gemma3.rope.scaling.factor": 8.0,
     },
 }
 
@@ -484,13 +487,16 @@ def test_family_gguf_weights_are_the_bf16_weights_quantized(family):
 
 
 def test_transformers_reads_each_family_s_file(family):
-    """transformers' GGUF loader gives the bf16 copy's class and configuration (Mistral's file
-    is a `llama` one: Llama's class, the same modules) and gguf's dequantization of our bytes
-    as its weights."""
+    """transformers' GGUF loader, given the keys its config reader drops (`config_fixes`, as
+    our conversion does), gives the bf16 copy's class and configuration (Mistral's file is a
+    `llama` one: Llama's class, the same modules) and gguf's dequantization of our bytes as its
+    weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     shape, bf16_dir, path = family
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    apply_config_fixes(config, read_metadata(path)[1])
+    model = AutoModelForCausalLM.from_pretrained(path.parent, config=config, gguf_file=path.name)
     expected = AutoConfig.from_pretrained(bf16_dir)
     mistral = shape.architecture == "MistralForCausalLM"
     assert type(model).__name__ == ("LlamaForCausalLM" if mistral else shape.architecture)

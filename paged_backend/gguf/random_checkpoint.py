@@ -81,9 +81,9 @@ GGUF_ARCHS = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
 }
-# Gemma 2's soft-caps (attention scores, final logits): every Gemma 2's, and the values
-# transformers' GGUF loader assumes (it reads neither key).
-GEMMA2_SOFTCAPS = (50.0, 30.0)
+# Soft-caps (attention scores, final logits): not Gemma 2's 50 and 30, which transformers' GGUF
+# loader assumes (it reads neither key), so that a reader dropping them is caught.
+GEMMA2_SOFTCAPS = (40.0, 20.0)
 GEMMA3_LOCAL_ROPE_THETA = 10000.0  # its sliding layers' base; GGUF files do not store it
 
 
@@ -144,18 +144,23 @@ SHAPES = {
     # one untied (an `output.weight`) with Llama 3.2's rope, the qwen2 one tied with biases.
     "tiny": Shape("LlamaForCausalLM", 256, 2, 4, 2, 512, **_LLAMA_3_2, tied=False),
     "tiny-qwen2": Shape("Qwen2ForCausalLM", 256, 2, 4, 2, 512, 32768, 1e6, 1e-6),
-    # The other families our modules serve, each on its real models' constants: Qwen3 (q/k
-    # norms, head_dim 128 as in every Qwen3, wider than hidden / heads), Mistral (v0.3's: no
-    # window, untied), Gemma 2 (sliding and global layers alternating, soft-caps; head_dim 256)
-    # and Gemma 3 (five sliding layers to one global, q/k norms, 1B's single KV head). Windows
-    # of 16 so that short prompts reach past them.
-    "tiny-qwen3": Shape("Qwen3ForCausalLM", 256, 2, 4, 2, 512, 40960, 1e6, 1e-6, key_length=128),
+    # The other families our modules serve, each built as its real models are: Qwen3 (q/k
+    # norms, head_dim neither hidden / heads nor transformers' Qwen3 default of 128), Mistral
+    # (v0.3's: no window, untied), Gemma 2 (sliding and global layers alternating, soft-caps;
+    # head_dim 256) and Gemma 3 (five sliding layers to one global, q/k norms, 1B's single KV
+    # head, 4B's linear rope scaling of the global layers). Windows of 16 so that short prompts
+    # reach past them.
+    "tiny-qwen3": Shape("Qwen3ForCausalLM", 256, 2, 4, 2, 512, 40960, 1e6, 1e-6, key_length=192),
     "tiny-mistral": Shape("MistralForCausalLM", 256, 2, 4, 2, 512, 32768, 1e6, 1e-5, tied=False),
     "tiny-gemma2": Shape(
         "Gemma2ForCausalLM", 256, 2, 4, 2, 512, 8192, 1e4, 1e-6, key_length=256, sliding_window=16
     ),
     "tiny-gemma3": Shape(
-        "Gemma3ForCausalLM", 256, 6, 4, 1, 512, 32768, 1e6, 1e-6, key_length=256, sliding_window=16
+        "Gemma3ForCausalLM",
+        *(256, 6, 4, 1, 512, 32768, 1e6, 1e-6),
+        key_length=256,
+        sliding_window=16,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
     ),
 }
 
@@ -333,7 +338,7 @@ def family_config(shape: Shape) -> dict:
         "attn_logit_softcapping": None,
         "final_logit_softcapping": None,
         "rope_local_base_freq": GEMMA3_LOCAL_ROPE_THETA,
-        "rope_scaling": None,
+        "rope_scaling": shape.rope_scaling,
         "sliding_window_pattern": 6,
     }
 
@@ -382,8 +387,8 @@ def _metadata(writer: gguf.GGUFWriter, shape: Shape, fmt: str, name: str, tokeni
     lengths where config.json has head_dim, which Llama 3.2's, Qwen3's and Gemma's have and
     Qwen2.5's and Mistral's have not), then LlamaModel's vocab size and rope dimensions,
     Gemma2Model's (no rope base: llama.cpp's default is Gemma 2's; soft-caps, window) or
-    Gemma3Model's window; the file type llama-quantize sets, and the default model's
-    tokenizer."""
+    Gemma3Model's window and linear rope scaling; the file type llama-quantize sets, and the
+    default model's tokenizer."""
     writer.add_type("model")
     writer.add_name(f"random {name}")
     writer.add_block_count(shape.layers)
@@ -401,6 +406,9 @@ def _metadata(writer: gguf.GGUFWriter, shape: Shape, fmt: str, name: str, tokeni
     if shape.gguf_arch == "llama":
         writer.add_vocab_size(shape.vocab)
         writer.add_rope_dimension_count(shape.head_dim)
+    if shape.rope_scaling and shape.rope_scaling["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(shape.rope_scaling["factor"])
     if shape.gguf_arch == "gemma2":
         writer.add_attn_logit_softcapping(GEMMA2_SOFTCAPS[0])
         writer.add_final_logit_softcapping(GEMMA2_SOFTCAPS[1])
@@ -476,7 +484,8 @@ class _GGUFSink:
         self.shape, self.fmt = shape, fmt
         self.writer = gguf.GGUFWriter(path, shape.gguf_arch)
         _metadata(self.writer, shape, fmt, name, tokenizer)
-        freqs = rope_freqs(shape) if shape.rope_scaling else None
+        llama3 = (shape.rope_scaling or {}).get("rope_type") == "llama3"
+        freqs = rope_freqs(shape) if llama3 else None
         if freqs is not None:
             self.writer.add_tensor_info("rope_freqs.weight", freqs.shape, freqs.dtype, freqs.nbytes)
         for spec in plan:

@@ -37,6 +37,7 @@ from paged_backend.models.llama import param_shard
 # stores as 1 + weight.
 _PERMUTED = ("llama", "mistral")
 _GEMMA = ("gemma2", "gemma3")
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 _TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -116,24 +117,60 @@ def map_tensors(path: Path, table: list[dict]) -> list[MappedTensor]:
     return tensors
 
 
-def read_metadata(path: Path) -> tuple[str, dict | None, list[dict]]:
-    """(general.architecture, the llama3 `rope_scaling` of a Llama 3.1+ file or None, the
-    `tensor_table`) of GGUF file `path`. llama.cpp's converter keeps llama3 scaling as a
-    `rope_freqs` tensor (each rotary frequency's divisor) rather than as its parameters, and
-    transformers' GGUF loader drops it (the model would rotate its long-range dims too fast):
-    the parameters that give those divisors are found here."""
+def read_metadata(path: Path) -> tuple[str, dict, list[dict]]:
+    """(general.architecture, its `config_fixes`, the `tensor_table`) of GGUF file `path`."""
     reader = GGUFReader(path)
     arch = architecture(reader)
-    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if tensor is None:
-        return arch, None, tensor_table(reader)
-    factors = np.asarray(tensor.data, dtype=np.float64)
-    field = reader.fields[f"{arch}.rope.freq_base"]
-    theta = float(field.parts[field.data[0]][0])
-    scaling = {"rope_type": "llama3", "factor": float(factors.max()), **_LLAMA3_ROPE}
-    if not np.allclose(llama3_factors(scaling, theta, 2 * len(factors)), factors, rtol=1e-3):
-        raise ValueError(f"{path}: its rope_freqs are not llama3 RoPE scaling's")
-    return arch, scaling, tensor_table(reader)
+    return arch, config_fixes(reader, arch, path), tensor_table(reader)
+
+
+def config_fixes(reader: GGUFReader, arch: str, path: Path) -> dict:
+    """The Hugging Face config values that GGUF file `path` holds and transformers' GGUF
+    config reader drops (it maps a fixed key list per architecture), each of which changes the
+    model's output:
+    - "head_dim" from `attention.key_length` (Qwen3's is not hidden // heads);
+    - Gemma 2's attention and final soft-caps;
+    - "rope_scaling": Gemma 3's linear scaling (4B and larger), and llama3 scaling, which
+      llama.cpp's converter keeps as a `rope_freqs` tensor (each rotary frequency's divisor)
+      rather than as its parameters: the parameters that give those divisors are found here;
+    - "query_pre_attn_scalar" of the 27B Gemmas, hidden // heads where the smaller ones have
+      head_dim: GGUF does not store it, llama.cpp tells them by their layer count."""
+
+    def value(key: str):
+        field = reader.fields.get(f"{arch}.{key}")
+        return None if field is None else field.contents()
+
+    fixes = {}
+    if value("attention.key_length") is not None:
+        fixes["head_dim"] = int(value("attention.key_length"))
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if value(cap) is not None:
+            fixes[cap] = float(value(cap))
+    if value("rope.scaling.type") == "linear":
+        factor = float(value("rope.scaling.factor"))
+        fixes["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        factors = np.asarray(freqs.data, dtype=np.float64)
+        theta = float(value("rope.freq_base"))
+        scaling = {"rope_type": "llama3", "factor": float(factors.max()), **_LLAMA3_ROPE}
+        if not np.allclose(llama3_factors(scaling, theta, 2 * len(factors)), factors, rtol=1e-3):
+            raise ValueError(f"{path}: its rope_freqs are not llama3 RoPE scaling's")
+        fixes["rope_scaling"] = scaling
+    if _GEMMA_27B_LAYERS.get(arch) == value("block_count"):
+        fixes["query_pre_attn_scalar"] = value("embedding_length") // value("attention.head_count")
+    return fixes
+
+
+def apply_config_fixes(config, fixes: dict) -> None:
+    """Set `config_fixes` on a transformers config read from the same file. Rope scaling goes
+    into `rope_parameters` (Gemma 3's: its global layers')."""
+    for key, fix in fixes.items():
+        if key == "rope_scaling":
+            rope = config.rope_parameters
+            rope.get("full_attention", rope).update(fix)
+        else:
+            setattr(config, key, fix)
 
 
 def llama3_factors(scaling: dict, theta: float, dim: int) -> np.ndarray:

@@ -20,12 +20,16 @@ LLAMA_ARCHITECTURES = (
 
 def rope_scaling_of(scaling: dict, config_file: Path, types: tuple[str, ...]) -> dict | None:
     """`scaling` (a `rope_scaling` or `rope_parameters` dict) with its `rope_type` where it is
-    one of `types`, the scalings our modules implement for the family; None for plain RoPE;
-    else ValueError."""
+    one of `types`, the scalings our modules implement for the family (without the base,
+    which `rope_parameters` holds too); None for plain RoPE; else ValueError."""
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type != "default" and rope_type not in types:
         raise ValueError(f"unsupported rope scaling type {rope_type!r} in {config_file}")
-    return None if rope_type == "default" else dict(scaling, rope_type=rope_type)
+    if rope_type == "default":
+        return None
+    return {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")} | {
+        "rope_type": rope_type
+    }
 
 
 def llama_fields(raw: dict, arch: str, config_file: Path) -> dict:
