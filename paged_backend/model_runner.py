@@ -10,7 +10,7 @@ import torch
 from paged_backend import cpu
 from paged_backend.attention import AttentionMetadata, check_block_tables, get_backend
 from paged_backend.block_pool import FREED_BLOCK
-from paged_backend.config import EngineConfig
+from paged_backend.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from paged_backend.cpu import kernel_choice
 from paged_backend.cpu.linear import GemmRows, can_pack, quantize_linears_int4
 from paged_backend.cpu.memory import advise_huge_pages, huge_page_tokens, resident_bytes
@@ -52,6 +52,11 @@ class ModelRunner:
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         self.bf16_cpu = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        # the dtypes the C elementwise ops and decode attention run (`cpu.ops`)
+        self.c_ops_dtype = self.device.type == "cpu" and self.dtype in (
+            torch.bfloat16,
+            torch.float32,
+        )
         self.block_size = config.block_size
         backend = config.resolve_backend(self.device)
         ops = self._ops(config, backend)
@@ -64,6 +69,8 @@ class ModelRunner:
             c_decode=self.c_ops and model_config.head_dim % 16 == 0,
             c_prefix=bf16_kernels and model_config.head_dim % 64 == 0,
             windows=model_config.layer_windows or (None,),
+            # fp32's decode kernel also takes a sequence's drafts (and any chunk that short)
+            c_rows=1 + MAX_SPECULATIVE_TOKENS if self.dtype == torch.float32 else 1,
         )
         self.model_config = model_config
         self.gemm_rows = None
@@ -107,18 +114,19 @@ class ModelRunner:
     def _ops(self, config: EngineConfig, backend: str) -> str:
         """Who runs the layers' elementwise ops (`paged_backend.models.llama.make_ops`): fused
         Triton kernels on a GPU (on CPU, under the interpreter, they are for tests only); the
-        fused C ops for bf16 on CPU by default wherever they build (the torch attention backend
-        then also runs small decode steps in C); else torch."""
-        if config.cpu_kernels and not (self.bf16_cpu and cpu.available()):
+        fused C ops for bf16 and fp32 on CPU by default wherever they build (the torch attention
+        backend then also runs decode steps in C); else torch."""
+        if config.cpu_kernels and not (self.c_ops_dtype and cpu.available()):
             raise ValueError(
-                "cpu_kernels=True needs a bfloat16 model on CPU and a C compiler to build "
+                "cpu_kernels=True needs a bfloat16 or float32 model on CPU and a C compiler to "
+                "build "
                 f"{', '.join(p.name for p in cpu.library.SOURCES)}; "
                 f"got {self.dtype} on {self.device.type}"
                 + ("" if cpu.available() else ", and the build failed (see the log)")
             )
         if backend == "triton" and self.device.type == "cuda":
             return "triton"
-        if config.cpu_kernels is False or not self.bf16_cpu:
+        if config.cpu_kernels is False or not self.c_ops_dtype:
             return "torch"
         return "cpu" if cpu.available() else "torch"
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from paged_backend import LLM, SamplingParams, cpu
 from paged_backend.attention import AttentionMetadata
@@ -90,24 +91,53 @@ def test_rotary_gives_the_torch_values_in_place(tokens, rotary_dim):
 
 @needs_ops
 def test_other_dtypes_run_the_torch_ops():
-    weight = torch.rand(576).to(BF16)
-    x32 = torch.randn(4, 576)
+    fp16 = torch.float16
+    weight = torch.rand(576).to(fp16)
+    x16 = torch.randn(4, 576).to(fp16)
     assert torch.equal(
-        cpu_ops.rms_norm(x32, weight.float(), 1e-5),
-        cpu_ops.torch_rms_norm(x32, weight.float(), 1e-5),
+        cpu_ops.rms_norm(x16, weight, 1e-5), cpu_ops.torch_rms_norm(x16, weight, 1e-5)
     )
-    q = torch.randn(3, 2, 8)
-    cos, sin = torch.rand(3, 1, 8), torch.rand(3, 1, 8)
+    q = torch.randn(3, 2, 8).to(fp16)
+    cos, sin = torch.rand(3, 1, 8).to(fp16), torch.rand(3, 1, 8).to(fp16)
     out = cpu_ops.rotary_embedding(q, cos, sin)
     assert torch.equal(out, cpu_ops.apply_rotary(q, cos, sin)) and out.data_ptr() != q.data_ptr()
-    x = torch.randn(3, 16)
+    x = torch.randn(3, 16).to(fp16)
     assert torch.equal(cpu_ops.silu_and_mul(x), cpu_ops.torch_silu_and_mul(x))
 
 
+@needs_ops
+@pytest.mark.parametrize("rows", [1, 7, 301])
+def test_fp32_elementwise_ops_give_the_torch_values(rows):
+    """The fp32 kernels (`csrc/f32_decode.c`): torch's formulas, summed in another order."""
+    torch.manual_seed(rows)
+    x = (torch.randn(rows, 640) * 3)[:, 32:608]  # strided rows, 576 wide
+    residual, weight = torch.randn(rows, 576) * 5, torch.rand(576) + 0.5
+    got, got_sum = cpu_ops.rms_norm(x, weight, 1e-5, residual)
+    want, want_sum = cpu_ops.torch_rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(got_sum, want_sum)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    alone = F.rms_norm(x, (576,), weight, 1e-5)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, weight, 1e-5), alone, rtol=1e-5, atol=1e-5)
+    gate_up = torch.randn(rows, 2 * 100) * 30  # large |gate| both ways, a scalar tail
+    torch.testing.assert_close(
+        cpu_ops.silu_and_mul(gate_up), cpu_ops.torch_silu_and_mul(gate_up), rtol=1e-5, atol=1e-5
+    )
+    qkv = torch.randn(rows, 15 * 64)
+    emb = torch.outer(torch.randint(0, 4000, (rows,)).float(), 1e-4 ** (torch.arange(24) / 24))
+    emb = torch.cat((emb, emb), dim=-1)  # a partial rotary: 48 of 64 dims
+    cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+    qk = qkv[:, : 12 * 64].view(rows, 12, 64)
+    want = cpu_ops.apply_rotary(qk, cos, sin)
+    v_before = qkv[:, 12 * 64 :].clone()
+    got = cpu_ops.rotary_embedding(qk, cos, sin)
+    assert got.data_ptr() == qk.data_ptr() and torch.equal(qkv[:, 12 * 64 :], v_before)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def _decode_step(
-    lens, bs, num_kv_heads, group, dim, packed_qkv, seed, shared_blocks=0, sharing=None
+    lens, bs, num_kv_heads, group, dim, packed_qkv, seed, shared_blocks=0, sharing=None, dtype=BF16
 ):
-    """Random bf16 caches and one step of decodes (`lens`: context after the step) over
+    """Random caches (of `dtype`) and one step of decodes (`lens`: context after the step) over
     shuffled blocks, the first `sharing` sequences (default all) sharing their first
     `shared_blocks`, as (q, k, v, (k_cache, v_cache), meta)."""
     gen = torch.Generator().manual_seed(seed)
@@ -120,16 +150,16 @@ def _decode_step(
     slots = [int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)]
     slots_total = (sum(widths) + 3) * bs
     cache = tuple(
-        torch.randn(num_kv_heads, slots_total, dim, generator=gen).to(BF16) for _ in range(2)
+        torch.randn(num_kv_heads, slots_total, dim, generator=gen).to(dtype) for _ in range(2)
     )
     heads, s = num_kv_heads * group, len(lens)
     if packed_qkv:  # views into one fused qkv row per token, as the model passes them
-        qkv = torch.randn(s, (heads + 2 * num_kv_heads) * dim, generator=gen).to(BF16)
+        qkv = torch.randn(s, (heads + 2 * num_kv_heads) * dim, generator=gen).to(dtype)
         q, k, v = qkv.split([heads * dim, num_kv_heads * dim, num_kv_heads * dim], dim=1)
         q, k, v = q.view(s, heads, dim), k.view(s, -1, dim), v.view(s, -1, dim)
     else:  # separate tensors (q/k norms), one of them not heads-packed
-        q = torch.randn(heads, s, dim, generator=gen).to(BF16).transpose(0, 1)
-        k, v = (torch.randn(s, num_kv_heads, dim, generator=gen).to(BF16) for _ in range(2))
+        q = torch.randn(heads, s, dim, generator=gen).to(dtype).transpose(0, 1)
+        k, v = (torch.randn(s, num_kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
     meta = AttentionMetadata(
         num_decodes=s,
         query_start_loc=list(range(s + 1)),
@@ -153,23 +183,75 @@ def _decode_step(
         ([90, 15, 33], 4, 1, 8, 64, False),  # more query heads a kv head than PV keeps at once
     ],
 )
+@pytest.mark.parametrize(
+    ("dtype", "window", "softcap"),
+    [(BF16, None, None), (torch.float32, None, None), (torch.float32, 23, 5.0)],
+    ids=["bf16", "fp32", "fp32-window-softcap"],
+)
 def test_decode_attention_gives_the_torch_backends_output_and_cache(
-    lens, bs, num_kv_heads, group, dim, packed_qkv
+    lens, bs, num_kv_heads, group, dim, packed_qkv, dtype, window, softcap
 ):
     outs, caches = [], []
     for c_decode in (True, False):
-        q, k, v, cache, meta = _decode_step(lens, bs, num_kv_heads, group, dim, packed_qkv, 0)
-        backend = TorchAttention(num_kv_heads * group, num_kv_heads, c_decode=c_decode)
+        q, k, v, cache, meta = _decode_step(
+            lens, bs, num_kv_heads, group, dim, packed_qkv, 0, dtype=dtype
+        )
+        backend = TorchAttention(
+            num_kv_heads * group, num_kv_heads, c_decode=c_decode, windows=(window,)
+        )
         backend.prepare(meta)
-        assert isinstance(meta.prepared[None], CDecodePlan) == c_decode
-        outs.append(backend.forward(q, k, v, cache, meta))
+        assert isinstance(meta.prepared[window], CDecodePlan) == c_decode
+        outs.append(backend.forward(q, k, v, cache, meta, window, softcap))
         caches.append(cache)
     got, want = outs
     assert got.shape == want.shape == (len(lens), num_kv_heads * group, dim)
-    assert got.dtype == BF16
-    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
-    assert (got != want).float().mean() < 0.01  # rounding differences only
+    assert got.dtype == dtype
+    tolerance = 1e-2 if dtype == BF16 else 1e-5
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+    if dtype == BF16:
+        assert (got != want).float().mean() < 0.01  # rounding differences only
     assert all(torch.equal(a, b) for a, b in zip(*caches, strict=True))
+
+
+@needs_ops
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (6, 5.0)])
+def test_fp32_decode_attention_takes_several_rows_a_sequence(window, softcap):
+    """A step verifying drafts (and short chunks): each sequence's last rows attend causally,
+    as the torch path's prefill chunks do; longer chunks keep the torch path."""
+    lens, rows = [9, 37, 130, 3], [1, 3, 5, 3]  # decodes first; the last: a 3-token prompt
+    gen = torch.Generator().manual_seed(1)
+    outs, caches = [], []
+    for c_decode in (True, False):
+        *_, cache, meta = _decode_step(lens, 4, 2, 3, 64, True, 0, dtype=torch.float32)
+        qsl = [0, *np.cumsum(rows).tolist()]
+        tables = meta.block_tables_cpu
+        slots = [
+            int(tables[i, p // 4]) * 4 + p % 4
+            for i, n in enumerate(lens)
+            for p in range(n - rows[i], n)
+        ]
+        meta = AttentionMetadata(
+            num_decodes=1,
+            query_start_loc=qsl,
+            seq_lens=lens,
+            block_tables=meta.block_tables,
+            slot_mapping=torch.tensor(slots),
+            block_size=4,
+            block_tables_cpu=tables,
+        )
+        gen.manual_seed(1)
+        q, k, v = (torch.randn(qsl[-1], h, 64, generator=gen) for h in (6, 2, 2))
+        backend = TorchAttention(6, 2, c_decode=c_decode, windows=(window,), c_rows=5)
+        backend.prepare(meta)
+        assert isinstance(meta.prepared[window], CDecodePlan) == c_decode
+        outs.append(backend.forward(q, k, v, cache, meta, window, softcap))
+        caches.append(cache)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(*caches, strict=True))
+    meta.query_start_loc = [0, 1, 4, 10, 13]  # 6 rows: more than c_rows
+    meta.seq_lens = [9, 37, 131, 3]
+    TorchAttention(6, 2, c_decode=True, c_rows=5).prepare(meta)
+    assert not isinstance(meta.prepared[None], CDecodePlan)
 
 
 @needs_ops
@@ -255,9 +337,11 @@ def test_the_c_kernels_refuse_tensors_they_would_misread():
     scratch = torch.empty(2, 3 * 9)
     good = (q, k, v, cache, tables, lens, 4, scratch)
     cpu_ops.decode_attention(*good)
+    fp16_cache = tuple(c.half() for c in cache)
     fp32_cache = tuple(c.float() for c in cache)
     for args, match in [
-        ((q, k, v, fp32_cache, *good[4:]), "caches must be bf16"),
+        ((q, k, v, fp16_cache, *good[4:]), "caches must be bf16 or fp32"),
+        ((q, k, v, fp32_cache, *good[4:]), "q must be torch.float32"),
         ((q.float(), *good[1:]), "q must be torch.bfloat16"),
         ((q, k, v, cache, tables.long(), *good[5:]), "block_tables must be torch.int32"),
         ((q, k, v, cache, tables, lens[:1], *good[6:]), "seq_lens must have shape"),
@@ -270,6 +354,11 @@ def test_the_c_kernels_refuse_tensors_they_would_misread():
         cpu_ops.store_kv(k, v, cache, torch.tensor([0, cache[0].shape[1]]))
     with pytest.raises(ValueError, match="blocks must be block ids"):
         cpu_ops.pack_prefix(cache, torch.tensor([0, -1]), 4)
+    with pytest.raises(ValueError, match="pack_prefix reads bf16"):
+        cpu_ops.pack_prefix(fp32_cache, torch.tensor([0]), 4)
+    with pytest.raises(ValueError, match="takes no shared prefix"):
+        prefix = (torch.zeros(2, dtype=torch.int32), 4, torch.empty(3, 6, 64), torch.empty(3, 6))
+        cpu_ops.decode_attention(q.float(), k.float(), v.float(), fp32_cache, *good[4:], prefix)
 
 
 needs_prefix_attention = pytest.mark.skipif(
@@ -444,9 +533,9 @@ def test_a_build_without_avx512_bf16_has_the_other_ops_but_not_prefix_attention(
         cpu.load_library.cache_clear()
 
 
-def test_fp32_engines_refuse_cpu_kernels(tiny_model):
-    with pytest.raises(ValueError, match="cpu_kernels=True needs a bfloat16 model"):
-        LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=16, cpu_kernels=True)
+def test_fp16_engines_refuse_cpu_kernels(tiny_model):
+    with pytest.raises(ValueError, match="cpu_kernels=True needs a bfloat16 or float32 model"):
+        LLM(model=str(tiny_model), dtype="float16", num_kv_blocks=16, cpu_kernels=True)
     with pytest.raises(ValueError, match="cpu_kernels"):
         LLM(model=str(tiny_model), cpu_kernels="yes")
 

@@ -1,7 +1,7 @@
 """The fused decode step (`paged_backend.attention.fused_decode`): steps of decodes only run
 every layer in one C call and give the same bits as the modules (tokens and log-probabilities),
-with global and sliding-window layers; other steps, and models it does not fit, run the
-modules."""
+with global and sliding-window layers, in bf16 (AVX512-BF16) and fp32 (any CPU with a compiler);
+other steps, and models it does not fit, run the modules."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from conftest import longrope, make_tiny_model
 from paged_backend import LLM, SamplingParams, cpu
 from paged_backend.attention import FusedDecode
 
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.skipif(not cpu.has_bf16_kernels(), reason="no AVX512-BF16 C kernels"),
-]
+pytestmark = pytest.mark.usefixtures("one_thread")
+needs_bf16 = pytest.mark.skipif(not cpu.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")
+needs_ops = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+BF16, FP32 = pytest.param("bfloat16", marks=needs_bf16), pytest.param("float32", marks=needs_ops)
 PROMPTS = [[1, 5, 17, 923, 4, 88, 1024, 7, 3], [1, 400, 33, 2048], [1, 9, 9, 9, 12, 14]]
 
 
@@ -46,24 +46,32 @@ def generate_counting(
         ("MistralForCausalLM", {"sliding_window": 6}),
         # Phi-4-mini: a partial rotary, and LongRoPE tables past the original length (16).
         ("Phi3ForCausalLM", {"partial_rotary_factor": 0.75, "pad_token_id": 0, **longrope(12)}),
+        ("Qwen2ForCausalLM", {}),  # q/k/v biases: fp32 only
     ],
-    ids=["llama", "mistral-window", "phi4-mini"],
+    ids=["llama", "mistral-window", "phi4-mini", "qwen2-biases"],
 )
+@pytest.mark.parametrize("dtype", [BF16, FP32])
 def test_fused_steps_give_the_modules_bits(
-    tmp_path, default_model_path, monkeypatch, architecture, overrides
+    tmp_path, default_model_path, monkeypatch, architecture, overrides, dtype
 ):
+    if dtype == "bfloat16" and architecture == "Qwen2ForCausalLM":
+        pytest.skip("the bf16 fused step takes no biases")
     path = make_tiny_model(tmp_path, default_model_path, architecture, **overrides)
-    llm = LLM(model=str(path), dtype="bfloat16", enable_prefix_caching=False, cpu_gemm_max_rows=64)
+    llm = LLM(model=str(path), dtype=dtype, enable_prefix_caching=False, cpu_gemm_max_rows=64)
     model = llm.engine.runner.model
     assert model.fused_decode is not None
     fused, steps = generate_counting(llm, monkeypatch, [20, 12, 16])
-    assert steps and {rows for rows, _ in steps} <= {1, 2, 3}  # the prefills ran the modules
+    # bf16 prefills run the modules; fp32's attention kernel also takes chunks of up to 33 rows
+    # a sequence, so these short prompts' first step (19 rows) runs fused too
+    fused_rows = {1, 2, 3} if dtype == "bfloat16" else {1, 2, 3, sum(map(len, PROMPTS))}
+    assert steps and {rows for rows, _ in steps} == fused_rows
     model.fused_decode = None
     plain, none = generate_counting(llm, monkeypatch, [20, 12, 16])
     assert not none
     assert fused == plain
 
 
+@needs_bf16
 def test_a_shared_prefix_runs_fused_with_the_modules_bits(
     tmp_path, default_model_path, monkeypatch
 ):
@@ -83,27 +91,54 @@ def test_a_shared_prefix_runs_fused_with_the_modules_bits(
     assert outputs[0] == outputs[1]
 
 
-def test_steps_beyond_the_gemm_rows_run_the_modules(tiny_model, monkeypatch):
-    llm = LLM(model=str(tiny_model), dtype="bfloat16", cpu_gemm_max_rows=2)
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_steps_beyond_the_gemm_rows_run_the_modules(tiny_model, monkeypatch, dtype):
+    llm = LLM(model=str(tiny_model), dtype=dtype, cpu_gemm_max_rows=2)
     _, steps = generate_counting(llm, monkeypatch, [4, 8, 12])
     assert {rows for rows, _ in steps} == {2, 1}  # three sequences at first, then fused
     assert llm.engine.runner.model.fused_decode.max_rows == 2
 
 
 @pytest.mark.parametrize(
-    ("architecture", "engine_args"),
+    ("architecture", "engine_args", "dtype"),
     [
-        ("Qwen2ForCausalLM", {}),  # q/k/v biases
-        ("Qwen3ForCausalLM", {"head_dim": 16}),  # q/k norms
-        ("LlamaForCausalLM", {"cpu_kernels": False}),  # torch ops
-        ("LlamaForCausalLM", {"cpu_gemm_max_rows": 0}),  # oneDNN linears only
+        pytest.param("Qwen2ForCausalLM", {}, "bfloat16", marks=needs_bf16),  # q/k/v biases
+        *[
+            pytest.param(arch, args, dtype, marks=needs_bf16 if dtype == "bfloat16" else needs_ops)
+            for arch, args in [
+                ("Qwen3ForCausalLM", {"head_dim": 16}),  # q/k norms
+                ("LlamaForCausalLM", {"cpu_kernels": False}),  # torch ops
+                ("LlamaForCausalLM", {"cpu_gemm_max_rows": 0}),  # torch / oneDNN linears only
+                ("Gemma2ForCausalLM", {}),  # GeGLU, sandwich norms
+            ]
+            for dtype in ("bfloat16", "float32")
+        ],
     ],
 )
 def test_models_it_does_not_fit_run_the_modules(
-    tmp_path, default_model_path, architecture, engine_args
+    tmp_path, default_model_path, architecture, engine_args, dtype
 ):
     config = {k: v for k, v in engine_args.items() if k == "head_dim"}
     path = make_tiny_model(tmp_path, default_model_path, architecture, **config)
     args = {k: v for k, v in engine_args.items() if k != "head_dim"}
-    llm = LLM(model=str(path), dtype="bfloat16", num_kv_blocks=32, **args)
+    llm = LLM(model=str(path), dtype=dtype, num_kv_blocks=32, **args)
     assert llm.engine.runner.model.fused_decode is None
+
+
+@needs_ops
+def test_fp32_steps_with_a_shared_prefix_run_the_modules(tmp_path, default_model_path, monkeypatch):
+    """fp32 has no C prefix kernel: RAG-shaped steps take the torch cascade (the modules), the
+    others run fused, and the tokens are the unfused engine's."""
+    path = make_tiny_model(tmp_path, default_model_path)
+    shared = list(range(100, 140))
+    prompts = [[*shared, 7, 8 + i, 9] for i in range(3)] + [[5, 6, 7]]
+    outputs = []
+    for fuse in (True, False):
+        llm = LLM(model=str(path), dtype="float32", cpu_gemm_max_rows=64)
+        if not fuse:
+            llm.engine.runner.model.fused_decode = None
+        out, steps = generate_counting(llm, monkeypatch, [6, 8, 10, 30], prompts)
+        assert not any(cascade for _, cascade in steps)
+        assert bool(steps) == fuse  # once the others end, the last sequence runs fused
+        outputs.append(out)
+    assert outputs[0] == outputs[1]

@@ -1,12 +1,13 @@
-"""A decode step through every layer in one C call (`decode_layers_bf16` in `csrc/cpu_ops.c`).
+"""A decode step through every layer in one C call (`decode_layers_bf16` in `csrc/cpu_ops.c`
+for bf16 models on AVX512-BF16, `decode_layers_f32` in `csrc/f32_decode.c` for fp32 ones).
 
 At one row a step of the default model runs ~270 ops (norms, four linears, rotary, attention and
 SiLU per layer), each a Python call of 10-20 us: ~5 ms of overhead beside ~8 ms of weight reads.
-Steps of decodes only, whose linears all run the C GEMM, call the same C ops in the same order
-from C instead, with the same arguments: the outputs are the same bits. A shared prefix's
-cascade runs as `TorchAttention` runs it (its packed K/V copies come from the backend, kept
-across steps). Everything else (prefill chunks, biases, q/k norms, oneDNN-sized steps) runs the
-modules.
+Steps of decodes only, whose linears all run the C GEMM (bf16) or the C fp32 linear, call the
+same C ops in the same order from C instead, with the same arguments: the outputs are the same
+bits. A shared prefix's cascade runs as `TorchAttention` runs it (its packed K/V copies come from
+the backend, kept across steps; bf16 only: fp32 steps with one run the modules). Everything else
+(prefill chunks, q/k norms, bf16 biases, steps too large for the C linears) runs the modules.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ if TYPE_CHECKING:
 class FusedDecode:
     """Built once per model (`build`); `plan` says whether a step can run fused."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, f32: bool) -> None:
         config = model.config
+        self.f32 = f32
         self.layers = model.layers
         self.hidden = config.hidden_size
         self.intermediate = config.intermediate_size
@@ -37,16 +39,16 @@ class FusedDecode:
         self.head_dim, self.rotary_dim = config.head_dim, config.rotary_dim
         self.eps = config.rms_norm_eps
         linears = [self._linears(layer) for layer in model.layers]
-        self.max_rows = min(lin.gemm_rows for layer in linears for lin in layer)
+        self.max_rows = min(self._rows(lin) for layer in linears for lin in layer)
         self.weights = torch.tensor(
             [
                 [
                     layer.input_layernorm.weight.data_ptr(),
-                    qkv.gemm.data_ptr(),
-                    o.gemm.data_ptr(),
+                    *self._pointers(qkv),
+                    *self._pointers(o),
                     layer.post_attention_layernorm.weight.data_ptr(),
-                    gate_up.gemm.data_ptr(),
-                    down.gemm.data_ptr(),
+                    *self._pointers(gate_up),
+                    *self._pointers(down),
                 ]
                 for layer, (qkv, o, gate_up, down) in zip(model.layers, linears, strict=True)
             ],
@@ -61,19 +63,32 @@ class FusedDecode:
         attn, mlp = layer.self_attn, layer.mlp
         return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
+    def _rows(self, linear: nn.Module) -> int:
+        return linear.c_rows if self.f32 else linear.gemm_rows
+
+    def _pointers(self, linear: nn.Module) -> list[int]:
+        """The weight the kernel reads (bf16: the GEMM copy), then for fp32 its bias (0: none)."""
+        if not self.f32:
+            return [linear.gemm.data_ptr()]
+        return [linear.weight.data_ptr(), 0 if linear.bias is None else linear.bias.data_ptr()]
+
     @classmethod
     def build(cls, model: nn.Module) -> FusedDecode | None:
-        """For a bf16 model on the C ops whose layer linears all have C GEMM copies and no
-        biases, and whose attention has no q/k norms; else None."""
-        if not cpu.has_bf16_kernels():
+        """For a model on the C ops whose attention has no q/k norms and whose layer linears all
+        run in C: an fp32 model's on the C fp32 linear (biases too), a bf16 one's with C GEMM
+        copies and no biases (AVX512-BF16); else None."""
+        f32 = model.norm.weight.dtype == torch.float32
+        if not (f32 or cpu.has_bf16_kernels()):
             return None
         for layer in model.layers:
             if layer.self_attn.q_norm is not None:
                 return None
             for linear in cls._linears(layer):
-                if getattr(linear, "gemm", None) is None or linear.bias is not None:
+                if f32 and not linear.c_rows:
                     return None
-        return cls(model)
+                if not f32 and (getattr(linear, "gemm", None) is None or linear.bias is not None):
+                    return None
+        return cls(model, f32)
 
     def plan(self, meta: AttentionMetadata, rows: int) -> CDecodePlan | None:
         """The step's decode plan when every layer's is the C decode kernel's (decodes only)
@@ -81,7 +96,8 @@ class FusedDecode:
         prefix, if any) where there are some."""
         if rows > self.max_rows:
             return None
-        if not all(isinstance(p, CDecodePlan) for p in meta.prepared.values()):
+        plans = meta.prepared.values()
+        if not all(isinstance(p, CDecodePlan) and not (self.f32 and p.shared) for p in plans):
             return None
         return meta.prepared.get(None) or next(iter(meta.prepared.values()))
 
@@ -96,20 +112,18 @@ class FusedDecode:
         block_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's output, the residual stream before it) for embeddings `x`
-        [rows, hidden] (bf16, contiguous, overwritten) and the rows' bf16 cos/sin."""
+        [rows, hidden] (the model's dtype, contiguous, overwritten) and the rows' cos/sin."""
         rows = x.shape[0]
-        cascade = self._cascade(plan, backend, kv_caches, block_size)
         k_ptrs, v_ptrs = self._cache_pointers(kv_caches)
         q_size = self.num_heads * self.head_dim
         qkv_width = q_size + 2 * self.num_kv_heads * self.head_dim
         work = torch.empty(
-            rows * (self.hidden + qkv_width + q_size + 3 * self.intermediate),
-            dtype=torch.bfloat16,
+            rows * (self.hidden + qkv_width + q_size + 3 * self.intermediate), dtype=x.dtype
         )
         residual = torch.empty_like(x)
         cos = cos.reshape(rows, -1).contiguous()
         sin = sin.reshape(rows, -1).contiguous()
-        cpu.load_library().decode_layers_bf16(
+        args = dict(
             x=x.data_ptr(),
             residual=residual.data_ptr(),
             rows=rows,
@@ -137,8 +151,17 @@ class FusedDecode:
             scores=plan.scratch.data_ptr(),
             scores_stride=plan.scratch.shape[1],
             threads=plan.scratch.shape[0],
-            **cascade[0],
         )
+        if self.f32:
+            starts = plan.query_start
+            if starts is None:
+                starts = torch.arange(rows + 1, dtype=torch.int32)
+            cpu.load_library().decode_layers_f32(
+                **args, query_start=starts.data_ptr(), num_seqs=len(plan.seq_lens)
+            )
+        else:
+            cascade = self._cascade(plan, backend, kv_caches, block_size)
+            cpu.load_library().decode_layers_bf16(**args, **cascade[0])
         return x, residual
 
     def _cascade(

@@ -5,6 +5,7 @@ step of decodes only on the C kernel, its `CDecodePlan`."""
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass
 
@@ -59,6 +60,8 @@ class CDecodePlan:
     shared: SharedPrefix | None
     prefix_pos: torch.Tensor | None  # int32 [S]: each sequence's row in `shared.rows`, or -1
     window: int | None
+    query_start: torch.Tensor | None = None  # int32 [S + 1] where a sequence has several rows
+    # (fp32's kernel: drafts being verified, short chunks); None: one row each
 
 
 @dataclass
@@ -109,16 +112,23 @@ def shared_prefix(meta: AttentionMetadata, before_writes: bool) -> tuple[list[in
 
 
 def plan_step(
-    meta: AttentionMetadata, window: int | None, group: int, c_decode: bool, c_prefix: bool
+    meta: AttentionMetadata,
+    window: int | None,
+    group: int,
+    c_decode: bool,
+    c_prefix: bool,
+    c_rows: int = 1,
 ) -> CDecodePlan | TorchPlan:
     """The step's plan for the layers with this `window` (None: global). Windowed layers read
     only their window's blocks and take no cascade: a shared prefix soon leaves it. `group`:
-    query heads a kv head; `c_decode`/`c_prefix`: the C decode and prefix kernels run."""
+    query heads a kv head; `c_decode`/`c_prefix`: the C decode and prefix kernels run, the
+    decode one for steps whose sequences have up to `c_rows` rows each."""
     device = meta.block_tables.device
     qsl = meta.query_start_loc
     tables = meta.block_tables_cpu
     nd = meta.num_decodes
-    c_decode = c_decode and nd == len(meta.seq_lens)
+    most_rows = max(b - a for a, b in itertools.pairwise(qsl))
+    c_decode = c_decode and (nd == len(meta.seq_lens) if c_rows == 1 else most_rows <= c_rows)
     members, num_shared = shared_prefix(meta, c_decode) if window is None else ([], 0)
     shared = None
     row_pos: dict[int, list[int]] = {}  # member -> positions of its rows in `shared.rows`
@@ -135,12 +145,13 @@ def plan_step(
         return CDecodePlan(
             torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int32)),
             torch.tensor(meta.seq_lens, dtype=torch.int32),
-            torch.empty(torch.get_num_threads(), group * max(meta.seq_lens)),
+            torch.empty(torch.get_num_threads(), group * most_rows * max(meta.seq_lens)),
             shared,
             torch.tensor([row_pos.get(i, [-1])[0] for i in range(nd)], dtype=torch.int32)
             if shared
             else None,
             window,
+            None if most_rows == 1 else torch.tensor(qsl, dtype=torch.int32),
         )
     skip = [num_shared if i in row_pos else 0 for i in range(len(meta.seq_lens))]
     decodes = _decode_batch(meta, window, skip, row_pos) if nd else None

@@ -31,6 +31,7 @@ from paged_backend.file_cache import cache_dir, locked, notice
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted(Path(__file__).with_name("csrc").glob("*.c")))
+HEADERS = tuple(sorted(Path(__file__).with_name("csrc").glob("*.h")))  # in the build's key
 FLAGS = ["-O3", f"-march={CAPPED_ARCH.get(CPU_CAP, 'native')}", "-shared", "-fPIC"]
 # Where torch runs on OpenMP (libgomp on Linux), the kernels build with it too: the loader then
 # reuses torch's already-loaded libgomp.so.1, so their parallel loops run on torch's thread pool,
@@ -121,7 +122,7 @@ def has_bf16_kernels() -> bool:
 
 
 def _build(compiler: str, flags: list[str]) -> ctypes.CDLL | None:
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(source + " ".join([compiler, *flags, cpu_flags()]).encode()).hexdigest()
     try:
         path = cache_dir() / f"cpu_ops-{key[:16]}.so"

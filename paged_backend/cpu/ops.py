@@ -1,4 +1,5 @@
-"""Typed wrappers of the C ops for bf16 models on CPU (`csrc/cpu_ops.c`, built and bound by
+"""Typed wrappers of the C ops for bf16 and fp32 models on CPU (`csrc/cpu_ops.c` for bf16,
+`csrc/f32_decode.c` and `csrc/f32_ops.c` for fp32, built and bound by
 `paged_backend.cpu.library`): fused RMSNorm (with the residual add), rotary embedding and
 SiLU-and-mul, greedy argmax, KV-cache writes, decode attention over the paged cache, attention
 over packed keys (a shared prefix, or a prefill chunk's context) and a GEMM of a few rows. Each
@@ -21,6 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from paged_backend.cpu.library import load_library
+
+# The dtypes the elementwise ops, the KV writes and decode attention have kernels for, and the
+# suffix of their names (the other kernels are bf16's only).
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def torch_rms_norm(
@@ -47,16 +52,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ):
-    """`torch_rms_norm` in one call for bf16 rows [T, hidden] (unit stride within a row;
+    """`torch_rms_norm` in one call for bf16 or fp32 rows [T, hidden] (unit stride within a row;
     `residual` contiguous)."""
     rows, dim = x.shape
-    if x.dtype != torch.bfloat16 or x.stride(1) != 1:
+    if x.dtype not in _SUFFIX or x.stride(1) != 1 or weight.dtype != x.dtype:
         return torch_rms_norm(x, weight, eps, residual)
     out = torch.empty(rows, dim, dtype=x.dtype)
     if residual is not None:
         residual = residual.contiguous()  # kept alive across the call
     new_residual = None if residual is None else torch.empty_like(out)
-    load_library().rms_norm_bf16(
+    getattr(load_library(), f"rms_norm_{_SUFFIX[x.dtype]}")(
         x=x.data_ptr(),
         residual=None if residual is None else residual.data_ptr(),
         weight=weight.data_ptr(),
@@ -72,19 +77,15 @@ def rms_norm(
 
 
 def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`apply_rotary` in place on bf16 x [T, heads, head_dim] (heads packed within a token's
-    row) and returned; cos, sin: bf16 tables at each token's position, [T, 1, rotary_dim]."""
+    """`apply_rotary` in place on bf16 or fp32 x [T, heads, head_dim] (heads packed within a
+    token's row) and returned; cos, sin: tables of x's dtype at each token's position,
+    [T, 1, rotary_dim]."""
     tokens, heads, dim = x.shape
-    if (
-        x.dtype != torch.bfloat16
-        or x.stride(2) != 1
-        or x.stride(1) != dim
-        or cos.dtype != torch.bfloat16
-    ):
+    if x.dtype not in _SUFFIX or x.stride(2) != 1 or x.stride(1) != dim or cos.dtype != x.dtype:
         return apply_rotary(x, cos, sin)
     rot = cos.shape[-1]
     cos, sin = cos.reshape(tokens, rot).contiguous(), sin.reshape(tokens, rot).contiguous()
-    load_library().rotary_bf16(
+    getattr(load_library(), f"rotary_{_SUFFIX[x.dtype]}")(
         x=x.data_ptr(),
         cos=cos.data_ptr(),
         sin=sin.data_ptr(),
@@ -104,12 +105,13 @@ def torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """`torch_silu_and_mul` in one call for contiguous bf16 rows [T, 2 * dim] (gate | up)."""
-    if x.dtype != torch.bfloat16 or not x.is_contiguous():
+    """`torch_silu_and_mul` in one call for contiguous bf16 or fp32 rows [T, 2 * dim]
+    (gate | up)."""
+    if x.dtype not in _SUFFIX or not x.is_contiguous():
         return torch_silu_and_mul(x)
     rows, dim = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, dim, dtype=x.dtype)
-    load_library().silu_and_mul_bf16(
+    getattr(load_library(), f"silu_and_mul_{_SUFFIX[x.dtype]}")(
         x=x.data_ptr(), out=out.data_ptr(), rows=rows, dim=dim, threads=torch.get_num_threads()
     )
     return out
@@ -141,17 +143,17 @@ def store_kv(
     slots: torch.Tensor,
 ) -> None:
     """`cache.index_copy_(1, slots, x.transpose(0, 1))` for k and v [T, kv_heads, dim] into the
-    head-major bf16 caches [kv_heads, slots, dim], in one call (slots: int64, one a token; a slot
-    < 0 is padding and is skipped)."""
+    head-major bf16 or fp32 caches [kv_heads, slots, dim], in one call (slots: int64, one a
+    token; a slot < 0 is padding and is skipped)."""
     k_cache, v_cache = kv_cache
     kv_heads, num_slots, dim = _check_cache(kv_cache)
     tokens = k.shape[0]
-    _check_rows("k", k, (tokens, kv_heads, dim))
-    _check_rows("v", v, (tokens, kv_heads, dim))
+    _check_rows("k", k, (tokens, kv_heads, dim), k_cache.dtype)
+    _check_rows("v", v, (tokens, kv_heads, dim), k_cache.dtype)
     _check_rows("slots", slots, (tokens,), torch.int64)
     _require(not tokens or int(slots.max()) < num_slots, f"slots must be < {num_slots}")
     k, v, slots = _heads_packed(k), _heads_packed(v), slots.contiguous()
-    load_library().store_kv_bf16(
+    load_library().store_kv(
         k=k.data_ptr(),
         v=v.data_ptr(),
         k_stride=k.stride(0),
@@ -160,6 +162,7 @@ def store_kv(
         tokens=tokens,
         kv_heads=kv_heads,
         dim=dim,
+        elem_bytes=k_cache.element_size(),
         k_cache=k_cache.data_ptr(),
         v_cache=v_cache.data_ptr(),
         cache_head_stride=k_cache.stride(0),
@@ -181,12 +184,12 @@ def _require(ok: bool, what: str) -> None:
 
 
 def _check_cache(kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int, int]:
-    """(kv_heads, slots, dim) of head-major bf16 caches [kv_heads, slots, dim] whose slots are
-    contiguous within a head and whose K and V heads lie the same stride apart."""
+    """(kv_heads, slots, dim) of head-major bf16 or fp32 caches [kv_heads, slots, dim] whose
+    slots are contiguous within a head and whose K and V heads lie the same stride apart."""
     k_cache, v_cache = kv_cache
     _require(
-        k_cache.dtype == v_cache.dtype == torch.bfloat16 and k_cache.dim() == 3,
-        "the KV caches must be bf16 [kv_heads, slots, dim]",
+        k_cache.dtype == v_cache.dtype and k_cache.dtype in _SUFFIX and k_cache.dim() == 3,
+        "the KV caches must be bf16 or fp32 [kv_heads, slots, dim]",
     )
     _require(k_cache.shape == v_cache.shape, "the K and V caches must have one shape")
     dim = k_cache.shape[2]
@@ -220,40 +223,49 @@ def decode_attention(
     prefix: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    query_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Write each sequence's new k/v [S, kv_heads, dim] into the head-major bf16 caches
+    """Write each sequence's new k/v [S, kv_heads, dim] into the head-major bf16 or fp32 caches
     [kv_heads, slots, dim] and attend its q [S, heads, dim] over its `seq_lens` (int32) tokens
-    through `block_tables` (int32 [S, width], contiguous): out [S, heads, dim] in bf16. `scratch`:
-    fp32 [threads, heads / kv_heads * max(seq_lens)], one row for each thread to use.
+    through `block_tables` (int32 [S, width], contiguous): out [S, heads, dim] in the caches'
+    dtype. `scratch`: fp32 [threads, heads / kv_heads * max(seq_lens)], one row for each thread
+    to use. fp32 only: with `query_start` (int32 [S + 1]) a sequence has several rows, its last
+    tokens (q, k, v, out are then [rows, ...]), each attending causally; `scratch` rows then hold
+    the most rows a sequence has times that.
 
     `prefix` = (pos, length, out, lse) merges a shared prefix's attention (`prefix_attention`'s
-    out [kv_heads, rows, dim] and lse): sequence s with pos[s] >= 0 (int32 [S]) attends itself
-    only from token `length` on and takes the prefix's result at rows pos[s] * group + g.
-    With a `window` (and no prefix), each new token sees its last `window` positions only. With a
-    `softcap`, a scaled score s becomes tanh(s / softcap) * softcap (Gemma 2)."""
+    out [kv_heads, rows, dim] and lse; bf16 only): sequence s with pos[s] >= 0 (int32 [S])
+    attends itself only from token `length` on and takes the prefix's result at rows
+    pos[s] * group + g. With a `window` (and no prefix), each new token sees its last `window`
+    positions only. With a `softcap`, a scaled score s becomes tanh(s / softcap) * softcap
+    (Gemma 2)."""
     k_cache, v_cache = kv_cache
     kv_heads, _, dim = _check_cache(kv_cache)
-    num_seqs, num_heads = q.shape[:2]
+    rows, num_heads = q.shape[:2]
+    num_seqs = rows if query_start is None else len(query_start) - 1
     _require(num_heads % kv_heads == 0 and dim % 16 == 0, "heads must group over kv heads")
-    _check_rows("q", q, (num_seqs, num_heads, dim))
-    _check_rows("k", k, (num_seqs, kv_heads, dim))
-    _check_rows("v", v, (num_seqs, kv_heads, dim))
+    for name, x, heads in (("q", q, num_heads), ("k", k, kv_heads), ("v", v, kv_heads)):
+        _check_rows(name, x, (rows, heads, dim), k_cache.dtype)
     _check_index("block_tables", block_tables, (num_seqs, block_tables.shape[1]))
     _check_index("seq_lens", seq_lens, (num_seqs,))
+    if query_start is not None:
+        _require(q.dtype == torch.float32, "several rows a sequence: fp32 only")
+        _check_index("query_start", query_start, (num_seqs + 1,))
+        counts = query_start.diff()
+        _require(
+            int(query_start[0]) == 0 and int(query_start[-1]) == rows and bool((counts > 0).all()),
+            "query_start must rise from 0 to the rows",
+        )
+        _require(bool((counts <= seq_lens).all()), "a sequence's rows must fit in its seq_len")
+        need = int(counts.max()) * (num_heads // kv_heads) * int(seq_lens.max())
+        _require(scratch.dim() == 2 and scratch.shape[1] >= need, "scratch rows are too short")
     _require(
         scratch.dtype == torch.float32 and scratch.is_contiguous() and scratch.dim() == 2,
         "scratch must be contiguous fp32 [threads, scores]",
     )
-    pos, length, p_out, p_lse = prefix or (None, 0, None, None)
-    if pos is not None:
-        _check_index("prefix positions", pos, (num_seqs,))
-        _require(
-            all(t.dtype == torch.float32 and t.is_contiguous() for t in (p_out, p_lse)),
-            "the prefix's out and lse must be contiguous fp32",
-        )
     q, k, v = _heads_packed(q), _heads_packed(k), _heads_packed(v)
-    out = torch.empty(num_seqs, num_heads, dim, dtype=q.dtype)
-    load_library().decode_attention_bf16(
+    out = torch.empty(rows, num_heads, dim, dtype=q.dtype)
+    args = dict(
         q=q.data_ptr(),
         k=k.data_ptr(),
         v=v.data_ptr(),
@@ -276,13 +288,29 @@ def decode_attention(
         scores=scratch.data_ptr(),
         scores_stride=scratch.shape[1],
         threads=scratch.shape[0],
+        window=window or 0,
+        softcap=softcap or 0.0,
+    )
+    if q.dtype == torch.float32:
+        _require(prefix is None, "fp32 decode attention takes no shared prefix")
+        if query_start is None:
+            query_start = torch.arange(rows + 1, dtype=torch.int32)
+        load_library().decode_attention_f32(**args, query_start=query_start.data_ptr())
+        return out
+    pos, length, p_out, p_lse = prefix or (None, 0, None, None)
+    if pos is not None:
+        _check_index("prefix positions", pos, (num_seqs,))
+        _require(
+            all(t.dtype == torch.float32 and t.is_contiguous() for t in (p_out, p_lse)),
+            "the prefix's out and lse must be contiguous fp32",
+        )
+    load_library().decode_attention_bf16(
+        **args,
         prefix_pos=None if pos is None else pos.data_ptr(),
         prefix_len=length,
         prefix_out=None if p_out is None else p_out.data_ptr(),
         prefix_lse=None if p_out is None else p_lse.data_ptr(),
         prefix_rows=0 if p_out is None else p_out.shape[1],
-        window=window or 0,
-        softcap=softcap or 0.0,
     )
     return out
 
@@ -303,6 +331,7 @@ def pack_prefix(
     tokens rounded up to 32)."""
     k_cache, v_cache = kv_cache
     num_kv_heads, num_slots, dim = _check_cache(kv_cache)
+    _require(k_cache.dtype == torch.bfloat16, "pack_prefix reads bf16 caches")
     length = len(blocks) * block_size if length is None else length
     _require(0 <= length <= len(blocks) * block_size, "length must fit in the blocks")
     _require(

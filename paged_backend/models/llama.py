@@ -269,7 +269,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.cpu_head: CpuLinear | None = None
         self.head_c_rows = 0  # steps of up to this many rows: `cpu_ops.linear_f32`
-        self.fused_decode: FusedDecode | None = None  # set by `use_cpu_linears_` where it fits
+        # set by `use_cpu_linears_` / `use_f32_linears_` where it fits
+        self.fused_decode: FusedDecode | None = None
 
     def use_cpu_linears_(
         self,
@@ -288,7 +289,10 @@ class LlamaForCausalLM(nn.Module):
         rows = None if gemm_rows is None else gemm_rows[tuple(weight.shape)]
         self.cpu_head = CpuLinear(weight, None, pack, fp16_copy, gemm_rows=rows)
         self.lm_head = None  # an untied head's weight lives on in `cpu_head`
-        # The fused step runs this class's layers (SiLU MLP, plain norms), on the C ops.
+        self._fuse_decode()
+
+    def _fuse_decode(self) -> None:
+        """The fused step runs this class's layers (SiLU MLP, plain norms), on the C ops."""
         if (
             type(self) is LlamaForCausalLM
             and self.layers[0].input_layernorm.norm is cpu_ops.rms_norm
@@ -304,6 +308,7 @@ class LlamaForCausalLM(nn.Module):
                 module.c_rows = rows[tuple(module.weight.shape)]
         head = self._head_weight()
         self.head_c_rows = rows[tuple(head.shape)] if cpu_ops.linear_f32_fits(head) else 0
+        self._fuse_decode()
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -13,12 +13,7 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
-#ifdef _OPENMP
-#include <omp.h>
-#else
-static inline int omp_get_thread_num(void) { return 0; }
-static inline int omp_get_num_threads(void) { return 1; }
-#endif
+#include "common.h"
 
 typedef uint16_t bf16;
 
@@ -38,16 +33,6 @@ static inline bf16 to_bf16(float f) { /* round to nearest even, as c10::BFloat16
 
 static inline float round_bf16(float f) { return to_f32(to_bf16(f)); }
 
-/* The cache slot of token `key` through a block table: block * block_size + offset, without a
- * division where block_size is a power of two (decode attention asks once per key it reads). */
-static inline int64_t slot_of(const int32_t *table, int64_t key, int64_t block_size) {
-    if ((block_size & (block_size - 1)) == 0) {
-        int shift = __builtin_ctzll((unsigned long long)block_size);
-        return ((int64_t)table[key >> shift] << shift) | (key & (block_size - 1));
-    }
-    return (int64_t)table[key / block_size] * block_size + key % block_size;
-}
-
 /* The keys a decode thread reads next (its next sequence and kv head): `n` K rows from key
  * `first` through `table`, in the cache `k`. Their first lines are fetched while the current
  * pair's P.V computes, so that reading memory and arithmetic overlap. */
@@ -56,11 +41,6 @@ typedef struct {
     const int32_t *table;
     int64_t first, n;
 } next_keys;
-
-/* Row loops of the elementwise ops split over `threads` threads once a step has this many
- * elements: below it, waking the other thread costs more than it saves. A batch-32 decode step
- * of the default model (norms of 18k elements, rotary of 25k) is ~2% faster split than not. */
-#define PARALLEL_MIN_ELEMENTS (1 << 12)
 
 /* out = bf16(h * rsqrt(mean(h^2) + eps) * weight) per row (one rounding, as F.rms_norm), h = x,
  * or with `residual`: h = bf16(x + residual), also written to `new_residual`. */
@@ -113,25 +93,6 @@ void rotary_bf16(bf16 *x, const bf16 *cos, const bf16 *sin, int64_t tokens, int6
     }
 }
 
-/* exp(x) for x <= 0 (Cephes' expf: range reduction by ln 2, degree-6 polynomial, ~1 ulp),
- * written in plain arithmetic so that loops over it vectorise. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round(x / ln 2) */
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    float y = p * r * r + r + 1.0f;
-    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return y * two_n;
-}
-
 /* The index of each row's largest value, as torch.argmax: the first among equal values, the first
  * NaN where a row has one. `rows` rows of `n` floats, `stride` apart. Per 16-lane vector: torch's
  * CPU argmax runs a scalar loop on one thread (~1.5 ms for 32 rows of a 49k vocabulary). */
@@ -177,19 +138,21 @@ void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t stride, in
     }
 }
 
-/* Write `tokens` tokens' keys and values (each token's `kv_heads` heads of `dim` side by side,
- * rows `k_stride`/`v_stride` apart) into the head-major caches [kv_heads][slots][dim] (heads
- * `cache_head_stride` apart) at `slots`: a prefill chunk's k/v in one pass. A slot < 0 is padding:
- * nothing is written for it. */
-void store_kv_bf16(const bf16 *k, const bf16 *v, int64_t k_stride, int64_t v_stride,
-                   const int64_t *slots, int64_t tokens, int64_t kv_heads, int64_t dim,
-                   bf16 *k_cache, bf16 *v_cache, int64_t cache_head_stride, int threads) {
+/* Write `tokens` tokens' keys and values (each token's `kv_heads` heads of `dim` elements of
+ * `elem_bytes` side by side, rows `k_stride`/`v_stride` elements apart) into the head-major caches
+ * [kv_heads][slots][dim] (heads `cache_head_stride` elements apart) at `slots`: a prefill chunk's
+ * k/v in one pass, bf16 or fp32. A slot < 0 is padding: nothing is written for it. */
+void store_kv(const char *k, const char *v, int64_t k_stride, int64_t v_stride,
+              const int64_t *slots, int64_t tokens, int64_t kv_heads, int64_t dim,
+              int64_t elem_bytes, char *k_cache, char *v_cache, int64_t cache_head_stride,
+              int threads) {
+    int64_t row = dim * elem_bytes;
 #pragma omp parallel for num_threads(threads) if (tokens * kv_heads * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t t = 0; t < tokens; t++)
         for (int64_t h = 0; h < kv_heads && slots[t] >= 0; h++) {
-            int64_t at = h * cache_head_stride + slots[t] * dim;
-            memcpy(k_cache + at, k + t * k_stride + h * dim, dim * sizeof(bf16));
-            memcpy(v_cache + at, v + t * v_stride + h * dim, dim * sizeof(bf16));
+            int64_t at = (h * cache_head_stride + slots[t] * dim) * elem_bytes;
+            memcpy(k_cache + at, k + (t * k_stride) * elem_bytes + h * row, row);
+            memcpy(v_cache + at, v + (t * v_stride) * elem_bytes + h * row, row);
         }
 }
 

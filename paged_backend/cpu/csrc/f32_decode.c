@@ -1,0 +1,210 @@
+/* A decode step of an fp32 model in C: RMSNorm, rotary, SiLU-and-mul, decode attention over the
+ * paged cache, and all of a step's layers in one call (`decode_layers_f32`, on `linear_f32`).
+ *
+ * On CPUs without bf16 arithmetic (AVX2) models run in fp32, and at one row torch spends more of
+ * a step on dispatch (~270 ops, 10-20 us each) and on gathering each layer's K/V blocks than on
+ * reading the weights. These loops are plain C that the compiler vectorises for the target CPU;
+ * they follow torch's fp32 formulas (sums in another order: outputs agree to rounding).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "common.h"
+
+void linear_f32(const float *x, int64_t rows, int64_t x_stride, const float *w, int64_t n,
+                int64_t k, float *y, int64_t y_stride, int threads);
+
+/* out = h * rsqrt(mean(h^2) + eps) * weight per row, h = x, or with `residual`: h = x + residual,
+ * also written to `new_residual` (which may be `residual`). */
+void rms_norm_f32(const float *x, const float *residual, const float *weight, float *out,
+                  float *new_residual, int64_t rows, int64_t dim, int64_t x_stride, float eps,
+                  int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *h = x + r * x_stride;
+        if (residual) {
+            float *sum = new_residual + r * dim;
+            for (int64_t i = 0; i < dim; i++) sum[i] = h[i] + residual[r * dim + i];
+            h = sum;
+        }
+        float acc[16] = {0};
+        int64_t full = dim / 16 * 16; /* whole vectors first: a loop without branches vectorises */
+        for (int64_t i = 0; i < full; i += 16)
+            for (int k = 0; k < 16; k++) acc[k] += h[i + k] * h[i + k];
+        for (int64_t i = full; i < dim; i++) acc[i - full] += h[i] * h[i];
+        float total = 0.0f;
+        for (int k = 0; k < 16; k++) total += acc[k];
+        float inv = 1.0f / sqrtf(total / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) out[r * dim + i] = h[i] * inv * weight[i];
+    }
+}
+
+/* Rotate-half rotary embedding, in place on the first `rot_dim` dims of `heads` heads of `dim`
+ * per token row (rows `x_stride` apart); cos/sin [tokens, rot_dim]. */
+void rotary_f32(float *x, const float *cos, const float *sin, int64_t tokens, int64_t heads,
+                int64_t dim, int64_t rot_dim, int64_t x_stride, int threads) {
+    int64_t half = rot_dim / 2;
+#pragma omp parallel for num_threads(threads) if (tokens * heads * dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + t * rot_dim, *s = sin + t * rot_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + t * x_stride + h * dim;
+            for (int64_t i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                v[i] = a * c[i] - b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
+/* out = silu(gate) * up for rows [gate | up] of 2 * dim; sigmoid from exp(-|g|), so that the
+ * loop vectorises and never overflows. */
+void silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t dim, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = x + r * 2 * dim, *up = gate + dim;
+        for (int64_t i = 0; i < dim; i++) {
+            float g = gate[i], e = exp_nonpositive(-fabsf(g));
+            float sigmoid = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+            out[r * dim + i] = g * sigmoid * up[i];
+        }
+    }
+}
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    float acc[8] = {0};
+    int64_t full = n / 8 * 8;
+    for (int64_t i = 0; i < full; i += 8)
+        for (int k = 0; k < 8; k++) acc[k] += a[i + k] * b[i + k];
+    for (int64_t i = full; i < n; i++) acc[i - full] += a[i] * b[i];
+    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+/* The rows of a decode step, or of a step verifying drafts: sequence s has the rows
+ * query_start[s] .. query_start[s + 1] - 1, its last tokens, at positions up to seq_lens[s] - 1.
+ * Write each row's new k/v (rows `k_stride`/`v_stride` apart, heads side by side) at its
+ * position, then attend its q (heads side by side, rows `q_stride` apart) causally over the
+ * sequence's tokens up to its own (the last `window` of them, where > 0) through `block_tables`,
+ * into `out` [rows][heads][dim]. The caches are head-major [kv_heads][slots][dim]. Each (sequence,
+ * kv head) pair reads its keys once for all its rows and the kv head's `group` query heads:
+ * scores in `scores` (a row of `scores_stride` >= rows * group * context for each thread),
+ * softmax, then P.V. `softcap` > 0 caps the scaled scores (tanh(s / cap) * cap, Gemma 2). */
+void decode_attention_f32(const float *q, const float *k, const float *v, int64_t q_stride,
+                          int64_t k_stride, int64_t v_stride, float *k_cache, float *v_cache,
+                          int64_t cache_head_stride, const int32_t *block_tables,
+                          int64_t max_blocks, const int32_t *seq_lens, const int32_t *query_start,
+                          int64_t block_size, int64_t num_seqs, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t dim, float scale, float *out,
+                          float *scores, int64_t scores_stride, int threads, int64_t window,
+                          float softcap) {
+    int64_t group = num_heads / num_kv_heads, pairs = num_seqs * num_kv_heads;
+    for (int64_t s = 0; s < num_seqs; s++)
+        for (int64_t t = query_start[s]; t < query_start[s + 1]; t++) {
+            int64_t pos = seq_lens[s] - (query_start[s + 1] - t);
+            int64_t slot = slot_of(block_tables + s * max_blocks, pos, block_size);
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                int64_t at = h * cache_head_stride + slot * dim;
+                memcpy(k_cache + at, k + t * k_stride + h * dim, dim * sizeof(float));
+                memcpy(v_cache + at, v + t * v_stride + h * dim, dim * sizeof(float));
+            }
+        }
+#pragma omp parallel for num_threads(threads) if (threads > 1 && pairs > 1) schedule(dynamic)
+    for (int64_t p = 0; p < pairs; p++) {
+        int64_t s = p / num_kv_heads, h = p % num_kv_heads, len = seq_lens[s];
+        int64_t lo = query_start[s], rows = query_start[s + 1] - lo, pos0 = len - rows;
+        int64_t first = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0, n = len - first;
+        int64_t m_count = rows * group; /* score rows: row r's query head g at r * group + g */
+        const int32_t *table = block_tables + s * max_blocks;
+        const float *kc = k_cache + h * cache_head_stride, *vc = v_cache + h * cache_head_stride;
+        float *sc = scores + omp_get_thread_num() * scores_stride;
+        for (int64_t j = 0; j < n; j++) {
+            const float *kr = kc + slot_of(table, first + j, block_size) * dim;
+            for (int64_t r = 0; r < rows; r++) {
+                int64_t key = first + j, pos = pos0 + r;
+                int seen = key <= pos && (window <= 0 || key > pos - window);
+                const float *qr = q + (lo + r) * q_stride + h * group * dim;
+                for (int64_t g = 0; g < group; g++)
+                    sc[(r * group + g) * n + j] =
+                        seen ? dot_f32(qr + g * dim, kr, dim) * scale : -INFINITY;
+            }
+        }
+        for (int64_t m = 0; m < m_count; m++) {
+            float *row = sc + m * n, top = -INFINITY, sum = 0.0f;
+            if (softcap > 0.0f)
+                for (int64_t j = 0; j < n; j++)
+                    if (row[j] != -INFINITY) row[j] = tanhf(row[j] / softcap) * softcap;
+            for (int64_t j = 0; j < n; j++) top = row[j] > top ? row[j] : top;
+            for (int64_t j = 0; j < n; j++) {
+                row[j] = row[j] == -INFINITY ? 0.0f : exp_nonpositive(row[j] - top);
+                sum += row[j];
+            }
+            for (int64_t j = 0; j < n; j++) row[j] /= sum;
+        }
+        for (int64_t r = 0; r < rows; r++)
+            memset(out + ((lo + r) * num_heads + h * group) * dim, 0, group * dim * sizeof(float));
+        for (int64_t j = 0; j < n; j++) {
+            const float *vr = vc + slot_of(table, first + j, block_size) * dim;
+            for (int64_t m = 0; m < m_count; m++) {
+                float w = sc[m * n + j];
+                float *o = out + ((lo + m / group) * num_heads + h * group + m % group) * dim;
+                if (w != 0.0f)
+                    for (int64_t d = 0; d < dim; d++) o[d] += w * vr[d];
+            }
+        }
+    }
+}
+
+/* `linear_f32`, then the bias where there is one. */
+static void linear_bias_f32(const float *x, int64_t rows, const float *w, const float *bias,
+                            int64_t n, int64_t k, float *y, int threads) {
+    linear_f32(x, rows, k, w, n, k, y, n, threads);
+    if (bias)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < n; i++) y[r * n + i] += bias[i];
+}
+
+/* A decode step through all `num_layers` layers of a Llama-style model in one call, as the layer
+ * modules run it on these ops: x [rows, hidden] in, the last layer's output out, and `residual`
+ * the residual stream before it. `weights`: 10 addresses a layer, the input norm, qkv weight and
+ * bias, o weight and bias, post-attention norm, gate_up weight and bias, down weight and bias (a
+ * bias 0 where there is none). `work`: rows * (hidden + qkv width + heads * head_dim + 3 *
+ * intermediate) floats. The rows of `num_seqs` sequences as `decode_attention_f32` takes them;
+ * `windows`: each layer's (0: global). */
+void decode_layers_f32(float *x, float *residual, int64_t rows, int64_t hidden, const float *cos,
+                       const float *sin, int64_t num_layers, const int64_t *weights,
+                       const int64_t *k_caches, const int64_t *v_caches,
+                       int64_t cache_head_stride, const int64_t *windows,
+                       const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
+                       const int32_t *query_start, int64_t num_seqs, int64_t block_size,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rot_dim,
+                       int64_t intermediate, float eps, float scale, float *work, float *scores,
+                       int64_t scores_stride, int threads) {
+    int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    int64_t qkv_width = q_size + 2 * kv_size;
+    float *h = work, *qkv = h + rows * hidden, *attn = qkv + rows * qkv_width;
+    float *gate_up = attn + rows * q_size, *act = gate_up + rows * 2 * intermediate;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const float *const *w = (const float *const *)(weights + 10 * l);
+        if (l == 0) {
+            rms_norm_f32(x, NULL, w[0], h, NULL, rows, hidden, hidden, eps, threads);
+            memcpy(residual, x, rows * hidden * sizeof(float));
+        } else {
+            rms_norm_f32(x, residual, w[0], h, residual, rows, hidden, hidden, eps, threads);
+        }
+        linear_bias_f32(h, rows, w[1], w[2], qkv_width, hidden, qkv, threads);
+        rotary_f32(qkv, cos, sin, rows, num_heads + num_kv_heads, head_dim, rot_dim, qkv_width,
+                   threads);
+        decode_attention_f32(qkv, qkv + q_size, qkv + q_size + kv_size, qkv_width, qkv_width,
+                             qkv_width, (float *)k_caches[l], (float *)v_caches[l],
+                             cache_head_stride, block_tables, max_blocks, seq_lens, query_start,
+                             block_size, num_seqs, num_heads, num_kv_heads, head_dim, scale, attn,
+                             scores, scores_stride, threads, windows[l], 0.0f);
+        linear_bias_f32(attn, rows, w[3], w[4], hidden, q_size, x, threads);
+        rms_norm_f32(x, residual, w[5], h, residual, rows, hidden, hidden, eps, threads);
+        linear_bias_f32(h, rows, w[6], w[7], 2 * intermediate, hidden, gate_up, threads);
+        silu_and_mul_f32(gate_up, act, rows, intermediate, threads);
+        linear_bias_f32(act, rows, w[8], w[9], hidden, intermediate, x, threads);
+    }
+}
