@@ -168,7 +168,8 @@ class ModelRunner:
         # dequantized weights or int4 / int8 copies are asked for.
         if gguf is not None and config.quantization is None and self.device.type == "cpu":
             load_gguf(model, file, self.dtype, arch, table)
-            return model.to(self.dtype)
+            model.to(self.dtype).fuse_decode_()
+            return model
         if config.quantization == "int8" and self.device.type != "cpu":
             raise ValueError(f"quantization='int8' runs on CPU only, not {self.device.type}")
         pack, fp16_copy = self._cpu_linears(config, model)

@@ -10,6 +10,9 @@ from conftest import longrope, make_tiny_model
 
 from paged_backend import LLM, SamplingParams, cpu
 from paged_backend.attention import FusedDecode
+from paged_backend.cpu.quant import QuantLinear
+from paged_backend.default_model import default_model_file
+from paged_backend.gguf.random_checkpoint import write_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 needs_bf16 = pytest.mark.skipif(not cpu.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")
@@ -142,3 +145,23 @@ def test_fp32_steps_with_a_shared_prefix_run_the_modules(tmp_path, default_model
         assert bool(steps) == fuse  # once the others end, the last sequence runs fused
         outputs.append(out)
     assert outputs[0] == outputs[1]
+
+
+@needs_ops
+@pytest.mark.parametrize("shape", ["tiny", "tiny-qwen2", "default"])
+def test_gguf_blocks_run_fused_with_the_modules_bits(tmp_path, monkeypatch, shape):
+    """fp32 steps over a GGUF file's blocks (Q4_K and Q6_K parts of one projection, Qwen2's
+    biases; the default model's Q4_1) run in one call with the modules' bits."""
+    if shape == "default":
+        path = default_model_file()
+    else:
+        path = write_checkpoint(shape, tmp_path, ("q4_k_m",))[0]
+    llm = LLM(model=str(path), dtype="float32", enable_prefix_caching=False, num_kv_blocks=64)
+    model = llm.engine.runner.model
+    assert model.fused_decode is not None
+    assert isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
+    fused, steps = generate_counting(llm, monkeypatch, [20, 12, 16])
+    assert steps
+    model.fused_decode = None
+    plain, none = generate_counting(llm, monkeypatch, [20, 12, 16])
+    assert not none and fused == plain

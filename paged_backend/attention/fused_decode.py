@@ -21,9 +21,14 @@ from paged_backend import cpu
 from paged_backend.attention.backend import AttentionMetadata
 from paged_backend.attention.planner import CDecodePlan
 from paged_backend.cpu import ops as cpu_ops
+from paged_backend.cpu.quant import QuantLinear
 
 if TYPE_CHECKING:
     from paged_backend.attention.torch_backend import TorchAttention
+
+
+MAX_PARTS = 3  # weights side by side in one fp32 linear descriptor (q, k, v)
+QUANT_MAX_ROWS = 64  # steps of up to this many rows run fused through quantized linears
 
 
 class FusedDecode:
@@ -64,19 +69,42 @@ class FusedDecode:
         return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
     def _rows(self, linear: nn.Module) -> int:
-        return linear.c_rows if self.f32 else linear.gemm_rows
+        if not self.f32:
+            return linear.gemm_rows
+        return QUANT_MAX_ROWS if isinstance(linear, QuantLinear) else linear.c_rows
 
     def _pointers(self, linear: nn.Module) -> list[int]:
-        """The weight the kernel reads (bf16: the GEMM copy), then for fp32 its bias (0: none)."""
+        """bf16: the GEMM copy's address. fp32: the linear's descriptor for `fused_linear` in
+        `csrc/f32_decode.c` (parts, bias, each part's type, address, outputs and row bytes; type
+        0 an fp32 weight, else its GGUF block type)."""
         if not self.f32:
             return [linear.gemm.data_ptr()]
-        return [linear.weight.data_ptr(), 0 if linear.bias is None else linear.bias.data_ptr()]
+        if isinstance(linear, QuantLinear):
+            parts = [
+                (w.type_id, w.data.data_ptr(), w.out_features, w.data.stride(0))
+                for w in linear.weights
+            ]
+        else:
+            weight = linear.weight
+            parts = [(0, weight.data_ptr(), weight.shape[0], weight.stride(0) * 4)]
+        words = [len(parts), 0 if linear.bias is None else linear.bias.data_ptr()]
+        for part in parts + [(0, 0, 0, 0)] * (MAX_PARTS - len(parts)):
+            words.extend(part)
+        return words
+
+    @staticmethod
+    def _f32_fits(linear: nn.Module) -> bool:
+        """Whether the fp32 step can run this linear: quantized weights of up to `MAX_PARTS`
+        parts, or an fp32 weight the C fp32 linear serves."""
+        if isinstance(linear, QuantLinear):
+            return len(linear.weights) <= MAX_PARTS
+        return bool(getattr(linear, "c_rows", 0))
 
     @classmethod
     def build(cls, model: nn.Module) -> FusedDecode | None:
         """For a model on the C ops whose attention has no q/k norms and whose layer linears all
-        run in C: an fp32 model's on the C fp32 linear (biases too), a bf16 one's with C GEMM
-        copies and no biases (AVX512-BF16); else None."""
+        run in C: an fp32 model's on the C fp32 linear or on GGUF blocks (biases too), a bf16
+        one's with C GEMM copies and no biases (AVX512-BF16); else None."""
         f32 = model.norm.weight.dtype == torch.float32
         if not (f32 or cpu.has_bf16_kernels()):
             return None
@@ -84,7 +112,7 @@ class FusedDecode:
             if layer.self_attn.q_norm is not None:
                 return None
             for linear in cls._linears(layer):
-                if f32 and not linear.c_rows:
+                if f32 and not cls._f32_fits(linear):
                     return None
                 if not f32 and (getattr(linear, "gemm", None) is None or linear.bias is not None):
                     return None
@@ -156,8 +184,13 @@ class FusedDecode:
             starts = plan.query_start
             if starts is None:
                 starts = torch.arange(rows + 1, dtype=torch.int32)
+            widest = max(self.hidden, q_size, self.intermediate)
+            act = torch.empty(rows * -(-widest // 256) * 256 * 3 // 8)  # quantized activations
             cpu.load_library().decode_layers_f32(
-                **args, query_start=starts.data_ptr(), num_seqs=len(plan.seq_lens)
+                **args,
+                query_start=starts.data_ptr(),
+                num_seqs=len(plan.seq_lens),
+                act=act.data_ptr(),
             )
         else:
             cascade = self._cascade(plan, backend, kv_caches, block_size)

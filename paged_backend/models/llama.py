@@ -289,10 +289,12 @@ class LlamaForCausalLM(nn.Module):
         rows = None if gemm_rows is None else gemm_rows[tuple(weight.shape)]
         self.cpu_head = CpuLinear(weight, None, pack, fp16_copy, gemm_rows=rows)
         self.lm_head = None  # an untied head's weight lives on in `cpu_head`
-        self._fuse_decode()
+        self.fuse_decode_()
 
-    def _fuse_decode(self) -> None:
-        """The fused step runs this class's layers (SiLU MLP, plain norms), on the C ops."""
+    def fuse_decode_(self) -> None:
+        """Decode steps through every layer in one C call where `FusedDecode` fits (call once
+        the linears are final): it runs this class's layers (SiLU MLP, plain norms), on the C
+        ops."""
         if (
             type(self) is LlamaForCausalLM
             and self.layers[0].input_layernorm.norm is cpu_ops.rms_norm
@@ -308,7 +310,7 @@ class LlamaForCausalLM(nn.Module):
                 module.c_rows = rows[tuple(module.weight.shape)]
         head = self._head_weight()
         self.head_c_rows = rows[tuple(head.shape)] if cpu_ops.linear_f32_fits(head) else 0
-        self._fuse_decode()
+        self.fuse_decode_()
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -14,6 +14,12 @@
 
 void linear_f32(const float *x, int64_t rows, int64_t x_stride, const float *w, int64_t n,
                 int64_t k, float *y, int64_t y_stride, int threads);
+void quantize_activations(const void *x, int x_bf16, int64_t rows, int64_t k, int64_t x_stride,
+                          int64_t block, int8_t *xq, float *xd, float *xsd, int16_t *bsum,
+                          int threads);
+void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
+                  const int8_t *xq, const float *xd, const float *xsd, const int16_t *bsum,
+                  int64_t rows, void *out, int out_bf16, int64_t out_stride, int threads);
 
 /* out = h * rsqrt(mean(h^2) + eps) * weight per row, h = x, or with `residual`: h = x + residual,
  * also written to `new_residual` (which may be `residual`). */
@@ -156,22 +162,48 @@ void decode_attention_f32(const float *q, const float *k, const float *v, int64_
     }
 }
 
-/* `linear_f32`, then the bias where there is one. */
-static void linear_bias_f32(const float *x, int64_t rows, const float *w, const float *bias,
-                            int64_t n, int64_t k, float *y, int threads) {
-    linear_f32(x, rows, k, w, n, k, y, n, threads);
+/* A layer linear of the fused step, from its descriptor of LINEAR_WORDS words: the number of
+ * parts (weights side by side in the output: a fused qkv or gate/up projection), the bias address
+ * (0: none), then each part's (type, address, outputs, row bytes): type 0 an fp32 weight [n][k]
+ * for `linear_f32`, else a GGUF block type for `quant_matmul`, on activations quantized into
+ * `act` (for the part's block size, once for consecutive parts that share it). */
+#define LINEAR_WORDS 14
+static void fused_linear(const int64_t *d, const float *x, int64_t rows, int64_t k, float *y,
+                         int64_t n_total, float *act, int64_t max_k, int threads) {
+    int64_t kp = (max_k + 255) / 256 * 256, block = 0, column = 0;
+    float *xd = act, *xsd = xd + rows * kp / 32;
+    int16_t *bsum = (int16_t *)(xsd + rows * kp / 16);
+    int8_t *xq = (int8_t *)(bsum + rows * kp / 16);
+    for (int64_t p = 0; p < d[0]; p++) {
+        const int64_t *part = d + 2 + 4 * p;
+        int type = (int)part[0];
+        if (type == 0) {
+            linear_f32(x, rows, k, (const float *)part[1], part[2], k, y + column, n_total, threads);
+        } else {
+            int64_t need = type >= 12 ? 256 : 32; /* the K-quants' super-blocks (Q4_K = 12 on) */
+            if (block != need)
+                quantize_activations(x, 0, rows, k, k, need, xq, xd, xsd, bsum, threads);
+            block = need;
+            quant_matmul(type, (const uint8_t *)part[1], part[2], k, part[3], xq, xd, xsd, bsum,
+                         rows, y + column, 0, n_total, threads);
+        }
+        column += part[2];
+    }
+    const float *bias = (const float *)d[1];
     if (bias)
         for (int64_t r = 0; r < rows; r++)
-            for (int64_t i = 0; i < n; i++) y[r * n + i] += bias[i];
+            for (int64_t i = 0; i < n_total; i++) y[r * n_total + i] += bias[i];
 }
 
 /* A decode step through all `num_layers` layers of a Llama-style model in one call, as the layer
  * modules run it on these ops: x [rows, hidden] in, the last layer's output out, and `residual`
- * the residual stream before it. `weights`: 10 addresses a layer, the input norm, qkv weight and
- * bias, o weight and bias, post-attention norm, gate_up weight and bias, down weight and bias (a
- * bias 0 where there is none). `work`: rows * (hidden + qkv width + heads * head_dim + 3 *
- * intermediate) floats. The rows of `num_seqs` sequences as `decode_attention_f32` takes them;
- * `windows`: each layer's (0: global). */
+ * the residual stream before it. `weights`: LAYER_WORDS words a layer, the input norm's address,
+ * the qkv projection's descriptor (`fused_linear`), o's, the post-attention norm's address, then
+ * gate_up's and down's. `work`: rows * (hidden + qkv width + heads * head_dim + 3 *
+ * intermediate) floats; `act`: rows * kp * 3 / 8 floats (kp: the widest input rounded up to
+ * 256) for quantized activations. The rows of `num_seqs` sequences as `decode_attention_f32`
+ * takes them; `windows`: each layer's (0: global). */
+#define LAYER_WORDS (2 + 4 * LINEAR_WORDS)
 void decode_layers_f32(float *x, float *residual, int64_t rows, int64_t hidden, const float *cos,
                        const float *sin, int64_t num_layers, const int64_t *weights,
                        const int64_t *k_caches, const int64_t *v_caches,
@@ -179,21 +211,28 @@ void decode_layers_f32(float *x, float *residual, int64_t rows, int64_t hidden, 
                        const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
                        const int32_t *query_start, int64_t num_seqs, int64_t block_size,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rot_dim,
-                       int64_t intermediate, float eps, float scale, float *work, float *scores,
-                       int64_t scores_stride, int threads) {
+                       int64_t intermediate, float eps, float scale, float *work, float *act,
+                       float *scores, int64_t scores_stride, int threads) {
     int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     int64_t qkv_width = q_size + 2 * kv_size;
+    int64_t max_k = hidden > q_size ? hidden : q_size;
+    max_k = max_k > intermediate ? max_k : intermediate;
     float *h = work, *qkv = h + rows * hidden, *attn = qkv + rows * qkv_width;
-    float *gate_up = attn + rows * q_size, *act = gate_up + rows * 2 * intermediate;
+    float *gate_up = attn + rows * q_size, *mlp = gate_up + rows * 2 * intermediate;
     for (int64_t l = 0; l < num_layers; l++) {
-        const float *const *w = (const float *const *)(weights + 10 * l);
+        const int64_t *w = weights + LAYER_WORDS * l;
+        const int64_t *qkv_proj = w + 1, *o_proj = qkv_proj + LINEAR_WORDS;
+        const float *post_norm = (const float *)o_proj[LINEAR_WORDS];
+        const int64_t *gate_up_proj = o_proj + LINEAR_WORDS + 1;
+        const int64_t *down_proj = gate_up_proj + LINEAR_WORDS;
         if (l == 0) {
-            rms_norm_f32(x, NULL, w[0], h, NULL, rows, hidden, hidden, eps, threads);
+            rms_norm_f32(x, NULL, (const float *)w[0], h, NULL, rows, hidden, hidden, eps, threads);
             memcpy(residual, x, rows * hidden * sizeof(float));
         } else {
-            rms_norm_f32(x, residual, w[0], h, residual, rows, hidden, hidden, eps, threads);
+            rms_norm_f32(x, residual, (const float *)w[0], h, residual, rows, hidden, hidden, eps,
+                         threads);
         }
-        linear_bias_f32(h, rows, w[1], w[2], qkv_width, hidden, qkv, threads);
+        fused_linear(qkv_proj, h, rows, hidden, qkv, qkv_width, act, max_k, threads);
         rotary_f32(qkv, cos, sin, rows, num_heads + num_kv_heads, head_dim, rot_dim, qkv_width,
                    threads);
         decode_attention_f32(qkv, qkv + q_size, qkv + q_size + kv_size, qkv_width, qkv_width,
@@ -201,10 +240,11 @@ void decode_layers_f32(float *x, float *residual, int64_t rows, int64_t hidden, 
                              cache_head_stride, block_tables, max_blocks, seq_lens, query_start,
                              block_size, num_seqs, num_heads, num_kv_heads, head_dim, scale, attn,
                              scores, scores_stride, threads, windows[l], 0.0f);
-        linear_bias_f32(attn, rows, w[3], w[4], hidden, q_size, x, threads);
-        rms_norm_f32(x, residual, w[5], h, residual, rows, hidden, hidden, eps, threads);
-        linear_bias_f32(h, rows, w[6], w[7], 2 * intermediate, hidden, gate_up, threads);
-        silu_and_mul_f32(gate_up, act, rows, intermediate, threads);
-        linear_bias_f32(act, rows, w[8], w[9], hidden, intermediate, x, threads);
+        fused_linear(o_proj, attn, rows, q_size, x, hidden, act, max_k, threads);
+        rms_norm_f32(x, residual, post_norm, h, residual, rows, hidden, hidden, eps, threads);
+        fused_linear(gate_up_proj, h, rows, hidden, gate_up, 2 * intermediate, act, max_k,
+                     threads);
+        silu_and_mul_f32(gate_up, mlp, rows, intermediate, threads);
+        fused_linear(down_proj, mlp, rows, intermediate, x, hidden, act, max_k, threads);
     }
 }
