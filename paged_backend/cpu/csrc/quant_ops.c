@@ -441,24 +441,50 @@ static inline __attribute__((always_inline)) void unpack_k_chunk(int type, const
     c->mfac = -f16_to_f32(blk + 2);
 }
 
-/* acc[m] += the super-block . row m's activations at it (scale xd[0] for all 256). */
+/* The super-block . one row's activations at it, x (scale xd for all 256; bs its 16s' sums), as
+ * 8 lanes to add up. */
+static inline __attribute__((always_inline)) __m256 dot_row_k(const k_chunk *c, const int8_t *x,
+                                                              float xd, const int16_t *bs) {
+    __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int g = 0; g < 8; g++) {
+        __m256i p = _mm256_maddubs_epi16(c->q[g], _mm256_loadu_si256((const __m256i *)(x + 32 * g)));
+        part[g % 2] = _mm256_add_epi32(part[g % 2], _mm256_madd_epi16(p, c->sc[g]));
+    }
+    __m256i mins = _mm256_madd_epi16(c->mv, _mm256_loadu_si256((const __m256i *)bs));
+    __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(part[0], part[1])),
+                               _mm256_set1_ps(c->d * xd));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(c->mfac * xd), sum);
+}
+
+/* acc[m] += the super-block . row m's activations at it, for `rows` rows. */
 static inline __attribute__((always_inline)) void dot_rows_k(
     const k_chunk *c, const int8_t *xq, const float *xd, const int16_t *bsum, int64_t kp,
     int64_t rows, acc_t *acc) {
-    for (int64_t m = 0; m < rows; m++) {
-        const int8_t *x = xq + m * kp;
-        __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-        for (int g = 0; g < 8; g++) {
-            __m256i p = _mm256_maddubs_epi16(c->q[g], _mm256_loadu_si256((const __m256i *)(x + 32 * g)));
-            part[g % 2] = _mm256_add_epi32(part[g % 2], _mm256_madd_epi16(p, c->sc[g]));
-        }
-        __m256i mins = _mm256_madd_epi16(c->mv, _mm256_loadu_si256((const __m256i *)(bsum + m * (kp / 16))));
-        float scale = xd[m * (kp / 32)];
-        __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(part[0], part[1])),
-                                   _mm256_set1_ps(c->d * scale));
-        acc[m] = _mm256_add_ps(acc[m], _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins),
-                                                       _mm256_set1_ps(c->mfac * scale), sum));
+    for (int64_t m = 0; m < rows; m++)
+        acc[m] = _mm256_add_ps(acc[m], dot_row_k(c, xq + m * kp, xd[m * (kp / 32)],
+                                                 bsum + m * (kp / 16)));
+}
+
+/* A row of a K-quant weight . one row of activations: two sums in registers, alternate
+ * super-blocks (a step of one row is bound by this loop's latency, not by reading memory). */
+static inline float dot_one_k(int type, const uint8_t *row, int64_t k, const int8_t *x,
+                              const float *xd, const int16_t *bsum) {
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    int64_t bytes = block_bytes(type), first = 0;
+    for (; first + 2 * CHUNK <= k; first += 2 * CHUNK, row += 2 * bytes) {
+        k_chunk c;
+        unpack_k_chunk(type, row, &c);
+        even = _mm256_add_ps(even, dot_row_k(&c, x + first, xd[first / 32], bsum + first / 16));
+        unpack_k_chunk(type, row + bytes, &c);
+        int64_t next = first + CHUNK;
+        odd = _mm256_add_ps(odd, dot_row_k(&c, x + next, xd[next / 32], bsum + next / 16));
     }
+    if (first < k) {
+        k_chunk c;
+        unpack_k_chunk(type, row, &c);
+        even = _mm256_add_ps(even, dot_row_k(&c, x + first, xd[first / 32], bsum + first / 16));
+    }
+    return hsum8(_mm256_add_ps(even, odd));
 }
 #else
 typedef struct { float v[8]; } acc_t;
@@ -505,6 +531,12 @@ void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_
             acc_t acc[ROW_TILE];
             const uint8_t *row = w + j * row_bytes;
             memset(acc, 0, mt * sizeof acc[0]);
+#ifdef QUANT_AVX2
+            if (type >= Q4_K && mt == 1) {
+                float v = dot_one_k(type, row, k, x, d, bsum + m0 * (kp / 16));
+                acc[0] = _mm256_setr_ps(v, 0, 0, 0, 0, 0, 0, 0); /* summed below: v exactly */
+            } else
+#endif
             for (int64_t first = 0; first < k; first += CHUNK) {
 #ifdef QUANT_AVX2
                 if (type >= Q4_K) {
