@@ -8,6 +8,7 @@ built."""
 
 from __future__ import annotations
 
+import mmap
 import platform
 import re
 from pathlib import Path
@@ -602,8 +603,9 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 def test_the_kv_cache_lies_on_huge_pages():
     """64 MiB of cache, zeroed, in a mapping the kernel backs with 2 MiB pages (`THPeligible`:
     the madvise took). Whether it finds free 2 MiB pages at that moment depends on the machine's
-    fragmentation, so the pages themselves are not asserted; a plain tensor's mapping is not
-    eligible where huge pages are on request only."""
+    fragmentation, so the pages themselves are not asserted; a fresh mapping without the advice
+    is not eligible where huge pages are on request only (a fresh one: malloc may hand a plain
+    tensor memory whose mapping an earlier test advised)."""
     cache = zeros_on_huge_pages((32, 1024, 1024), torch.bfloat16)
     assert not cache.any()
     fields = _mapping_of(cache.data_ptr() + (32 << 20))
@@ -611,7 +613,9 @@ def test_the_kv_cache_lies_on_huge_pages():
         pytest.skip("this kernel's smaps has no THPeligible")
     assert fields["THPeligible"] == "1"
     if "[madvise]" in THP.read_text():
-        plain = torch.zeros(32, 1024, 1024, dtype=torch.bfloat16)
+        plain = torch.frombuffer(
+            mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8
+        )
         assert _mapping_of(plain.data_ptr() + (32 << 20))["THPeligible"] == "0"
 
 
