@@ -135,9 +135,12 @@ def test_bf16_in_and_out_and_fused_parts_in_adjacent_columns():
     assert torch.allclose(linear(x.float()), both + bias)
 
 
-def test_outputs_do_not_depend_on_threads_or_batching():
-    w = random_weight("Q5_K", 64, 512, seed=3)
-    x = torch.randn(9, 512)
+@pytest.mark.parametrize(("fmt", "k"), [("Q5_K", 512), ("Q4_K", 1536), ("Q4_1", 1536)])
+def test_outputs_do_not_depend_on_threads_or_batching(fmt, k):
+    """A row's result is the same alone (the one-row path) or in a batch, on any thread count:
+    several super-blocks a row, so that a different summation order would show."""
+    w = random_weight(fmt, 64, k, seed=3)
+    x = torch.randn(9, k)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -465,26 +465,19 @@ static inline __attribute__((always_inline)) void dot_rows_k(
                                                  bsum + m * (kp / 16)));
 }
 
-/* A row of a K-quant weight . one row of activations: two sums in registers, alternate
- * super-blocks (a step of one row is bound by this loop's latency, not by reading memory). */
+/* A row of a K-quant weight . one row of activations, summed in a register (a step of one row is
+ * bound by this loop's latency; through the row tile's accumulator array every super-block
+ * stored and reloaded its sum). The super-blocks are added in the same order as `dot_rows_k`
+ * adds them, so a row's result is the same alone or in a batch. */
 static inline float dot_one_k(int type, const uint8_t *row, int64_t k, const int8_t *x,
                               const float *xd, const int16_t *bsum) {
-    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-    int64_t bytes = block_bytes(type), first = 0;
-    for (; first + 2 * CHUNK <= k; first += 2 * CHUNK, row += 2 * bytes) {
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t first = 0; first < k; first += CHUNK, row += block_bytes(type)) {
         k_chunk c;
         unpack_k_chunk(type, row, &c);
-        even = _mm256_add_ps(even, dot_row_k(&c, x + first, xd[first / 32], bsum + first / 16));
-        unpack_k_chunk(type, row + bytes, &c);
-        int64_t next = first + CHUNK;
-        odd = _mm256_add_ps(odd, dot_row_k(&c, x + next, xd[next / 32], bsum + next / 16));
+        sum = _mm256_add_ps(sum, dot_row_k(&c, x + first, xd[first / 32], bsum + first / 16));
     }
-    if (first < k) {
-        k_chunk c;
-        unpack_k_chunk(type, row, &c);
-        even = _mm256_add_ps(even, dot_row_k(&c, x + first, xd[first / 32], bsum + first / 16));
-    }
-    return hsum8(_mm256_add_ps(even, odd));
+    return hsum8(sum);
 }
 #else
 typedef struct { float v[8]; } acc_t;
