@@ -61,7 +61,8 @@ class ModelRunner:
         backend = config.resolve_backend(self.device)
         ops = self._ops(config, backend)
         self.c_ops = ops == "cpu"  # the layers' elementwise ops and decode attention run in C
-        bf16_kernels = self.c_ops and cpu.has_bf16_kernels()
+        # the AVX512-BF16 kernels (GEMM, prefix and prefill attention) read bf16 only
+        bf16_kernels = self.c_ops and self.bf16_cpu and cpu.has_bf16_kernels()
         self.backend = get_backend(
             backend,
             model_config.num_heads,

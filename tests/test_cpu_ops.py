@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_tiny_model
 
 from paged_backend import LLM, SamplingParams, cpu
 from paged_backend.attention import AttentionMetadata
@@ -532,6 +533,22 @@ def test_a_build_without_avx512_bf16_has_the_other_ops_but_not_prefix_attention(
         assert torch.equal(cpu_ops.argmax(logits), logits.argmax(dim=-1))
     finally:
         cpu.load_library.cache_clear()
+
+
+@needs_ops
+def test_fp32_engines_never_take_the_bf16_kernels(tmp_path, default_model_path, monkeypatch):
+    """On a CPU with AVX512-BF16 an fp32 engine runs the C fp32 ops, not the bf16-only prefix
+    and prefill attention (which would read its fp32 cache as bf16): stood in for here, on a
+    head_dim those kernels take."""
+    monkeypatch.setattr(cpu, "has_bf16_kernels", lambda: True)
+    path = make_tiny_model(tmp_path, default_model_path, head_dim=64)
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=32)
+    backend = llm.engine.runner.backend
+    assert backend.c_decode and not backend.c_prefix
+    shared = list(range(100, 140))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([[*shared, 7], [*shared, 8]], params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
 
 
 def test_fp16_engines_refuse_cpu_kernels(tiny_model):
