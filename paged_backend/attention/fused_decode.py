@@ -59,6 +59,10 @@ class FusedDecode:
             ],
             dtype=torch.int64,
         )
+        # floats a row of `decode_layers_f32`'s quantized activations takes (the widest input
+        # rounded up to 256: a byte a level, and the scales and sums of its 32s and 16s)
+        widest = max(self.hidden, config.num_heads * self.head_dim, self.intermediate)
+        self.act_per_row = -(-widest // 256) * 256 * 3 // 8
         windows = [layer.self_attn.window or 0 for layer in model.layers]
         self.windows = torch.tensor(windows, dtype=torch.int64)
         self.caches: tuple[int, torch.Tensor, torch.Tensor] | None = None
@@ -124,8 +128,9 @@ class FusedDecode:
         prefix, if any) where there are some."""
         if rows > self.max_rows:
             return None
-        plans = meta.prepared.values()
-        if not all(isinstance(p, CDecodePlan) and not (self.f32 and p.shared) for p in plans):
+        # (an fp32 step with a shared prefix has none: without a C prefix kernel it is planned
+        # for the torch path)
+        if not all(isinstance(p, CDecodePlan) for p in meta.prepared.values()):
             return None
         return meta.prepared.get(None) or next(iter(meta.prepared.values()))
 
@@ -184,8 +189,7 @@ class FusedDecode:
             starts = plan.query_start
             if starts is None:
                 starts = torch.arange(rows + 1, dtype=torch.int32)
-            widest = max(self.hidden, q_size, self.intermediate)
-            act = torch.empty(rows * -(-widest // 256) * 256 * 3 // 8)  # quantized activations
+            act = torch.empty(rows * self.act_per_row)
             cpu.load_library().decode_layers_f32(
                 **args,
                 query_start=starts.data_ptr(),

@@ -257,12 +257,13 @@ def decode_attention(
             "query_start must rise from 0 to the rows",
         )
         _require(bool((counts <= seq_lens).all()), "a sequence's rows must fit in its seq_len")
-        need = int(counts.max()) * (num_heads // kv_heads) * int(seq_lens.max())
-        _require(scratch.dim() == 2 and scratch.shape[1] >= need, "scratch rows are too short")
     _require(
         scratch.dtype == torch.float32 and scratch.is_contiguous() and scratch.dim() == 2,
         "scratch must be contiguous fp32 [threads, scores]",
     )
+    if query_start is not None:
+        need = int(counts.max()) * (num_heads // kv_heads) * int(seq_lens.max())
+        _require(scratch.shape[1] >= need, "scratch rows are too short")
     q, k, v = _heads_packed(q), _heads_packed(k), _heads_packed(v)
     out = torch.empty(rows, num_heads, dim, dtype=q.dtype)
     args = dict(
