@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C kernels did n
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 96, 161])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 13])  # every tile shape
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_f32_gives_torchs_values(n, rows, bias):
     torch.manual_seed(n * 100 + rows)
@@ -30,18 +30,23 @@ def test_linear_f32_gives_torchs_values(n, rows, bias):
     torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
 
 
-def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_threads():
-    torch.manual_seed(0)
-    x, weight = torch.randn(11, 576), torch.randn(250, 576)
+@pytest.mark.parametrize("rows", [2, 3, 5, 6, 11])  # each a tile shape of its own
+def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_threads(rows):
+    torch.manual_seed(rows)
+    x, weight = torch.randn(rows, 576), torch.randn(250, 576)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = [cpu_ops.linear_f32(x[i : i + 1], weight, None) for i in range(11)]
+        alone = [cpu_ops.linear_f32(x[i : i + 1], weight, None) for i in range(rows)]
         torch.set_num_threads(2)
         together = cpu_ops.linear_f32(x, weight, None)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(torch.cat(alone), together)
+
+
+def test_a_step_without_rows_gives_an_empty_result():
+    assert cpu_ops.linear_f32(torch.empty(0, 16), torch.randn(5, 16), None).shape == (0, 5)
 
 
 def test_linear_f32_fits_only_what_it_reads_right():

@@ -257,6 +257,53 @@ def test_fp32_decode_attention_takes_several_rows_a_sequence(window, softcap):
 
 
 @needs_ops
+@pytest.mark.parametrize(
+    ("window", "softcap", "group"), [(None, None, 3), (7, 5.0, 1), (None, None, 8)]
+)
+def test_fp32_rows_verifying_drafts_give_the_bits_of_plain_decodes(window, softcap, group):
+    """A sequence's 5 rows in one step (its token and 4 drafts) against the same tokens decoded
+    one step each: identical outputs, so drafting never moves a greedy token."""
+    gen = torch.Generator().manual_seed(group)
+    kv_heads, dim, bs, length, rows = 2, 64, 4, 43, 5
+    table = torch.randperm(16, generator=gen)[:12].to(torch.int32)[None]
+    cache = tuple(torch.randn(kv_heads, 16 * bs, dim, generator=gen) for _ in range(2))
+    q = torch.randn(rows, kv_heads * group, dim, generator=gen)
+    k, v = (torch.randn(rows, kv_heads, dim, generator=gen) for _ in range(2))
+    scratch = torch.empty(2, rows * group * length)
+    caches = [tuple(c.clone() for c in cache) for _ in range(2)]
+    together = cpu_ops.decode_attention(
+        q,
+        k,
+        v,
+        caches[0],
+        table,
+        torch.tensor([length], dtype=torch.int32),
+        bs,
+        scratch,
+        window=window,
+        softcap=softcap,
+        query_start=torch.tensor([0, rows], dtype=torch.int32),
+    )
+    alone = [
+        cpu_ops.decode_attention(
+            q[r : r + 1],
+            k[r : r + 1],
+            v[r : r + 1],
+            caches[1],
+            table,
+            torch.tensor([length - rows + 1 + r], dtype=torch.int32),
+            bs,
+            scratch,
+            window=window,
+            softcap=softcap,
+        )
+        for r in range(rows)
+    ]
+    assert torch.equal(together, torch.cat(alone))
+    assert all(torch.equal(a, b) for a, b in zip(*caches, strict=True))
+
+
+@needs_ops
 def test_decode_attention_takes_every_step_of_decodes_only():
     """Any number of sequences and keys; a shared prefix only where the prefix kernel runs too;
     never a step with a prefill chunk."""

@@ -3,8 +3,8 @@
 fp32 models (CPUs without native bf16) have the same choice between torch's `F.linear` and the
 C fp32 linear (`cpu_ops.linear_f32`), timed the same way (`f32_max_rows`). On a 2-core AVX2 Zen 3
 the C one wins at every timed step up to 64 rows (the default model's linears at one row: 12.2
-against 20.7 ms; at five rows 17.1 against 51.1 ms), since torch's GEMM streams the weights
-slowly below a few dozen rows.
+against 20.7 ms; at five rows ~1.2x its own one-row time against 51.1 ms), since torch's GEMM
+streams the weights slowly below a few dozen rows.
 
 Two kernels compute the same exact-bf16-product, fp32-sum linear: oneDNN's packed linear
 (`CpuLinear.packed`, AMX tiles where the CPU has them) and the C GEMM (`cpu_ops.gemm`, AVX512-BF16

@@ -3,16 +3,34 @@
  * A step of a few rows (decodes, a sequence verifying its drafts) streams every weight from
  * memory once and does little arithmetic with it. torch's fp32 GEMM on AVX2 packs the weight
  * and blocks for large products: at 2-8 rows it reads the weights at a fraction of the rate one
- * row does. Here tiles of 3 weight rows by 4 input rows keep 12 sums in registers (AVX2 FMA):
- * the weight tile is read from memory once per step and from L1 for the other input rows.
+ * row does. Here a tile of NW weight rows by NX input rows keeps its NW x NX sums in registers
+ * (AVX2 FMA), and the tile's shape follows the step's row count (`tile_shape`), so that every
+ * step of up to 6 rows takes all its rows in one pass over the weights, with at least as many
+ * multiply-adds as loads: a verifying step of 5 rows costs little more than a decode of one.
+ * The weight tile is read from memory once a step and from L1 for further groups of rows.
  *
  * Every output is one dot product whose summation order depends only on k (8 lanes, in order,
  * then the lanes summed in a fixed tree), never on the number of rows or the tile it falls in:
  * a row's result is the same alone or in any batch. Without AVX2 a scalar loop keeps that too.
  */
 #include <stdint.h>
+
+/* Weight rows a tile for a step of `rows` input rows, and the most input rows a group. 16 AVX2
+ * registers hold the NW x NX sums and the operand there are fewer of (`F32_TILE`); from 7 rows
+ * the rows go in groups of 3-4 against 3 weight rows. */
+static void tile_shape(int64_t rows, int *nw, int *nx) {
+    static const int weight_rows[5] = {0, 4, 6, 4, 3};
+    *nw = rows <= 4 ? weight_rows[rows] : rows <= 6 ? 2 : 3;
+    *nx = rows <= 4 ? (int)rows : rows <= 6 ? 6 : 4;
+}
+
 #ifdef __AVX2__
 #include <immintrin.h>
+/* From two input rows a tile computes long enough a cache line that the hardware prefetcher
+ * falls behind (5 rows: ~1.6x a row's step); asking for the weights 16 KB ahead brings a 5-row
+ * step to ~1.2x (2-core Zen 3). At one row it costs a little: the prefetcher keeps up there. */
+#define PREFETCH_FLOATS 4096
+#define PREFETCH_MIN_ROWS 2
 
 static inline float lanes_sum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -22,59 +40,120 @@ static inline float lanes_sum(__m256 v) {
 }
 
 /* y[b, a] = x[b] . w[a] for NW weight rows and NX input rows; k a multiple of 8 here. */
-#define F32_TILE(NW, NX)                                                                         \
-    static inline __attribute__((always_inline)) void f32_tile_##NW##_##NX(                      \
-        const float *x, int64_t xs, const float *w, int64_t k, float *y, int64_t ys) {           \
-        __m256 acc[NW][NX];                                                                      \
-        for (int a = 0; a < NW; a++)                                                             \
-            for (int b = 0; b < NX; b++) acc[a][b] = _mm256_setzero_ps();                        \
-        for (int64_t i = 0; i < k; i += 8) {                                                     \
-            __m256 wv[NW];                                                                       \
-            for (int a = 0; a < NW; a++) wv[a] = _mm256_loadu_ps(w + a * k + i);                 \
-            for (int b = 0; b < NX; b++) {                                                       \
-                __m256 xv = _mm256_loadu_ps(x + b * xs + i);                                     \
-                for (int a = 0; a < NW; a++) acc[a][b] = _mm256_fmadd_ps(wv[a], xv, acc[a][b]); \
-            }                                                                                    \
-        }                                                                                        \
-        for (int a = 0; a < NW; a++)                                                             \
-            for (int b = 0; b < NX; b++) y[b * ys + a] = lanes_sum(acc[a][b]);                   \
+#define F32_TILE(NW, NX)                                                                           \
+    static void f32_tile_##NW##_##NX(const float *x, int64_t xs, const float *w, int64_t k,        \
+                                     float *y, int64_t ys) {                                       \
+        __m256 acc[NW][NX];                                                                        \
+        for (int a = 0; a < NW; a++)                                                               \
+            for (int b = 0; b < NX; b++) acc[a][b] = _mm256_setzero_ps();                          \
+        for (int64_t i = 0; i < k; i += 8) {                                                       \
+            if (NX >= PREFETCH_MIN_ROWS && i % 16 == 0)                                            \
+                for (int a = 0; a < NW; a++)                                                       \
+                    _mm_prefetch((const char *)(w + a * k + i + PREFETCH_FLOATS), _MM_HINT_T0);    \
+            if (NX < NW) {                                                                         \
+                __m256 xv[NX];                                                                     \
+                for (int b = 0; b < NX; b++) xv[b] = _mm256_loadu_ps(x + b * xs + i);              \
+                for (int a = 0; a < NW; a++) {                                                     \
+                    __m256 wv = _mm256_loadu_ps(w + a * k + i);                                    \
+                    for (int b = 0; b < NX; b++)                                           \
+                        acc[a][b] = _mm256_fmadd_ps(wv, xv[b], acc[a][b]);                         \
+                }                                                                                  \
+            } else {                                                                               \
+                __m256 wv[NW];                                                                     \
+                for (int a = 0; a < NW; a++) wv[a] = _mm256_loadu_ps(w + a * k + i);               \
+                for (int b = 0; b < NX; b++) {                                                     \
+                    __m256 xv = _mm256_loadu_ps(x + b * xs + i);                                   \
+                    for (int a = 0; a < NW; a++)                                           \
+                        acc[a][b] = _mm256_fmadd_ps(wv[a], xv, acc[a][b]);                         \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        for (int a = 0; a < NW; a++)                                                               \
+            for (int b = 0; b < NX; b++) y[b * ys + a] = lanes_sum(acc[a][b]);                     \
     }
+F32_TILE(4, 1)
+F32_TILE(6, 2)
+F32_TILE(4, 3)
 F32_TILE(3, 4)
-F32_TILE(3, 1)
-F32_TILE(1, 4)
+F32_TILE(3, 3)
+F32_TILE(2, 4)
+F32_TILE(2, 5)
+F32_TILE(2, 6)
 F32_TILE(1, 1)
+F32_TILE(1, 2)
+F32_TILE(1, 3)
+F32_TILE(1, 4)
+F32_TILE(1, 5)
+F32_TILE(1, 6)
 
-static void f32_rows(const float *x, int64_t rows, int64_t xs, const float *w, int64_t j,
-                     int64_t nw, int64_t k, float *y, int64_t ys) {
-    int64_t m = 0;
-    for (; m + 4 <= rows; m += 4) {
-        if (nw == 3) f32_tile_3_4(x + m * xs, xs, w + j * k, k, y + m * ys + j, ys);
-        else for (int64_t a = j; a < j + nw; a++) f32_tile_1_4(x + m * xs, xs, w + a * k, k, y + m * ys + a, ys);
-    }
-    for (; m < rows; m++) {
-        if (nw == 3) f32_tile_3_1(x + m * xs, xs, w + j * k, k, y + m * ys + j, ys);
-        else for (int64_t a = j; a < j + nw; a++) f32_tile_1_1(x + m * xs, xs, w + a * k, k, y + m * ys + a, ys);
+/* One tile of `nw` weight rows (a shape `tile_shape` gives, or 1) by `nx` input rows. */
+static void f32_tile(int nw, int nx, const float *x, int64_t xs, const float *w, int64_t k,
+                     float *y, int64_t ys) {
+    switch (nw * 8 + nx) {
+    case 4 * 8 + 1: f32_tile_4_1(x, xs, w, k, y, ys); return;
+    case 6 * 8 + 2: f32_tile_6_2(x, xs, w, k, y, ys); return;
+    case 4 * 8 + 3: f32_tile_4_3(x, xs, w, k, y, ys); return;
+    case 3 * 8 + 4: f32_tile_3_4(x, xs, w, k, y, ys); return;
+    case 3 * 8 + 3: f32_tile_3_3(x, xs, w, k, y, ys); return;
+    case 2 * 8 + 4: f32_tile_2_4(x, xs, w, k, y, ys); return;
+    case 2 * 8 + 5: f32_tile_2_5(x, xs, w, k, y, ys); return;
+    case 2 * 8 + 6: f32_tile_2_6(x, xs, w, k, y, ys); return;
+    case 1 * 8 + 1: f32_tile_1_1(x, xs, w, k, y, ys); return;
+    case 1 * 8 + 2: f32_tile_1_2(x, xs, w, k, y, ys); return;
+    case 1 * 8 + 3: f32_tile_1_3(x, xs, w, k, y, ys); return;
+    case 1 * 8 + 4: f32_tile_1_4(x, xs, w, k, y, ys); return;
+    case 1 * 8 + 5: f32_tile_1_5(x, xs, w, k, y, ys); return;
+    default: f32_tile_1_6(x, xs, w, k, y, ys); return;
     }
 }
 #else
-static void f32_rows(const float *x, int64_t rows, int64_t xs, const float *w, int64_t j,
-                     int64_t nw, int64_t k, float *y, int64_t ys) {
-    for (int64_t m = 0; m < rows; m++)
-        for (int64_t a = j; a < j + nw; a++) {
+static void f32_tile(int nw, int nx, const float *x, int64_t xs, const float *w, int64_t k,
+                     float *y, int64_t ys) {
+    for (int b = 0; b < nx; b++)
+        for (int a = 0; a < nw; a++) {
             float s = 0.0f;
-            for (int64_t i = 0; i < k; i++) s += x[m * xs + i] * w[a * k + i];
-            y[m * ys + a] = s;
+            for (int64_t i = 0; i < k; i++) s += x[b * xs + i] * w[a * k + i];
+            y[b * ys + a] = s;
         }
 }
 #endif
 
+/* Weight rows j..j+nw (nw below the tile's height: one at a time) against every input row, in
+ * groups of at most `nx` rows sized evenly (7 rows: 4 and 3, not 6 and 1). */
+static void f32_rows(const float *x, int64_t rows, int64_t xs, const float *w, int64_t j, int nw,
+                     int tile_rows, int nx, int64_t k, float *y, int64_t ys) {
+    int64_t groups = (rows + nx - 1) / nx;
+    for (int64_t g = 0, m = 0; g < groups; g++) {
+        int size = (int)((rows - m) / (groups - g) + ((rows - m) % (groups - g) != 0));
+        if (nw == tile_rows) f32_tile(nw, size, x + m * xs, xs, w + j * k, k, y + m * ys + j, ys);
+        else
+            for (int64_t a = j; a < j + nw; a++)
+                f32_tile(1, size, x + m * xs, xs, w + a * k, k, y + m * ys + a, ys);
+        m += size;
+    }
+}
+
 /* k a multiple of 8; x rows `x_stride` floats apart, y rows `y_stride`. */
 void linear_f32(const float *x, int64_t rows, int64_t x_stride, const float *w, int64_t n, int64_t k,
                 float *y, int64_t y_stride, int threads) {
-    int64_t tiles = (n + 2) / 3;
+    if (rows <= 0) return; /* a step's empty part (no rows of its kind) */
+    int nw, nx;
+    tile_shape(rows, &nw, &nx);
+    int64_t tiles = (n + nw - 1) / nw;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
-        int64_t j = t * 3;
-        f32_rows(x, rows, x_stride, w, j, n - j < 3 ? n - j : 3, k, y, y_stride);
+        int64_t j = t * nw;
+        f32_rows(x, rows, x_stride, w, j, n - j < nw ? (int)(n - j) : nw, nw, nx, k, y, y_stride);
     }
+}
+
+/* `linear_f32` on the calling thread, for kernels that already split their work over threads
+ * (decode attention's scores: a few keys at a time, thousands of calls a step). */
+void linear_f32_serial(const float *x, int64_t rows, int64_t x_stride, const float *w, int64_t n,
+                       int64_t k, float *y, int64_t y_stride) {
+    if (rows <= 0) return;
+    int nw, nx;
+    tile_shape(rows, &nw, &nx);
+    for (int64_t j = 0; j < n; j += nw)
+        f32_rows(x, rows, x_stride, w, j, n - j < nw ? (int)(n - j) : nw, nw, nx, k, y, y_stride);
 }
