@@ -16,6 +16,7 @@ gives the same tokens with and without drafting, and greedy requests too.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 
@@ -37,11 +38,11 @@ class DraftRow:
         self.grammar = grammar
         self.num_tokens_left = request.num_tokens_left - len(self.drafts)
 
-    @property
+    @functools.cached_property  # built once, and only where the sampler reads it (penalties)
     def output_token_ids(self) -> list[int]:
         return [*self.request.output_token_ids, *self.drafts]
 
-    @property
+    @functools.cached_property
     def all_token_ids(self) -> list[int]:
         return [*self.request.all_token_ids, *self.drafts]
 
