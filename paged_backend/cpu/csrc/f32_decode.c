@@ -136,7 +136,8 @@ void decode_attention_f32(const float *q, const float *k, const float *v, int64_
                           float *scores, int64_t scores_stride, int threads, int64_t window,
                           float softcap) {
     int64_t group = num_heads / num_kv_heads, total_rows = query_start[num_seqs];
-    int32_t seq_of[total_rows];
+    if (total_rows <= 0) return;
+    int32_t seq_of[total_rows]; /* each row's sequence */
     for (int64_t s = 0; s < num_seqs; s++)
         for (int64_t t = query_start[s]; t < query_start[s + 1]; t++) {
             seq_of[t] = (int32_t)s;
