@@ -124,9 +124,9 @@ static void weighted_values(const float *p, const float *vc, const int32_t *tabl
  * keys a block at a time through `linear_f32_serial` (a row of 1,000 keys: ~2x faster than a dot
  * product a key, query head by query head), whose results do not depend on the tile or the other
  * rows: a row's output is the same in any batch, and a row verifying a draft gives the bits a
- * plain decode at that position gives (it reads the same keys, those up to its own). Scores go in `scores` (a row of `scores_stride` >= group *
- * context for each thread), then softmax, then P.V in registers. `softcap` > 0 caps the scaled
- * scores (tanh(s / cap) * cap, Gemma 2). */
+ * plain decode at that position gives (it reads the same keys, those up to its own). Scores go
+ * in `scores` (a row of `scores_stride` >= group * context for each thread), then softmax, then
+ * P.V in registers. `softcap` > 0 caps the scaled scores (tanh(s / cap) * cap, Gemma 2). */
 void decode_attention_f32(const float *q, const float *k, const float *v, int64_t q_stride,
                           int64_t k_stride, int64_t v_stride, float *k_cache, float *v_cache,
                           int64_t cache_head_stride, const int32_t *block_tables,
