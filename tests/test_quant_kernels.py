@@ -120,11 +120,12 @@ def test_matmul_is_the_product_with_the_dequantized_weight(fmt, rows):
     assert np.all(np.abs(got - expected) <= 1e-5 * scale + 1e-30)
 
 
-def test_bf16_in_and_out_and_fused_parts_in_adjacent_columns():
+@pytest.mark.parametrize("rows", [1, 5])
+def test_bf16_in_and_out_and_fused_parts_in_adjacent_columns(rows):
     q4, q6 = random_weight("Q4_K", 16, 256, seed=1), random_weight("Q6_K", 8, 256, seed=2)
-    x = torch.randn(5, 256).to(torch.bfloat16)
+    x = torch.randn(rows, 256).to(torch.bfloat16)
     both = quant_matmul(x, [q4, q6])
-    assert both.shape == (5, 24)
+    assert both.shape == (rows, 24)
     assert torch.equal(both[:, :16], quant_matmul(x, [q4])) and torch.equal(
         both[:, 16:], quant_matmul(x, [q6])
     )
@@ -135,11 +136,14 @@ def test_bf16_in_and_out_and_fused_parts_in_adjacent_columns():
     assert torch.allclose(linear(x.float()), both + bias)
 
 
-@pytest.mark.parametrize(("fmt", "k"), [("Q5_K", 512), ("Q4_K", 1536), ("Q4_1", 1536)])
+@pytest.mark.parametrize(
+    ("fmt", "k"), [("Q5_K", 512), ("Q4_K", 1536), ("Q6_K", 768), ("Q4_1", 1536)]
+)
 def test_outputs_do_not_depend_on_threads_or_batching(fmt, k):
     """A row's result is the same alone (the one-row path) or in a batch, on any thread count:
-    several super-blocks a row, so that a different summation order would show."""
-    w = random_weight(fmt, 64, k, seed=3)
+    several super-blocks a row, so that a different summation order would show; an odd number
+    of outputs, which the threads split unevenly."""
+    w = random_weight(fmt, 61, k, seed=3)
     x = torch.randn(9, k)
     threads = torch.get_num_threads()
     try:

@@ -232,6 +232,17 @@ void quantize_activations(const void *x, int x_bf16, int64_t rows, int64_t k, in
     }
 }
 
+/* out[at] = v, fp32, or bf16 rounded to nearest even where `out_bf16`. */
+static inline void store_output(void *out, int out_bf16, int64_t at, float v) {
+    if (out_bf16) {
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        ((uint16_t *)out)[at] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    } else {
+        ((float *)out)[at] = v;
+    }
+}
+
 #ifdef QUANT_AVX2
 typedef __m256 acc_t; /* a row's running sums, 8 lanes */
 
@@ -286,31 +297,19 @@ static inline __m256i q6k_bits(__m256i qh, int shift) {
     return _mm256_and_si256(bits, _mm256_set1_epi8(48));
 }
 
-/* The 256 levels of a K-quant super-block, 32 a register. */
-static inline __attribute__((always_inline)) void k_levels(int type, const uint8_t *blk, __m256i *q) {
-    if (type == Q6_K) {
-        for (int h = 0; h < 2; h++) {
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-            __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-            __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-            q[4 * h] = _mm256_or_si256(low_nibbles(l0), q6k_bits(qh, 0));
-            q[4 * h + 1] = _mm256_or_si256(low_nibbles(l1), q6k_bits(qh, 2));
-            q[4 * h + 2] = _mm256_or_si256(high_nibbles(l0), q6k_bits(qh, 4));
-            q[4 * h + 3] = _mm256_or_si256(high_nibbles(l1), q6k_bits(qh, 6));
-        }
-        return;
+/* Level register g (0..7: weights 32g..32g+31) of a K-quant super-block. With `type` a constant
+ * and g unrolled, the loads shared by two or four registers are made once. */
+static inline __attribute__((always_inline)) __m256i k_level(int type, const uint8_t *blk, int g) {
+    if (type == Q6_K) { /* halves of 128: low nibbles of l0, l1, then high nibbles; 2 bits from qh */
+        int h = g / 4, j = g % 4;
+        __m256i l = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (j % 2)));
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        return _mm256_or_si256(j < 2 ? low_nibbles(l) : high_nibbles(l), q6k_bits(qh, 2 * j));
     }
-    __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
-    const uint8_t *qs = blk + (type == Q5_K ? 48 : 16);
-    for (int i = 0; i < 4; i++) {
-        __m256i p = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
-        q[2 * i] = low_nibbles(p);
-        q[2 * i + 1] = high_nibbles(p);
-        if (type == Q5_K) {
-            q[2 * i] = _mm256_or_si256(q[2 * i], q5k_bits(qh, 2 * i));
-            q[2 * i + 1] = _mm256_or_si256(q[2 * i + 1], q5k_bits(qh, 2 * i + 1));
-        }
-    }
+    __m256i p = _mm256_loadu_si256((const __m256i *)(blk + (type == Q5_K ? 48 : 16) + 32 * (g / 2)));
+    __m256i q = g % 2 ? high_nibbles(p) : low_nibbles(p);
+    if (type == Q5_K) q = _mm256_or_si256(q, q5k_bits(_mm256_loadu_si256((const __m256i *)(blk + 16)), g));
+    return q;
 }
 
 /* A chunk of a legacy format's row (8 blocks of 32, fewer at the row's end). */
@@ -394,16 +393,16 @@ static inline __attribute__((always_inline)) void dot_rows(
         dot_rows_of(c, xq, xd, xsd, kp, rows, acc, c->groups, c->is_signed);
 }
 
-/* A K-quant super-block for the integer path: levels, and the integer scales each group's
- * products are weighted by before anything is converted to float. Q4_K / Q5_K:
- *   w = d * sc_j * q - dmin * m_j (per 32);  Q6_K: w = d * sc_g * (q - 32) (per 16),
- * so with one activation scale xd a super-block, dot = xd * (d * sum_g sc_g (q . x)_g
- * + mfac * sum_16 mv_16 * bsum_16), mfac = -dmin (mv: the mins) or -32 d (mv: the scales). */
+/* A K-quant super-block's integer scales, which each group's products are weighted by before
+ * anything is converted to float. Q4_K / Q5_K: w = d * sc_j * q - dmin * m_j (per 32); Q6_K:
+ * w = d * sc_g * (q - 32) (per 16). So with one activation scale xd a super-block,
+ *   dot = xd * (d * sum_g sc_g (q . x)_g - mfac * sum_16 mv_16 * bsum_16),
+ * mfac = dmin (mv: the mins) or 32 d (mv: the scales). */
 typedef struct {
-    __m256i q[8], sc[8]; /* sc[g]: int16 lanes 0-7 scale group 2g's first 16, 8-15 the next 16 */
-    __m256i mv;          /* int16 per 16 weights */
-    float d, mfac;
-} k_chunk;
+    __m256i lo, hi; /* int16 scales in both 128-bit halves: Q6_K's 0-7 and 8-15; the others' 8 */
+    __m256i mv;     /* int16 per 16 weights */
+    __m128 dm;      /* d, then (Q4_K / Q5_K) dmin */
+} k_header;
 
 /* A shuffle that spreads int16 lane `lo` of a 128-bit half over the low half and lane `hi` over
  * the high half. */
@@ -412,18 +411,16 @@ static inline __m256i spread_lanes(int lo, int hi) {
                               _mm256_set1_epi16((int16_t)(((2 * hi + 1) << 8) | (2 * hi))), 0xf0);
 }
 
-static inline __attribute__((always_inline)) void unpack_k_chunk(int type, const uint8_t *blk,
-                                                                 k_chunk *c) {
-    k_levels(type, blk, c->q);
+static inline __attribute__((always_inline)) void k_header_of(int type, const uint8_t *blk,
+                                                              k_header *h) {
     if (type == Q6_K) {
         __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
-        __m256i lo = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc8)); /* scales 0-7 */
-        __m256i hi = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc8, 8)));
-        for (int g = 0; g < 8; g++) /* scales 2g and 2g + 1 */
-            c->sc[g] = _mm256_shuffle_epi8(g < 4 ? lo : hi, spread_lanes(2 * g % 8, (2 * g + 1) % 8));
-        c->mv = _mm256_cvtepi8_epi16(sc8);
-        c->d = f16_to_f32(blk + 208);
-        c->mfac = -32.0f * c->d;
+        h->lo = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc8));
+        h->hi = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc8, 8)));
+        h->mv = _mm256_cvtepi8_epi16(sc8);
+        uint16_t d;
+        memcpy(&d, blk + 208, 2);
+        h->dm = _mm_cvtph_ps(_mm_cvtsi32_si128(d));
         return;
     }
     uint32_t w[3];
@@ -432,52 +429,138 @@ static inline __attribute__((always_inline)) void unpack_k_chunk(int type, const
                   (uint64_t)((w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4)) << 32;
     uint64_t mins = (w[1] & 0x3f3f3f3fu) |
                     (uint64_t)(((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4)) << 32;
-    __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)sc)));
-    for (int g = 0; g < 8; g++) c->sc[g] = _mm256_shuffle_epi8(sc16, spread_lanes(g, g));
+    h->lo = h->hi = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)sc)));
     __m128i doubled = _mm_shuffle_epi8(_mm_cvtsi64_si128((int64_t)mins),
                                        _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
-    c->mv = _mm256_cvtepu8_epi16(doubled);
-    c->d = f16_to_f32(blk);
-    c->mfac = -f16_to_f32(blk + 2);
+    h->mv = _mm256_cvtepu8_epi16(doubled);
+    uint32_t dm;
+    memcpy(&dm, blk, 4);
+    h->dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
 }
 
-/* The super-block . one row's activations at it, x (scale xd for all 256; bs its 16s' sums), as
- * 8 lanes to add up. */
-static inline __attribute__((always_inline)) __m256 dot_row_k(const k_chunk *c, const int8_t *x,
-                                                              float xd, const int16_t *bs) {
-    __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-    for (int g = 0; g < 8; g++) {
-        __m256i p = _mm256_maddubs_epi16(c->q[g], _mm256_loadu_si256((const __m256i *)(x + 32 * g)));
-        part[g % 2] = _mm256_add_epi32(part[g % 2], _mm256_madd_epi16(p, c->sc[g]));
-    }
-    __m256i mins = _mm256_madd_epi16(c->mv, _mm256_loadu_si256((const __m256i *)bs));
-    __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(part[0], part[1])),
-                               _mm256_set1_ps(c->d * xd));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(c->mfac * xd), sum);
+/* The scales of level register g: int16 lanes 0-7 weigh its first 16 weights, 8-15 the next. */
+static inline __attribute__((always_inline)) __m256i k_scale(int type, const k_header *h, int g) {
+    if (type == Q6_K) return _mm256_shuffle_epi8(g < 4 ? h->lo : h->hi, spread_lanes(2 * g % 8, (2 * g + 1) % 8));
+    return _mm256_shuffle_epi8(h->lo, spread_lanes(g, g));
 }
 
-/* acc[m] += the super-block . row m's activations at it, for `rows` rows. */
+/* Level register g's products with the activations x (32 bytes), weighted by its scales. */
+static inline __attribute__((always_inline)) __m256i k_group_dot(__m256i q, __m256i scale,
+                                                                 const int8_t *x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)x)), scale);
+}
+
+/* A super-block's float sum (8 lanes) from its integer sums, the activations' 16s' sums bs and
+ * scale xd. Every path ends a super-block here, so a row's result does not depend on the path. */
+static inline __attribute__((always_inline)) __m256 k_finish(int type, const k_header *h,
+                                                             __m256i sumi, const int16_t *bs,
+                                                             float xd) {
+    __m256i mins = _mm256_madd_epi16(h->mv, _mm256_loadu_si256((const __m256i *)bs));
+    __m128 scaled = _mm_mul_ps(h->dm, _mm_set1_ps(xd));
+    __m256 d = _mm256_broadcastss_ps(scaled);
+    __m256 mfac = type == Q6_K ? _mm256_mul_ps(d, _mm256_set1_ps(32.0f))
+                               : _mm256_broadcastss_ps(_mm_movehdup_ps(scaled));
+    return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), mfac, _mm256_mul_ps(_mm256_cvtepi32_ps(sumi), d));
+}
+
+/* Weights are read this far ahead of the super-block in use: one thread's stream from memory runs
+ * ~15% faster with it (the hardware prefetcher alone leaves a one-row product waiting). */
+#define K_PREFETCH_BYTES 4096
+
+static inline __attribute__((always_inline)) void k_prefetch(int type, const uint8_t *blk) {
+    for (int64_t at = 0; at < block_bytes(type); at += 64)
+        _mm_prefetch((const char *)blk + K_PREFETCH_BYTES + at, _MM_HINT_T0);
+}
+
+/* A super-block unpacked once for the rows of a step. */
+typedef struct {
+    __m256i q[8], sc[8];
+    k_header h;
+} k_chunk;
+
+/* acc[m] += the super-block at blk . row m's activations at it, for `rows` rows. */
 static inline __attribute__((always_inline)) void dot_rows_k(
-    const k_chunk *c, const int8_t *xq, const float *xd, const int16_t *bsum, int64_t kp,
-    int64_t rows, acc_t *acc) {
-    for (int64_t m = 0; m < rows; m++)
-        acc[m] = _mm256_add_ps(acc[m], dot_row_k(c, xq + m * kp, xd[m * (kp / 32)],
-                                                 bsum + m * (kp / 16)));
+    int type, const uint8_t *blk, const int8_t *xq, const float *xd, const int16_t *bsum,
+    int64_t kp, int64_t rows, acc_t *acc) {
+    k_chunk c;
+    k_prefetch(type, blk);
+    k_header_of(type, blk, &c.h);
+    for (int g = 0; g < 8; g++) {
+        c.q[g] = k_level(type, blk, g);
+        c.sc[g] = k_scale(type, &c.h, g);
+    }
+    for (int64_t m = 0; m < rows; m++) {
+        const int8_t *x = xq + m * kp;
+        __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int g = 0; g < 8; g++)
+            part[g % 2] = _mm256_add_epi32(part[g % 2], k_group_dot(c.q[g], c.sc[g], x + 32 * g));
+        __m256i sumi = _mm256_add_epi32(part[0], part[1]);
+        acc[m] = _mm256_add_ps(acc[m], k_finish(type, &c.h, sumi, bsum + m * (kp / 16), xd[m * (kp / 32)]));
+    }
 }
 
-/* A row of a K-quant weight . one row of activations, summed in a register (a step of one row is
- * bound by this loop's latency; through the row tile's accumulator array every super-block
- * stored and reloaded its sum). The super-blocks are added in the same order as `dot_rows_k`
- * adds them, so a row's result is the same alone or in a batch. */
-static inline float dot_one_k(int type, const uint8_t *row, int64_t k, const int8_t *x,
-                              const float *xd, const int16_t *bsum) {
+/* A row of a K-quant weight . one row of activations, summed in a register: a step of one row
+ * unpacks each group just before its product (fewer live registers than a whole chunk), with
+ * `type` a constant. The super-blocks add up as in `dot_rows_k`: the same bits alone or in a
+ * batch. */
+static inline __attribute__((always_inline)) float dot_one_k_of(
+    int type, const uint8_t *row, int64_t k, const int8_t *x, const float *xd, const int16_t *bsum) {
     __m256 sum = _mm256_setzero_ps();
     for (int64_t first = 0; first < k; first += CHUNK, row += block_bytes(type)) {
-        k_chunk c;
-        unpack_k_chunk(type, row, &c);
-        sum = _mm256_add_ps(sum, dot_row_k(&c, x + first, xd[first / 32], bsum + first / 16));
+        k_header h;
+        k_prefetch(type, row);
+        k_header_of(type, row, &h);
+        __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int g = 0; g < 8; g++)
+            part[g % 2] = _mm256_add_epi32(
+                part[g % 2], k_group_dot(k_level(type, row, g), k_scale(type, &h, g), x + first + 32 * g));
+        __m256i sumi = _mm256_add_epi32(part[0], part[1]);
+        sum = _mm256_add_ps(sum, k_finish(type, &h, sumi, bsum + first / 16, xd[first / 32]));
     }
     return hsum8(sum);
+}
+
+/* The output j of a K-quant weight for rows [0, rows) (their activations from xq, xd, bsum) into
+ * acc, with `type` a constant. */
+static inline __attribute__((always_inline)) void k_outputs_of(
+    int type, const uint8_t *row, int64_t k, const int8_t *xq, const float *xd,
+    const int16_t *bsum, int64_t kp, int64_t rows, acc_t *acc) {
+    for (int64_t first = 0; first < k; first += CHUNK)
+        dot_rows_k(type, row + (first >> 8) * block_bytes(type), xq + first, xd + first / 32,
+                   bsum + first / 16, kp, rows, acc);
+}
+
+static __attribute__((noinline)) void k_outputs(int type, const uint8_t *row, int64_t k,
+                                                const int8_t *xq, const float *xd,
+                                                const int16_t *bsum, int64_t kp, int64_t rows,
+                                                acc_t *acc) {
+    if (type == Q4_K)
+        k_outputs_of(Q4_K, row, k, xq, xd, bsum, kp, rows, acc);
+    else if (type == Q5_K)
+        k_outputs_of(Q5_K, row, k, xq, xd, bsum, kp, rows, acc);
+    else
+        k_outputs_of(Q6_K, row, k, xq, xd, bsum, kp, rows, acc);
+}
+
+/* Outputs [j0, j1) of a K-quant weight for one row of activations, in one loop compiled for
+ * `type` (a one-stream step is bound by this loop's instructions). */
+static inline __attribute__((always_inline)) void k_row_outputs_of(
+    int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t j1, int64_t k,
+    const int8_t *x, const float *xd, const int16_t *bsum, void *out, int out_bf16) {
+    for (int64_t j = j0; j < j1; j++)
+        store_output(out, out_bf16, j, dot_one_k_of(type, w + j * row_bytes, k, x, xd, bsum));
+}
+
+static __attribute__((noinline)) void k_row_outputs(int type, const uint8_t *w, int64_t row_bytes,
+                                                    int64_t j0, int64_t j1, int64_t k,
+                                                    const int8_t *x, const float *xd,
+                                                    const int16_t *bsum, void *out, int out_bf16) {
+    if (type == Q4_K)
+        k_row_outputs_of(Q4_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16);
+    else if (type == Q5_K)
+        k_row_outputs_of(Q5_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16);
+    else
+        k_row_outputs_of(Q6_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16);
 }
 #else
 typedef struct { float v[8]; } acc_t;
@@ -515,6 +598,15 @@ void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_
                   const int8_t *xq, const float *xd, const float *xsd, const int16_t *bsum,
                   int64_t rows, void *out, int out_bf16, int64_t out_stride, int threads) {
     int64_t kp = (k + CHUNK - 1) / CHUNK * CHUNK;
+#ifdef QUANT_AVX2
+    if (type >= Q4_K && rows == 1) { /* each thread's outputs in one call */
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+        for (int t = 0; t < threads; t++)
+            k_row_outputs(type, w, row_bytes, n * t / threads, n * (t + 1) / threads, k, xq, xd,
+                          bsum, out, out_bf16);
+        return;
+    }
+#endif
     for (int64_t m0 = 0; m0 < rows; m0 += ROW_TILE) {
         int64_t mt = rows - m0 < ROW_TILE ? rows - m0 : ROW_TILE;
         const int8_t *x = xq + m0 * kp;
@@ -525,36 +617,17 @@ void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_
             const uint8_t *row = w + j * row_bytes;
             memset(acc, 0, mt * sizeof acc[0]);
 #ifdef QUANT_AVX2
-            if (type >= Q4_K && mt == 1) {
-                float v = dot_one_k(type, row, k, x, d, bsum + m0 * (kp / 16));
-                acc[0] = _mm256_setr_ps(v, 0, 0, 0, 0, 0, 0, 0); /* summed below: v exactly */
-            } else
+            if (type >= Q4_K)
+                k_outputs(type, row, k, x, d, bsum + m0 * (kp / 16), kp, mt, acc);
+            else
 #endif
             for (int64_t first = 0; first < k; first += CHUNK) {
-#ifdef QUANT_AVX2
-                if (type >= Q4_K) {
-                    k_chunk c;
-                    unpack_k_chunk(type, row + (first >> 8) * block_bytes(type), &c);
-                    const int16_t *bs = bsum + m0 * (kp / 16) + first / 16;
-                    dot_rows_k(&c, x + first, d + first / 32, bs, kp, mt, acc);
-                    continue;
-                }
-#endif
                 kernel_chunk c;
                 unpack_kernel_chunk(type, row, first, k - first < CHUNK ? k - first : CHUNK, &c);
                 dot_rows(&c, x + first, d + first / 32, sd + first / 16, kp, mt, acc);
             }
-            for (int64_t m = 0; m < mt; m++) {
-                float v = hsum8(acc[m]);
-                int64_t at = (m0 + m) * out_stride + j;
-                if (out_bf16) { /* round to nearest even */
-                    uint32_t u;
-                    memcpy(&u, &v, 4);
-                    ((uint16_t *)out)[at] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-                } else {
-                    ((float *)out)[at] = v;
-                }
-            }
+            for (int64_t m = 0; m < mt; m++)
+                store_output(out, out_bf16, (m0 + m) * out_stride + j, hsum8(acc[m]));
         }
     }
 }
