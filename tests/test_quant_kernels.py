@@ -16,6 +16,7 @@ from paged_backend.cpu.quant import (
     QuantLinear,
     QuantWeight,
     activation_block,
+    activation_stride,
     dequantize,
     quant_matmul,
     quantize_activations,
@@ -84,7 +85,8 @@ def test_k_quant_activations_share_a_scale_per_super_block(block):
     x[0, 300] = 50.0  # an outlier sets the scale of its whole block
     xq, xd, xsd, bsum = quantize_activations(x, block)
     per_block = x.view(2, -1, block).abs().amax(-1) / 127
-    assert torch.equal(xd, per_block.repeat_interleave(block // 32, dim=1))
+    assert torch.equal(xd[:, :16], per_block.repeat_interleave(block // 32, dim=1))
+    assert not xq[:, 512:].any() and not xd[:, 16:].any()  # the rows' padding weighs nothing
     assert torch.equal(bsum.float(), xq.view(2, -1, 16).float().sum(-1))
     assert torch.allclose(xsd, bsum.float() * xd.repeat_interleave(2, dim=1))
 
@@ -93,7 +95,9 @@ def test_activations_are_int8_blocks_of_32_with_level_sums():
     x = torch.randn(3, 300)
     x[1, 40:72] = 0.0  # a block of zeros: scale 0, levels 0
     xq, xd, xsd, _ = quantize_activations(x)
-    assert xq.shape == (3, 512) and xd.shape == (3, 16) and xsd.shape == (3, 32)
+    kp = activation_stride(300)  # 300 rounded up to 256, and a super-block more
+    assert kp == 768 and xq.shape == (3, kp) and xd.shape == (3, kp // 32)
+    assert xsd.shape == (3, kp // 16)
     assert not xq[:, 300:].any() and not xd[:, 10:].any()
     blocks = x[:, :288].view(3, 9, 32)
     scale = blocks.abs().amax(-1) / 127

@@ -21,7 +21,7 @@ from paged_backend import cpu
 from paged_backend.attention.backend import AttentionMetadata
 from paged_backend.attention.planner import CDecodePlan
 from paged_backend.cpu import ops as cpu_ops
-from paged_backend.cpu.quant import QuantLinear
+from paged_backend.cpu.quant import QuantLinear, activation_stride
 
 if TYPE_CHECKING:
     from paged_backend.attention.torch_backend import TorchAttention
@@ -59,10 +59,10 @@ class FusedDecode:
             ],
             dtype=torch.int64,
         )
-        # floats a row of `decode_layers_f32`'s quantized activations takes (the widest input
-        # rounded up to 256: a byte a level, and the scales and sums of its 32s and 16s)
+        # floats a row of `decode_layers_f32`'s quantized activations takes (a byte a level of
+        # the widest input's row, and the scales and sums of its 32s and 16s)
         widest = max(self.hidden, config.num_heads * self.head_dim, self.intermediate)
-        self.act_per_row = -(-widest // 256) * 256 * 3 // 8
+        self.act_per_row = activation_stride(widest) * 3 // 8
         windows = [layer.self_attn.window or 0 for layer in model.layers]
         self.windows = torch.tensor(windows, dtype=torch.int64)
         self.caches: tuple[int, torch.Tensor, torch.Tensor] | None = None

@@ -57,7 +57,8 @@ def advise_huge_pages(tensors: list[torch.Tensor]) -> bool:
 
 def huge_page_tokens(head_dim: int, dtype: torch.dtype) -> int:
     """Tokens a KV cache holds when each of its regions (a layer's K or V of one KV head) would
-    fill a 2 MiB page: from there on huge pages cost no memory that 4 KiB pages would not."""
+    fill a 2 MiB page. Past it, each region committed on huge pages holds less than one page
+    more than its tokens need."""
     return _HUGE_PAGE // (head_dim * dtype.itemsize)
 
 

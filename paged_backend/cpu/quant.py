@@ -33,7 +33,7 @@ BLOCK_FORMATS = {
     "Q5_K": (13, 256, 176),
     "Q6_K": (14, 256, 210),
 }
-_CHUNK = 256  # the kernels' activation rows are padded to a multiple of this
+_CHUNK = 256  # a super-block: the kernels' unit along the inputs
 
 
 @dataclass
@@ -82,9 +82,15 @@ def activation_block(fmt: str) -> int:
     return 256 if BLOCK_FORMATS[fmt][1] == 256 else 32
 
 
+def activation_stride(k: int) -> int:
+    """The row stride of quantized activations, as the C kernels' `act_stride`: k rounded up to
+    a super-block, plus one (which keeps a step's rows off a common L1 set)."""
+    return -(-k // _CHUNK) * _CHUNK + _CHUNK
+
+
 def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, ...]:
     """Rows x [rows, k] (fp32 or bf16, unit stride in a row) as the kernels read them, in blocks
-    of `block` (32 or 256) inputs: int8 levels [rows, kp] (kp: k rounded up to 256), each 32's
+    of `block` (32 or 256) inputs: int8 levels [rows, kp] (kp: `activation_stride(k)`), each 32's
     scale [rows, kp/32] (its block's), each 16's level sum times its scale [rows, kp/16] and
     unscaled (int16) [rows, kp/16]."""
     if block not in (32, 256):
@@ -92,7 +98,7 @@ def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor
     rows, k = x.shape
     if x.dtype not in (torch.float32, torch.bfloat16) or x.stride(1) != 1:
         x = x.float().contiguous()
-    kp = -(-k // _CHUNK) * _CHUNK
+    kp = activation_stride(k)
     xq = torch.empty(rows, kp, dtype=torch.int8)
     xd = torch.empty(rows, kp // 32)
     xsd = torch.empty(rows, kp // 16)

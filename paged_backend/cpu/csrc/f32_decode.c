@@ -191,7 +191,7 @@ void decode_attention_f32(const float *q, const float *k, const float *v, int64_
 #define LINEAR_WORDS 14
 static void fused_linear(const int64_t *d, const float *x, int64_t rows, int64_t k, float *y,
                          int64_t n_total, float *act, int64_t max_k, int threads) {
-    int64_t kp = (max_k + 255) / 256 * 256, block = 0, column = 0;
+    int64_t kp = act_stride(max_k), block = 0, column = 0;
     float *xd = act, *xsd = xd + rows * kp / 32;
     int16_t *bsum = (int16_t *)(xsd + rows * kp / 16);
     int8_t *xq = (int8_t *)(bsum + rows * kp / 16);
@@ -221,8 +221,8 @@ static void fused_linear(const int64_t *d, const float *x, int64_t rows, int64_t
  * the residual stream before it. `weights`: LAYER_WORDS words a layer, the input norm's address,
  * the qkv projection's descriptor (`fused_linear`), o's, the post-attention norm's address, then
  * gate_up's and down's. `work`: rows * (hidden + qkv width + heads * head_dim + 3 *
- * intermediate) floats; `act`: rows * kp * 3 / 8 floats (kp: the widest input rounded up to
- * 256) for quantized activations. The rows of `num_seqs` sequences as `decode_attention_f32`
+ * intermediate) floats; `act`: rows * kp * 3 / 8 floats (kp: `act_stride` of the widest input)
+ * for quantized activations. The rows of `num_seqs` sequences as `decode_attention_f32`
  * takes them; `windows`: each layer's (0: global). */
 #define LAYER_WORDS (2 + 4 * LINEAR_WORDS)
 void decode_layers_f32(float *x, float *residual, int64_t rows, int64_t hidden, const float *cos,

@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "common.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define QUANT_AVX2 1
@@ -27,6 +29,8 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
 
 #define CHUNK 256       /* weights unpacked at a time: a K-quant super-block, or 8 blocks of 32 */
 #define ROW_TILE 32     /* activation rows served by one unpacking of a chunk */
+#define OUT_TILE 8      /* weight rows a thread takes side by side: a chunk of the activations,
+                           up to ROW_TILE rows of 256 bytes, is read from L1 for all of them */
 
 /* weight = a[g] * level + b[g] for the 16 weights of group g of a chunk */
 typedef struct {
@@ -189,13 +193,13 @@ static void unpack_chunk(int type, const uint8_t *row, int64_t first, int64_t co
 
 /* Rows of x (fp32, or bf16 where `x_bf16`; rows `x_stride` elements apart) to int8 in blocks of
  * `block` (32, or 256 for the K-quants: one scale a super-block, as llama.cpp's Q8_K): xq
- * [rows][kp] (kp = k rounded up to 256, zero past k), xd [rows][kp/32] the scale of each 32 (its
+ * [rows][kp] (kp = `act_stride(k)`, zero past k), xd [rows][kp/32] the scale of each 32 (its
  * block's), bsum [rows][kp/16] each 16's level sum and xsd [rows][kp/16] that times its scale.
  * Levels round to nearest even, as `vcvtps2dq` does. */
 void quantize_activations(const void *x, int x_bf16, int64_t rows, int64_t k, int64_t x_stride,
                           int64_t block, int8_t *xq, float *xd, float *xsd, int16_t *bsum,
                           int threads) {
-    int64_t kp = (k + CHUNK - 1) / CHUNK * CHUNK;
+    int64_t kp = act_stride(k);
 #pragma omp parallel for num_threads(threads) if (threads > 1 && rows * k >= 65536)
     for (int64_t r = 0; r < rows; r++) {
         float v[CHUNK];
@@ -520,28 +524,6 @@ static inline __attribute__((always_inline)) float dot_one_k_of(
     return hsum8(sum);
 }
 
-/* The output j of a K-quant weight for rows [0, rows) (their activations from xq, xd, bsum) into
- * acc, with `type` a constant. */
-static inline __attribute__((always_inline)) void k_outputs_of(
-    int type, const uint8_t *row, int64_t k, const int8_t *xq, const float *xd,
-    const int16_t *bsum, int64_t kp, int64_t rows, acc_t *acc) {
-    for (int64_t first = 0; first < k; first += CHUNK)
-        dot_rows_k(type, row + (first >> 8) * block_bytes(type), xq + first, xd + first / 32,
-                   bsum + first / 16, kp, rows, acc);
-}
-
-static __attribute__((noinline)) void k_outputs(int type, const uint8_t *row, int64_t k,
-                                                const int8_t *xq, const float *xd,
-                                                const int16_t *bsum, int64_t kp, int64_t rows,
-                                                acc_t *acc) {
-    if (type == Q4_K)
-        k_outputs_of(Q4_K, row, k, xq, xd, bsum, kp, rows, acc);
-    else if (type == Q5_K)
-        k_outputs_of(Q5_K, row, k, xq, xd, bsum, kp, rows, acc);
-    else
-        k_outputs_of(Q6_K, row, k, xq, xd, bsum, kp, rows, acc);
-}
-
 /* Outputs [j0, j1) of a K-quant weight for one row of activations, in one loop compiled for
  * `type` (a one-stream step is bound by this loop's instructions). */
 static inline __attribute__((always_inline)) void k_row_outputs_of(
@@ -589,15 +571,58 @@ static inline float hsum8(acc_t v) {
 }
 #endif
 
+/* acc[jj][m] += weight row j0 + jj . activation row m, for jj < nj and m < rows (up to
+ * OUT_TILE and ROW_TILE), a chunk of 256 inputs at a time for all nj weight rows, with `type` a
+ * constant where it is a K-quant. */
+static inline __attribute__((always_inline)) void tile_outputs_of(
+    int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t nj, int64_t k,
+    const int8_t *xq, const float *xd, const float *xsd, const int16_t *bsum, int64_t kp,
+    int64_t rows, acc_t acc[OUT_TILE][ROW_TILE]) {
+    for (int64_t first = 0; first < k; first += CHUNK)
+        for (int64_t jj = 0; jj < nj; jj++) {
+            const uint8_t *row = w + (j0 + jj) * row_bytes;
+#ifdef QUANT_AVX2
+            if (type >= Q4_K) {
+                dot_rows_k(type, row + (first >> 8) * block_bytes(type), xq + first,
+                           xd + first / 32, bsum + first / 16, kp, rows, acc[jj]);
+                continue;
+            }
+#endif
+            kernel_chunk c;
+            unpack_kernel_chunk(type, row, first, k - first < CHUNK ? k - first : CHUNK, &c);
+            dot_rows(&c, xq + first, xd + first / 32, xsd + first / 16, kp, rows, acc[jj]);
+        }
+}
+
+static __attribute__((noinline)) void tile_outputs(int type, const uint8_t *w, int64_t row_bytes,
+                                                   int64_t j0, int64_t nj, int64_t k,
+                                                   const int8_t *xq, const float *xd,
+                                                   const float *xsd, const int16_t *bsum,
+                                                   int64_t kp, int64_t rows,
+                                                   acc_t acc[OUT_TILE][ROW_TILE]) {
+    if (type == Q4_K)
+        tile_outputs_of(Q4_K, w, row_bytes, j0, nj, k, xq, xd, xsd, bsum, kp, rows, acc);
+    else if (type == Q5_K)
+        tile_outputs_of(Q5_K, w, row_bytes, j0, nj, k, xq, xd, xsd, bsum, kp, rows, acc);
+    else if (type == Q6_K)
+        tile_outputs_of(Q6_K, w, row_bytes, j0, nj, k, xq, xd, xsd, bsum, kp, rows, acc);
+    else if (type == Q4_0)
+        tile_outputs_of(Q4_0, w, row_bytes, j0, nj, k, xq, xd, xsd, bsum, kp, rows, acc);
+    else if (type == Q8_0)
+        tile_outputs_of(Q8_0, w, row_bytes, j0, nj, k, xq, xd, xsd, bsum, kp, rows, acc);
+    else
+        tile_outputs_of(type, w, row_bytes, j0, nj, k, xq, xd, xsd, bsum, kp, rows, acc);
+}
+
 /* out [rows][n] (rows `out_stride` apart; fp32, or bf16 where `out_bf16`) = activations (from
- * `quantize_activations`, in blocks of 256 for the K-quants and 32 for the others; kp = k rounded
- * up to 256) times the weight w [n][row_bytes] of `type`, k inputs a row. `threads` threads split
- * the outputs; each unpacks a chunk of a weight row once for up to ROW_TILE rows, so at a few rows
- * the step streams the weight from memory once. */
+ * `quantize_activations`, in blocks of 256 for the K-quants and 32 for the others) times the
+ * weight w [n][row_bytes] of `type`, k inputs a row. `threads` threads split the outputs; each
+ * unpacks a chunk of a weight row once for up to ROW_TILE rows, so at a few rows the step
+ * streams the weight from memory once. */
 void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
                   const int8_t *xq, const float *xd, const float *xsd, const int16_t *bsum,
                   int64_t rows, void *out, int out_bf16, int64_t out_stride, int threads) {
-    int64_t kp = (k + CHUNK - 1) / CHUNK * CHUNK;
+    int64_t kp = act_stride(k);
 #ifdef QUANT_AVX2
     if (type >= Q4_K && rows == 1) { /* each thread's outputs in one call */
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
@@ -609,25 +634,16 @@ void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_
 #endif
     for (int64_t m0 = 0; m0 < rows; m0 += ROW_TILE) {
         int64_t mt = rows - m0 < ROW_TILE ? rows - m0 : ROW_TILE;
-        const int8_t *x = xq + m0 * kp;
-        const float *d = xd + m0 * (kp / 32), *sd = xsd + m0 * (kp / 16);
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-        for (int64_t j = 0; j < n; j++) {
-            acc_t acc[ROW_TILE];
-            const uint8_t *row = w + j * row_bytes;
-            memset(acc, 0, mt * sizeof acc[0]);
-#ifdef QUANT_AVX2
-            if (type >= Q4_K)
-                k_outputs(type, row, k, x, d, bsum + m0 * (kp / 16), kp, mt, acc);
-            else
-#endif
-            for (int64_t first = 0; first < k; first += CHUNK) {
-                kernel_chunk c;
-                unpack_kernel_chunk(type, row, first, k - first < CHUNK ? k - first : CHUNK, &c);
-                dot_rows(&c, x + first, d + first / 32, sd + first / 16, kp, mt, acc);
-            }
-            for (int64_t m = 0; m < mt; m++)
-                store_output(out, out_bf16, (m0 + m) * out_stride + j, hsum8(acc[m]));
+        for (int64_t j0 = 0; j0 < n; j0 += OUT_TILE) {
+            int64_t nj = n - j0 < OUT_TILE ? n - j0 : OUT_TILE;
+            acc_t acc[OUT_TILE][ROW_TILE];
+            for (int64_t jj = 0; jj < nj; jj++) memset(acc[jj], 0, mt * sizeof(acc_t));
+            tile_outputs(type, w, row_bytes, j0, nj, k, xq + m0 * kp, xd + m0 * (kp / 32),
+                         xsd + m0 * (kp / 16), bsum + m0 * (kp / 16), kp, mt, acc);
+            for (int64_t jj = 0; jj < nj; jj++)
+                for (int64_t m = 0; m < mt; m++)
+                    store_output(out, out_bf16, (m0 + m) * out_stride + j0 + jj, hsum8(acc[jj][m]));
         }
     }
 }
