@@ -331,3 +331,21 @@ def test_gemma_in_bf16_runs_the_cpu_fast_paths(
     _, fp32 = our_greedy(path)
     for got, want in zip(bf16, fp32, strict=True):
         assert got[:8] == want[:8]
+
+
+def test_a_long_steps_mlp_runs_in_slices_of_rows_with_the_same_result(tiny_model, monkeypatch):
+    """Past MLP_SLICE_BYTES of gate/up activations a step's MLP runs a slice of rows at a time
+    (a large prefill's peak memory), each row as it would alone in the whole step."""
+    from paged_backend.models import llama
+
+    llm = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=8)
+    mlp = llm.engine.runner.model.layers[0].mlp
+    x = torch.randn(37, llm.engine.runner.model_config.hidden_size)
+    whole = mlp(x)
+    calls = []
+    mlp.gate_up_proj.register_forward_hook(lambda _m, inputs, _out: calls.append(len(inputs[0])))
+    monkeypatch.setattr(llama, "MLP_SLICE_BYTES", 5 * mlp.gate_up_width * x.element_size())
+    sliced = mlp(x)
+    assert calls == [5] * 7 + [2]
+    assert sliced.shape == whole.shape
+    torch.testing.assert_close(sliced, whole, rtol=1e-5, atol=1e-6)
