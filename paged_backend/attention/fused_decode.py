@@ -60,9 +60,9 @@ class FusedDecode:
             dtype=torch.int64,
         )
         # floats a row of `decode_layers_f32`'s quantized activations takes (a byte a level of
-        # the widest input's row, and the scales and sums of its 32s and 16s)
+        # the widest input's row, a float scale a 32, an int16 level sum a 16)
         widest = max(self.hidden, config.num_heads * self.head_dim, self.intermediate)
-        self.act_per_row = activation_stride(widest) * 3 // 8
+        self.act_per_row = activation_stride(widest) * 5 // 16
         windows = [layer.self_attn.window or 0 for layer in model.layers]
         self.windows = torch.tensor(windows, dtype=torch.int64)
         self.caches: tuple[int, torch.Tensor, torch.Tensor] | None = None

@@ -91,8 +91,7 @@ def activation_stride(k: int) -> int:
 def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, ...]:
     """Rows x [rows, k] (fp32 or bf16, unit stride in a row) as the kernels read them, in blocks
     of `block` (32 or 256) inputs: int8 levels [rows, kp] (kp: `activation_stride(k)`), each 32's
-    scale [rows, kp/32] (its block's), each 16's level sum times its scale [rows, kp/16] and
-    unscaled (int16) [rows, kp/16]."""
+    scale [rows, kp/32] (its block's) and each 16's level sum (int16) [rows, kp/16]."""
     if block not in (32, 256):
         raise ValueError(f"block must be 32 or 256, got {block}")
     rows, k = x.shape
@@ -101,7 +100,6 @@ def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor
     kp = activation_stride(k)
     xq = torch.empty(rows, kp, dtype=torch.int8)
     xd = torch.empty(rows, kp // 32)
-    xsd = torch.empty(rows, kp // 16)
     bsum = torch.empty(rows, kp // 16, dtype=torch.int16)
     load_library().quantize_activations(
         x=x.data_ptr(),
@@ -112,11 +110,10 @@ def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor
         block=block,
         xq=xq.data_ptr(),
         xd=xd.data_ptr(),
-        xsd=xsd.data_ptr(),
         bsum=bsum.data_ptr(),
         threads=torch.get_num_threads(),
     )
-    return xq, xd, xsd, bsum
+    return xq, xd, bsum
 
 
 def quant_matmul(
@@ -136,7 +133,7 @@ def quant_matmul(
         block = activation_block(w.format)
         if block not in activations:
             activations[block] = quantize_activations(x, block)
-        xq, xd, xsd, bsum = activations[block]
+        xq, xd, bsum = activations[block]
         lib.quant_matmul(
             type=w.type_id,
             w=w.data.data_ptr(),
@@ -145,7 +142,6 @@ def quant_matmul(
             row_bytes=w.data.stride(0),
             xq=xq.data_ptr(),
             xd=xd.data_ptr(),
-            xsd=xsd.data_ptr(),
             bsum=bsum.data_ptr(),
             rows=rows,
             out=out[:, column:].data_ptr(),

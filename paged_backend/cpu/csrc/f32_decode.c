@@ -20,10 +20,9 @@ void linear_f32(const float *x, int64_t rows, int64_t x_stride, const float *w, 
 void linear_f32_serial(const float *x, int64_t rows, int64_t x_stride, const float *w, int64_t n,
                        int64_t k, float *y, int64_t y_stride);
 void quantize_activations(const void *x, int x_bf16, int64_t rows, int64_t k, int64_t x_stride,
-                          int64_t block, int8_t *xq, float *xd, float *xsd, int16_t *bsum,
-                          int threads);
+                          int64_t block, int8_t *xq, float *xd, int16_t *bsum, int threads);
 void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
-                  const int8_t *xq, const float *xd, const float *xsd, const int16_t *bsum,
+                  const int8_t *xq, const float *xd, const int16_t *bsum,
                   int64_t rows, void *out, int out_bf16, int64_t out_stride, int threads);
 
 /* out = h * rsqrt(mean(h^2) + eps) * weight per row, h = x, or with `residual`: h = x + residual,
@@ -192,8 +191,8 @@ void decode_attention_f32(const float *q, const float *k, const float *v, int64_
 static void fused_linear(const int64_t *d, const float *x, int64_t rows, int64_t k, float *y,
                          int64_t n_total, float *act, int64_t max_k, int threads) {
     int64_t kp = act_stride(max_k), block = 0, column = 0;
-    float *xd = act, *xsd = xd + rows * kp / 32;
-    int16_t *bsum = (int16_t *)(xsd + rows * kp / 16);
+    float *xd = act;
+    int16_t *bsum = (int16_t *)(xd + rows * kp / 32);
     int8_t *xq = (int8_t *)(bsum + rows * kp / 16);
     for (int64_t p = 0; p < d[0]; p++) {
         const int64_t *part = d + 2 + 4 * p;
@@ -203,9 +202,9 @@ static void fused_linear(const int64_t *d, const float *x, int64_t rows, int64_t
         } else {
             int64_t need = type >= 12 ? 256 : 32; /* the K-quants' super-blocks (Q4_K = 12 on) */
             if (block != need)
-                quantize_activations(x, 0, rows, k, k, need, xq, xd, xsd, bsum, threads);
+                quantize_activations(x, 0, rows, k, k, need, xq, xd, bsum, threads);
             block = need;
-            quant_matmul(type, (const uint8_t *)part[1], part[2], k, part[3], xq, xd, xsd, bsum,
+            quant_matmul(type, (const uint8_t *)part[1], part[2], k, part[3], xq, xd, bsum,
                          rows, y + column, 0, n_total, threads);
         }
         column += part[2];
@@ -221,7 +220,7 @@ static void fused_linear(const int64_t *d, const float *x, int64_t rows, int64_t
  * the residual stream before it. `weights`: LAYER_WORDS words a layer, the input norm's address,
  * the qkv projection's descriptor (`fused_linear`), o's, the post-attention norm's address, then
  * gate_up's and down's. `work`: rows * (hidden + qkv width + heads * head_dim + 3 *
- * intermediate) floats; `act`: rows * kp * 3 / 8 floats (kp: `act_stride` of the widest input)
+ * intermediate) floats; `act`: rows * kp * 5 / 16 floats (kp: `act_stride` of the widest input)
  * for quantized activations. The rows of `num_seqs` sequences as `decode_attention_f32`
  * takes them; `windows`: each layer's (0: global). */
 #define LAYER_WORDS (2 + 4 * LINEAR_WORDS)

@@ -5,10 +5,11 @@
  * Every format is read as levels q (0..63, unsigned; Q8_0's are signed bytes) with, for each group
  * of 16 weights, a scale a and an offset b: weight = a * q + b. Activations are quantized per row
  * to int8 with one scale xd per block (as llama.cpp's Q8_0 and Q8_K), and each 16's level sum is
- * kept (bsum; xsd = xd * bsum). Then
+ * kept (bsum). Then
  *   sum_i w_i x_i = sum_g xd_g * (a_g * (q . xq)_g + b_g * bsum_g),
  * where (q . xq)_g are exact integer dot products of 32 bytes at a time (AVX2 `vpmaddubsw`).
- * - Legacy formats (blocks of 32, activations too): each group's sum is scaled in float.
+ * - Legacy formats (blocks of 32, activations too): the blocks' integer sums of a chunk are
+ *   gathered into one vector, scaled in float once a chunk.
  * - K-quants (activations in blocks of 256): a and b are small integers times a super-block
  *   factor, so a super-block sums in integers (`vpmaddwd` by the group's scale) and converts once.
  * A chunk of 256 weights is unpacked once for all rows of a step, so a batch reuses it from
@@ -194,11 +195,10 @@ static void unpack_chunk(int type, const uint8_t *row, int64_t first, int64_t co
 /* Rows of x (fp32, or bf16 where `x_bf16`; rows `x_stride` elements apart) to int8 in blocks of
  * `block` (32, or 256 for the K-quants: one scale a super-block, as llama.cpp's Q8_K): xq
  * [rows][kp] (kp = `act_stride(k)`, zero past k), xd [rows][kp/32] the scale of each 32 (its
- * block's), bsum [rows][kp/16] each 16's level sum and xsd [rows][kp/16] that times its scale.
+ * block's) and bsum [rows][kp/16] each 16's level sum.
  * Levels round to nearest even, as `vcvtps2dq` does. */
 void quantize_activations(const void *x, int x_bf16, int64_t rows, int64_t k, int64_t x_stride,
-                          int64_t block, int8_t *xq, float *xd, float *xsd, int16_t *bsum,
-                          int threads) {
+                          int64_t block, int8_t *xq, float *xd, int16_t *bsum, int threads) {
     int64_t kp = act_stride(k);
 #pragma omp parallel for num_threads(threads) if (threads > 1 && rows * k >= 65536)
     for (int64_t r = 0; r < rows; r++) {
@@ -229,7 +229,6 @@ void quantize_activations(const void *x, int x_bf16, int64_t rows, int64_t k, in
                     sum += level;
                 }
                 bsum[r * (kp / 16) + (first + i) / 16] = (int16_t)sum;
-                xsd[r * (kp / 16) + (first + i) / 16] = d * sum;
             }
             for (int64_t i = 0; i < block; i += 32) xd[r * (kp / 32) + (first + i) / 32] = d;
         }
@@ -250,22 +249,13 @@ static inline void store_output(void *out, int out_bf16, int64_t at, float v) {
 #ifdef QUANT_AVX2
 typedef __m256 acc_t; /* a row's running sums, 8 lanes */
 
-/* A chunk of a legacy format in registers: each block's 32 levels, the blocks' scales (d8, lane g:
- * block g's, 0 past the row's end) and the offsets of the 16 groups of 16 (b0: 0-7, b1: 8-15). */
+/* A chunk of a legacy format in registers: each block's 32 levels, and the blocks' scales and
+ * offsets (lane g: block g's; 0 past the row's end). */
 typedef struct {
     __m256i q[CHUNK / 32];
-    __m256 d8, b0, b1;
+    __m256 d8, off8;
     int groups, is_signed;
 } kernel_chunk;
-
-/* Eight per-block values as per-16 pairs: lanes 0-3 doubled (low), 4-7 doubled (high). */
-static inline __m256 pairs_low(__m256 v) {
-    return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-}
-
-static inline __m256 pairs_high(__m256 v) {
-    return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
-}
 
 static inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
 
@@ -336,11 +326,10 @@ static inline __attribute__((always_inline)) void unpack_kernel_chunk(
         }
     }
     c->d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales));
-    __m256 offsets = with_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mins))
-                              : _mm256_mul_ps(c->d8, _mm256_set1_ps(type == Q8_0   ? 0.0f
-                                                                    : type == Q5_0 ? -16.0f
-                                                                                   : -8.0f));
-    c->b0 = pairs_low(offsets), c->b1 = pairs_high(offsets);
+    c->off8 = with_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mins))
+                       : _mm256_mul_ps(c->d8, _mm256_set1_ps(type == Q8_0   ? 0.0f
+                                                             : type == Q5_0 ? -16.0f
+                                                                            : -8.0f));
 }
 
 static inline __m256i dot_bytes(__m256i q, __m256i x, int is_signed) {
@@ -362,39 +351,47 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* acc[m] += chunk . row m of the step's activations (at this chunk), for `rows` rows, with
- * `groups` and `is_signed` known at compile time in the common cases (see `dot_rows`). Lanes 0-3
- * of a 32-byte product sum its first 16 bytes, lanes 4-7 the next 16: groups 2g and 2g + 1. */
-static inline __attribute__((always_inline)) void dot_rows_of(
-    const kernel_chunk *c, const int8_t *xq, const float *xd, const float *xsd, int64_t kp,
-    int64_t rows, acc_t *acc, const int groups, const int is_signed) {
-    for (int64_t m = 0; m < rows; m++) {
-        const int8_t *x = xq + m * kp;
-        const float *sd = xsd + m * (kp / 16);
-        __m256 scales = _mm256_mul_ps(c->d8, _mm256_loadu_ps(xd + m * (kp / 32)));
-        /* four independent sums: one chain of ten dependent FMAs a chunk bound a row by latency */
-        __m256 part[4] = {_mm256_mul_ps(c->b0, _mm256_loadu_ps(sd)),
-                          _mm256_mul_ps(c->b1, _mm256_loadu_ps(sd + 8)), _mm256_setzero_ps(),
-                          _mm256_setzero_ps()};
-        for (int g = 0; g < groups; g++) {
-            __m256 scale = _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(g));
-            __m256i p = dot_bytes(c->q[g], _mm256_loadu_si256((const __m256i *)(x + 32 * g)), is_signed);
-            part[g % 4] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, part[g % 4]);
-        }
-        __m256 sum = _mm256_add_ps(_mm256_add_ps(part[0], part[1]), _mm256_add_ps(part[2], part[3]));
-        acc[m] = _mm256_add_ps(acc[m], sum);
-    }
+/* Lane g: the sum of the 8 lanes of p[g]. */
+static inline __attribute__((always_inline)) __m256i lane_sums8(const __m256i p[8]) {
+    __m256i lo = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    __m256i hi = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20),
+                            _mm256_permute2x128_si256(lo, hi, 0x31));
 }
 
+/* A legacy chunk . one row's activations x at it (their blocks' scales xd, their 16s' level sums
+ * bs), lane g block g's: each block's integer products are summed across lanes first, so the
+ * float work is one vector a chunk, not one a block. Every path ends a chunk here, with `type`,
+ * `groups` and `is_signed` constants where they can be, so a row's result does not depend on
+ * the path. */
+static inline __attribute__((always_inline)) __m256 legacy_dot(
+    int type, const kernel_chunk *c, const int8_t *x, const float *xd, const int16_t *bs,
+    const int groups, const int is_signed) {
+    __m256i p[8];
+    for (int g = 0; g < 8; g++)
+        p[g] = g < groups ? dot_bytes(c->q[g], _mm256_loadu_si256((const __m256i *)(x + 32 * g)), is_signed)
+                          : _mm256_setzero_si256();
+    __m256 xd8 = _mm256_loadu_ps(xd);
+    __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(lane_sums8(p)), _mm256_mul_ps(c->d8, xd8));
+    if (type == Q8_0) return sum;
+    __m256i levels = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), _mm256_set1_epi16(1));
+    return _mm256_fmadd_ps(c->off8, _mm256_mul_ps(_mm256_cvtepi32_ps(levels), xd8), sum);
+}
+
+/* acc[m] += chunk . row m of the step's activations (at this chunk), for `rows` rows. */
 static inline __attribute__((always_inline)) void dot_rows(
-    const kernel_chunk *c, const int8_t *xq, const float *xd, const float *xsd, int64_t kp,
-    int64_t rows, acc_t *acc) {
-    if (c->groups == 8 && !c->is_signed)
-        dot_rows_of(c, xq, xd, xsd, kp, rows, acc, 8, 0);
-    else if (c->groups == 8)
-        dot_rows_of(c, xq, xd, xsd, kp, rows, acc, 8, 1);
-    else
-        dot_rows_of(c, xq, xd, xsd, kp, rows, acc, c->groups, c->is_signed);
+    int type, const kernel_chunk *c, const int8_t *xq, const float *xd, const int16_t *bsum,
+    int64_t kp, int64_t rows, acc_t *acc) {
+    int full = c->groups == 8;
+    for (int64_t m = 0; m < rows; m++) {
+        const int8_t *x = xq + m * kp;
+        const float *d = xd + m * (kp / 32);
+        const int16_t *bs = bsum + m * (kp / 16);
+        __m256 v = full && type == Q8_0 ? legacy_dot(type, c, x, d, bs, 8, 1)
+                   : full && type != Q8_0 ? legacy_dot(type, c, x, d, bs, 8, 0)
+                                          : legacy_dot(type, c, x, d, bs, c->groups, c->is_signed);
+        acc[m] = _mm256_add_ps(acc[m], v);
+    }
 }
 
 /* A K-quant super-block's integer scales, which each group's products are weighted by before
@@ -524,33 +521,59 @@ static inline __attribute__((always_inline)) float dot_one_k_of(
     return hsum8(sum);
 }
 
-/* Outputs [j0, j1) of a K-quant weight for one row of activations, in one loop compiled for
- * `type` (a one-stream step is bound by this loop's instructions). */
-static inline __attribute__((always_inline)) void k_row_outputs_of(
-    int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t j1, int64_t k,
-    const int8_t *x, const float *xd, const int16_t *bsum, void *out, int out_bf16) {
-    for (int64_t j = j0; j < j1; j++)
-        store_output(out, out_bf16, j, dot_one_k_of(type, w + j * row_bytes, k, x, xd, bsum));
+/* A row of a legacy weight . one row of activations, chunk by chunk as `dot_rows` adds them:
+ * the same bits alone or in a batch. */
+static inline __attribute__((always_inline)) float dot_one_legacy_of(
+    int type, const uint8_t *row, int64_t k, const int8_t *x, const float *xd, const int16_t *bsum) {
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t first = 0; first < k; first += CHUNK) {
+        const uint8_t *blk = row + (first >> 5) * block_bytes(type);
+        for (int64_t at = 0; at < 8 * block_bytes(type); at += 64)
+            _mm_prefetch((const char *)blk + K_PREFETCH_BYTES + at, _MM_HINT_T0);
+        kernel_chunk c;
+        unpack_kernel_chunk(type, row, first, k - first < CHUNK ? k - first : CHUNK, &c);
+        const int8_t *xc = x + first;
+        __m256 v = c.groups == 8 ? legacy_dot(type, &c, xc, xd + first / 32, bsum + first / 16, 8, type == Q8_0)
+                                 : legacy_dot(type, &c, xc, xd + first / 32, bsum + first / 16, c.groups, c.is_signed);
+        sum = _mm256_add_ps(sum, v);
+    }
+    return hsum8(sum);
 }
 
-static __attribute__((noinline)) void k_row_outputs(int type, const uint8_t *w, int64_t row_bytes,
-                                                    int64_t j0, int64_t j1, int64_t k,
-                                                    const int8_t *x, const float *xd,
-                                                    const int16_t *bsum, void *out, int out_bf16) {
-    if (type == Q4_K)
-        k_row_outputs_of(Q4_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16);
-    else if (type == Q5_K)
-        k_row_outputs_of(Q5_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16);
-    else
-        k_row_outputs_of(Q6_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16);
+/* Outputs [j0, j1) of a weight for one row of activations, in one loop compiled for `type` (a
+ * one-stream step is bound by this loop's instructions). */
+static inline __attribute__((always_inline)) void row_outputs_of(
+    int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t j1, int64_t k,
+    const int8_t *x, const float *xd, const int16_t *bsum, void *out, int out_bf16) {
+    for (int64_t j = j0; j < j1; j++) {
+        const uint8_t *row = w + j * row_bytes;
+        float v = type >= Q4_K ? dot_one_k_of(type, row, k, x, xd, bsum)
+                               : dot_one_legacy_of(type, row, k, x, xd, bsum);
+        store_output(out, out_bf16, j, v);
+    }
+}
+
+static __attribute__((noinline)) void row_outputs(int type, const uint8_t *w, int64_t row_bytes,
+                                                  int64_t j0, int64_t j1, int64_t k,
+                                                  const int8_t *x, const float *xd,
+                                                  const int16_t *bsum, void *out, int out_bf16) {
+    switch (type) {
+    case Q4_K: row_outputs_of(Q4_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16); break;
+    case Q5_K: row_outputs_of(Q5_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16); break;
+    case Q6_K: row_outputs_of(Q6_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16); break;
+    case Q4_0: row_outputs_of(Q4_0, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16); break;
+    case Q8_0: row_outputs_of(Q8_0, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16); break;
+    default: row_outputs_of(type, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16);
+    }
 }
 #else
 typedef struct { float v[8]; } acc_t;
 typedef chunk kernel_chunk;
 #define unpack_kernel_chunk unpack_chunk
 
-static void dot_rows(const chunk *c, const int8_t *xq, const float *xd, const float *xsd,
-                     int64_t kp, int64_t rows, acc_t *acc) {
+static void dot_rows(int type, const chunk *c, const int8_t *xq, const float *xd,
+                     const int16_t *bsum, int64_t kp, int64_t rows, acc_t *acc) {
+    (void)type;
     for (int64_t m = 0; m < rows; m++) {
         const int8_t *x = xq + m * kp;
         float s = 0.0f;
@@ -558,7 +581,8 @@ static void dot_rows(const chunk *c, const int8_t *xq, const float *xd, const fl
             int sum = 0;
             for (int i = 16 * g; i < 16 * g + 16; i++)
                 sum += (c->is_signed ? (int8_t)c->q[i] : c->q[i]) * x[i];
-            s += c->s.a[g] * xd[m * (kp / 32) + g / 2] * sum + c->s.b[g] * xsd[m * (kp / 16) + g];
+            float d = xd[m * (kp / 32) + g / 2];
+            s += c->s.a[g] * d * sum + c->s.b[g] * (d * bsum[m * (kp / 16) + g]);
         }
         acc[m].v[0] += s;
     }
@@ -576,7 +600,7 @@ static inline float hsum8(acc_t v) {
  * constant where it is a K-quant. */
 static inline __attribute__((always_inline)) void tile_outputs_of(
     int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t nj, int64_t k,
-    const int8_t *xq, const float *xd, const float *xsd, const int16_t *bsum, int64_t kp,
+    const int8_t *xq, const float *xd, const int16_t *bsum, int64_t kp,
     int64_t rows, acc_t acc[OUT_TILE][ROW_TILE]) {
     for (int64_t first = 0; first < k; first += CHUNK)
         for (int64_t jj = 0; jj < nj; jj++) {
@@ -590,28 +614,28 @@ static inline __attribute__((always_inline)) void tile_outputs_of(
 #endif
             kernel_chunk c;
             unpack_kernel_chunk(type, row, first, k - first < CHUNK ? k - first : CHUNK, &c);
-            dot_rows(&c, xq + first, xd + first / 32, xsd + first / 16, kp, rows, acc[jj]);
+            dot_rows(type, &c, xq + first, xd + first / 32, bsum + first / 16, kp, rows, acc[jj]);
         }
 }
 
 static __attribute__((noinline)) void tile_outputs(int type, const uint8_t *w, int64_t row_bytes,
                                                    int64_t j0, int64_t nj, int64_t k,
                                                    const int8_t *xq, const float *xd,
-                                                   const float *xsd, const int16_t *bsum,
+                                                   const int16_t *bsum,
                                                    int64_t kp, int64_t rows,
                                                    acc_t acc[OUT_TILE][ROW_TILE]) {
     if (type == Q4_K)
-        tile_outputs_of(Q4_K, w, row_bytes, j0, nj, k, xq, xd, xsd, bsum, kp, rows, acc);
+        tile_outputs_of(Q4_K, w, row_bytes, j0, nj, k, xq, xd, bsum, kp, rows, acc);
     else if (type == Q5_K)
-        tile_outputs_of(Q5_K, w, row_bytes, j0, nj, k, xq, xd, xsd, bsum, kp, rows, acc);
+        tile_outputs_of(Q5_K, w, row_bytes, j0, nj, k, xq, xd, bsum, kp, rows, acc);
     else if (type == Q6_K)
-        tile_outputs_of(Q6_K, w, row_bytes, j0, nj, k, xq, xd, xsd, bsum, kp, rows, acc);
+        tile_outputs_of(Q6_K, w, row_bytes, j0, nj, k, xq, xd, bsum, kp, rows, acc);
     else if (type == Q4_0)
-        tile_outputs_of(Q4_0, w, row_bytes, j0, nj, k, xq, xd, xsd, bsum, kp, rows, acc);
+        tile_outputs_of(Q4_0, w, row_bytes, j0, nj, k, xq, xd, bsum, kp, rows, acc);
     else if (type == Q8_0)
-        tile_outputs_of(Q8_0, w, row_bytes, j0, nj, k, xq, xd, xsd, bsum, kp, rows, acc);
+        tile_outputs_of(Q8_0, w, row_bytes, j0, nj, k, xq, xd, bsum, kp, rows, acc);
     else
-        tile_outputs_of(type, w, row_bytes, j0, nj, k, xq, xd, xsd, bsum, kp, rows, acc);
+        tile_outputs_of(type, w, row_bytes, j0, nj, k, xq, xd, bsum, kp, rows, acc);
 }
 
 /* out [rows][n] (rows `out_stride` apart; fp32, or bf16 where `out_bf16`) = activations (from
@@ -620,15 +644,15 @@ static __attribute__((noinline)) void tile_outputs(int type, const uint8_t *w, i
  * unpacks a chunk of a weight row once for up to ROW_TILE rows, so at a few rows the step
  * streams the weight from memory once. */
 void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
-                  const int8_t *xq, const float *xd, const float *xsd, const int16_t *bsum,
+                  const int8_t *xq, const float *xd, const int16_t *bsum,
                   int64_t rows, void *out, int out_bf16, int64_t out_stride, int threads) {
     int64_t kp = act_stride(k);
 #ifdef QUANT_AVX2
-    if (type >= Q4_K && rows == 1) { /* each thread's outputs in one call */
+    if (rows == 1) { /* each thread's outputs in one call */
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
         for (int t = 0; t < threads; t++)
-            k_row_outputs(type, w, row_bytes, n * t / threads, n * (t + 1) / threads, k, xq, xd,
-                          bsum, out, out_bf16);
+            row_outputs(type, w, row_bytes, n * t / threads, n * (t + 1) / threads, k, xq, xd,
+                        bsum, out, out_bf16);
         return;
     }
 #endif
@@ -640,7 +664,7 @@ void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_
             acc_t acc[OUT_TILE][ROW_TILE];
             for (int64_t jj = 0; jj < nj; jj++) memset(acc[jj], 0, mt * sizeof(acc_t));
             tile_outputs(type, w, row_bytes, j0, nj, k, xq + m0 * kp, xd + m0 * (kp / 32),
-                         xsd + m0 * (kp / 16), bsum + m0 * (kp / 16), kp, mt, acc);
+                         bsum + m0 * (kp / 16), kp, mt, acc);
             for (int64_t jj = 0; jj < nj; jj++)
                 for (int64_t m = 0; m < mt; m++)
                     store_output(out, out_bf16, (m0 + m) * out_stride + j0 + jj, hsum8(acc[jj][m]));
