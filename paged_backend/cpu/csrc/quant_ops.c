@@ -306,27 +306,49 @@ static inline __attribute__((always_inline)) __m256i k_level(int type, const uin
     return q;
 }
 
+static inline short half_bits(const uint8_t *p) {
+    short h;
+    memcpy(&h, p, 2);
+    return h;
+}
+
+/* The fp16 bits at `at` bytes into each of a chunk's first `groups` blocks (0 past them), as one
+ * vector: built in registers (eight 2-byte stores read back as one 16-byte load stalled the
+ * one-row loop: Q4_0 8.9 -> 5.9 ns a chunk, two threads). */
+static inline __attribute__((always_inline)) __m128i block_halves(const uint8_t *blk, int64_t bytes,
+                                                                  int at, int groups) {
+#define HALF(g) (g < groups ? half_bits(blk + (g) * bytes + at) : 0)
+    return _mm_setr_epi16(HALF(0), HALF(1), HALF(2), HALF(3), HALF(4), HALF(5), HALF(6), HALF(7));
+#undef HALF
+}
+
 /* A chunk of a legacy format's row (8 blocks of 32, fewer at the row's end). */
 static inline __attribute__((always_inline)) void unpack_kernel_chunk(
     int type, const uint8_t *row, int64_t first, int64_t count, kernel_chunk *c) {
     const uint8_t *blk = row + (first >> 5) * block_bytes(type); /* no division */
-    uint16_t scales[8] = {0}, mins[8] = {0}; /* fp16 bits */
-    int with_min = type == Q4_1 || type == Q5_1;
     c->groups = (int)(count / 32);
     c->is_signed = type == Q8_0;
-    for (int g = 0; g < c->groups; g++, blk += block_bytes(type)) {
-        memcpy(scales + g, blk, 2);
-        if (with_min) memcpy(mins + g, blk + 2, 2);
+    for (int g = 0; g < c->groups; g++) {
+        const uint8_t *b = blk + g * block_bytes(type);
         if (type == Q8_0) {
-            c->q[g] = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            c->q[g] = _mm256_loadu_si256((const __m256i *)(b + 2));
         } else {
-            c->q[g] = nibbles16(blk + nibbles_at(type));
+            c->q[g] = nibbles16(b + nibbles_at(type));
             if (type == Q5_0 || type == Q5_1)
-                c->q[g] = _mm256_or_si256(c->q[g], fifth_bits(blk + fifth_bits_at(type)));
+                c->q[g] = _mm256_or_si256(c->q[g], fifth_bits(b + fifth_bits_at(type)));
         }
     }
-    c->d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales));
-    c->off8 = with_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mins))
+    int with_min = type == Q4_1 || type == Q5_1;
+    __m128i d, m = _mm_setzero_si128();
+    if (c->groups == 8) { /* whole chunks: the count a constant */
+        d = block_halves(blk, block_bytes(type), 0, 8);
+        if (with_min) m = block_halves(blk, block_bytes(type), 2, 8);
+    } else {
+        d = block_halves(blk, block_bytes(type), 0, c->groups);
+        if (with_min) m = block_halves(blk, block_bytes(type), 2, c->groups);
+    }
+    c->d8 = _mm256_cvtph_ps(d);
+    c->off8 = with_min ? _mm256_cvtph_ps(m)
                        : _mm256_mul_ps(c->d8, _mm256_set1_ps(type == Q8_0   ? 0.0f
                                                              : type == Q5_0 ? -16.0f
                                                                             : -8.0f));
