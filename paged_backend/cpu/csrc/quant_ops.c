@@ -400,20 +400,20 @@ static inline __attribute__((always_inline)) __m256 legacy_dot(
     return _mm256_fmadd_ps(c->off8, _mm256_mul_ps(_mm256_cvtepi32_ps(levels), xd8), sum);
 }
 
+/* `legacy_dot` with the block count and signedness constants for whole chunks. */
+static inline __attribute__((always_inline)) __m256 legacy_chunk_dot(
+    int type, const kernel_chunk *c, const int8_t *x, const float *xd, const int16_t *bs) {
+    if (c->groups == 8) return legacy_dot(type, c, x, xd, bs, 8, type == Q8_0);
+    return legacy_dot(type, c, x, xd, bs, c->groups, c->is_signed);
+}
+
 /* acc[m] += chunk . row m of the step's activations (at this chunk), for `rows` rows. */
 static inline __attribute__((always_inline)) void dot_rows(
     int type, const kernel_chunk *c, const int8_t *xq, const float *xd, const int16_t *bsum,
     int64_t kp, int64_t rows, acc_t *acc) {
-    int full = c->groups == 8;
-    for (int64_t m = 0; m < rows; m++) {
-        const int8_t *x = xq + m * kp;
-        const float *d = xd + m * (kp / 32);
-        const int16_t *bs = bsum + m * (kp / 16);
-        __m256 v = full && type == Q8_0 ? legacy_dot(type, c, x, d, bs, 8, 1)
-                   : full && type != Q8_0 ? legacy_dot(type, c, x, d, bs, 8, 0)
-                                          : legacy_dot(type, c, x, d, bs, c->groups, c->is_signed);
-        acc[m] = _mm256_add_ps(acc[m], v);
-    }
+    for (int64_t m = 0; m < rows; m++)
+        acc[m] = _mm256_add_ps(acc[m], legacy_chunk_dot(type, c, xq + m * kp, xd + m * (kp / 32),
+                                                        bsum + m * (kp / 16)));
 }
 
 /* A K-quant super-block's integer scales, which each group's products are weighted by before
@@ -486,13 +486,14 @@ static inline __attribute__((always_inline)) __m256 k_finish(int type, const k_h
     return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), mfac, _mm256_mul_ps(_mm256_cvtepi32_ps(sumi), d));
 }
 
-/* Weights are read this far ahead of the super-block in use: one thread's stream from memory runs
- * ~15% faster with it (the hardware prefetcher alone leaves a one-row product waiting). */
-#define K_PREFETCH_BYTES 4096
+/* Weights are read this far ahead of the chunk in use: one thread's stream from memory runs ~15%
+ * faster with it (the hardware prefetcher alone leaves a one-row product waiting). */
+#define PREFETCH_BYTES 4096
 
-static inline __attribute__((always_inline)) void k_prefetch(int type, const uint8_t *blk) {
-    for (int64_t at = 0; at < block_bytes(type); at += 64)
-        _mm_prefetch((const char *)blk + K_PREFETCH_BYTES + at, _MM_HINT_T0);
+/* Ask for the `bytes` of weights PREFETCH_BYTES past those at `at`. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *at, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64)
+        _mm_prefetch((const char *)at + PREFETCH_BYTES + i, _MM_HINT_T0);
 }
 
 /* A super-block unpacked once for the rows of a step. */
@@ -506,7 +507,7 @@ static inline __attribute__((always_inline)) void dot_rows_k(
     int type, const uint8_t *blk, const int8_t *xq, const float *xd, const int16_t *bsum,
     int64_t kp, int64_t rows, acc_t *acc) {
     k_chunk c;
-    k_prefetch(type, blk);
+    prefetch_ahead(blk, block_bytes(type));
     k_header_of(type, blk, &c.h);
     for (int g = 0; g < 8; g++) {
         c.q[g] = k_level(type, blk, g);
@@ -531,7 +532,7 @@ static inline __attribute__((always_inline)) float dot_one_k_of(
     __m256 sum = _mm256_setzero_ps();
     for (int64_t first = 0; first < k; first += CHUNK, row += block_bytes(type)) {
         k_header h;
-        k_prefetch(type, row);
+        prefetch_ahead(row, block_bytes(type));
         k_header_of(type, row, &h);
         __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         for (int g = 0; g < 8; g++)
@@ -549,15 +550,10 @@ static inline __attribute__((always_inline)) float dot_one_legacy_of(
     int type, const uint8_t *row, int64_t k, const int8_t *x, const float *xd, const int16_t *bsum) {
     __m256 sum = _mm256_setzero_ps();
     for (int64_t first = 0; first < k; first += CHUNK) {
-        const uint8_t *blk = row + (first >> 5) * block_bytes(type);
-        for (int64_t at = 0; at < 8 * block_bytes(type); at += 64)
-            _mm_prefetch((const char *)blk + K_PREFETCH_BYTES + at, _MM_HINT_T0);
+        prefetch_ahead(row + (first >> 5) * block_bytes(type), 8 * block_bytes(type));
         kernel_chunk c;
         unpack_kernel_chunk(type, row, first, k - first < CHUNK ? k - first : CHUNK, &c);
-        const int8_t *xc = x + first;
-        __m256 v = c.groups == 8 ? legacy_dot(type, &c, xc, xd + first / 32, bsum + first / 16, 8, type == Q8_0)
-                                 : legacy_dot(type, &c, xc, xd + first / 32, bsum + first / 16, c.groups, c.is_signed);
-        sum = _mm256_add_ps(sum, v);
+        sum = _mm256_add_ps(sum, legacy_chunk_dot(type, &c, x + first, xd + first / 32, bsum + first / 16));
     }
     return hsum8(sum);
 }
