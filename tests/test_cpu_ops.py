@@ -183,6 +183,7 @@ def _decode_step(
         ([300, 17], 16, 2, 1, 128, False),
         ([64] * 4, 4, 1, 4, 16, True),
         ([90, 15, 33], 4, 1, 8, 64, False),  # more query heads a kv head than PV keeps at once
+        ([25, 70], 4, 2, 2, 80, True),  # 80 dims: two 32-dim value tiles and a 16-dim one
     ],
 )
 @pytest.mark.parametrize(

@@ -17,8 +17,6 @@
 
 void linear_f32(const float *x, int64_t rows, int64_t x_stride, const float *w, int64_t n,
                 int64_t k, float *y, int64_t y_stride, int threads);
-void linear_f32_serial(const float *x, int64_t rows, int64_t x_stride, const float *w, int64_t n,
-                       int64_t k, float *y, int64_t y_stride);
 void quantize_activations(const void *x, int x_bf16, int64_t rows, int64_t k, int64_t x_stride,
                           int64_t block, int8_t *xq, float *xd, int16_t *bsum, int threads);
 void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
@@ -69,13 +67,45 @@ void rotary_f32(float *x, const float *cos, const float *sin, int64_t tokens, in
     }
 }
 
-/* out = silu(gate) * up for rows [gate | up] of 2 * dim; sigmoid from exp(-|g|), so that the
- * loop vectorises and never overflows. */
+#ifdef __AVX2__
+/* exp_nonpositive on 8 lanes: the same operations in the same order (the compiler contracts the
+ * scalar one's multiply-adds into these fmas), so the same bits. */
+static inline __m256 exp_nonpositive8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 magic = _mm256_set1_ps(12582912.0f);
+    __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), magic), magic);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* out = silu(gate) * up for rows [gate | up] of 2 * dim; sigmoid from exp(-|g|), which never
+ * overflows. */
 void silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t dim, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = x + r * 2 * dim, *up = gate + dim;
-        for (int64_t i = 0; i < dim; i++) {
+        int64_t i = 0;
+#ifdef __AVX2__
+        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+        for (; i + 8 <= dim; i += 8) { /* the scalar loop's operations, 8 lanes at a time */
+            __m256 g = _mm256_loadu_ps(gate + i), e = exp_nonpositive8(_mm256_or_ps(g, sign));
+            __m256 sum = _mm256_add_ps(one, e), nonneg = _mm256_cmp_ps(g, sign, _CMP_GE_OQ);
+            __m256 sigmoid = _mm256_blendv_ps(_mm256_div_ps(e, sum), _mm256_div_ps(one, sum), nonneg);
+            _mm256_storeu_ps(out + r * dim + i,
+                             _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
+        }
+#endif
+        for (; i < dim; i++) {
             float g = gate[i], e = exp_nonpositive(-fabsf(g));
             float sigmoid = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
             out[r * dim + i] = g * sigmoid * up[i];
@@ -83,33 +113,175 @@ void silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t dim, int
     }
 }
 
-/* out = sum_j p[j] v[key j] over a query's `n` keys from `first` on (rows through the block
- * table), dim a multiple of 16: 64 dims at a time in registers, keys in order. */
-static void weighted_values(const float *p, const float *vc, const int32_t *table, int64_t first,
-                            int64_t n, int64_t block_size, int64_t dim, float *out) {
-    for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-        int64_t width = dim - d0 < 64 ? dim - d0 : 64;
+/* Decode attention's inner loops. Every result is one fixed sequence of operations on its inputs,
+ * whatever the tile it falls in or the other rows of the step: a row's output is the same bits
+ * alone, in a batch, or verifying drafts (it reads the same keys, those up to its own). */
+#define SCORE_KEYS 4 /* keys a score tile */
+#define VALUE_HEADS 3 /* query heads sharing each value row read */
+
 #ifdef __AVX2__
-        if (width == 64) {
-            __m256 acc[8];
-            for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-            for (int64_t j = 0; j < n; j++) {
-                const float *vr = vc + slot_of(table, first + j, block_size) * dim + d0;
-                __m256 w = _mm256_set1_ps(p[j]);
-                for (int i = 0; i < 8; i++)
-                    acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * i), acc[i]);
-            }
-            for (int i = 0; i < 8; i++) _mm256_storeu_ps(out + d0 + 8 * i, acc[i]);
-            continue;
+/* Lane i: the sum of vector i's lanes, ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)). */
+static inline __m128 lane_sums4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+/* Scores of NQ query vectors (`dim` apart) against SCORE_KEYS consecutive keys, 8 dims a step. */
+#define SCORE_TILE(NQ)                                                                             \
+    static void score_tile_##NQ(const float *q, const float *keys, int64_t dim, float *out,        \
+                                int64_t out_stride) {                                              \
+        __m256 acc[NQ][SCORE_KEYS];                                                                \
+        for (int m = 0; m < NQ; m++)                                                               \
+            for (int a = 0; a < SCORE_KEYS; a++) acc[m][a] = _mm256_setzero_ps();                  \
+        for (int64_t d = 0; d < dim; d += 8) {                                                     \
+            __m256 kv[SCORE_KEYS];                                                                 \
+            for (int a = 0; a < SCORE_KEYS; a++) kv[a] = _mm256_loadu_ps(keys + a * dim + d);      \
+            for (int m = 0; m < NQ; m++) {                                                         \
+                __m256 qv = _mm256_loadu_ps(q + m * dim + d);                                      \
+                for (int a = 0; a < SCORE_KEYS; a++)                                               \
+                    acc[m][a] = _mm256_fmadd_ps(qv, kv[a], acc[m][a]);                             \
+            }                                                                                      \
+        }                                                                                          \
+        for (int m = 0; m < NQ; m++)                                                               \
+            _mm_storeu_ps(out + m * out_stride,                                                    \
+                          lane_sums4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));                 \
+    }
+SCORE_TILE(1)
+SCORE_TILE(2)
+SCORE_TILE(3)
+
+static float score_one(const float *q, const float *key, int64_t dim) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(key + d), acc);
+    return _mm_cvtss_f32(lane_sums4(acc, acc, acc, acc));
+}
+#else
+static float score_one(const float *q, const float *key, int64_t dim) {
+    float lane[8] = {0};
+    for (int64_t d = 0; d < dim; d += 8)
+        for (int l = 0; l < 8; l++) lane[l] = fmaf(q[d + l], key[d + l], lane[l]);
+    return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+#endif
+
+/* out[m * out_stride + j] = q_m . key_j for `nq` query vectors (`dim` apart) and `count`
+ * consecutive keys (`dim` apart), dim a multiple of 8. */
+static void key_scores(const float *q, int64_t nq, const float *keys, int64_t count, int64_t dim,
+                       float *out, int64_t out_stride) {
+    int64_t j = 0;
+#ifdef __AVX2__
+    for (; j + SCORE_KEYS <= count; j += SCORE_KEYS)
+        for (int64_t m = 0; m < nq;) {
+            int64_t left = nq - m, take = left == 4 ? 2 : left < 3 ? left : 3; /* 4: 2 + 2 */
+            const float *qm = q + m * dim, *kj = keys + j * dim;
+            float *o = out + m * out_stride + j;
+            if (take == 3) score_tile_3(qm, kj, dim, o, out_stride);
+            else if (take == 2) score_tile_2(qm, kj, dim, o, out_stride);
+            else score_tile_1(qm, kj, dim, o, out_stride);
+            m += take;
         }
 #endif
-        float acc[64] = {0};
-        for (int64_t j = 0; j < n; j++) {
-            const float *vr = vc + slot_of(table, first + j, block_size) * dim + d0;
-            for (int64_t d = 0; d < width; d++) acc[d] = fmaf(p[j], vr[d], acc[d]);
-        }
-        memcpy(out + d0, acc, width * sizeof(float));
+    for (; j < count; j++)
+        for (int64_t m = 0; m < nq; m++)
+            out[m * out_stride + j] = score_one(q + m * dim, keys + j * dim, dim);
+}
+
+/* row[j] = exp(row[j] - top) for row[j] <= top (the compiler does not vectorise the scalar loop). */
+static void exp_shifted(float *row, int64_t n, float top) {
+    int64_t j = 0;
+#ifdef __AVX2__
+    for (; j + 8 <= n; j += 8)
+        _mm256_storeu_ps(row + j, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(row + j),
+                                                                 _mm256_set1_ps(top))));
+#endif
+    for (; j < n; j++) row[j] = exp_nonpositive(row[j] - top);
+}
+
+/* row = softmax(scale * row) in place over n scores (capped first where softcap > 0: tanh(s /
+ * cap) * cap, Gemma 2). The max and the sum go 8 lanes at a time (the compiler vectorises these
+ * loops and the exp's), the sum's lanes added in a fixed tree, then the tail in order. */
+static void softmax_row(float *row, int64_t n, float scale, float softcap) {
+    for (int64_t j = 0; j < n; j++) row[j] *= scale;
+    if (softcap > 0.0f)
+        for (int64_t j = 0; j < n; j++) row[j] = tanhf(row[j] / softcap) * softcap;
+    float top[8], lane[8], sum;
+    int64_t j = 0;
+    for (int l = 0; l < 8; l++) top[l] = -INFINITY, lane[l] = 0.0f;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; l++) top[l] = row[j + l] > top[l] ? row[j + l] : top[l];
+    for (; j < n; j++) top[0] = row[j] > top[0] ? row[j] : top[0];
+    for (int l = 1; l < 8; l++) top[0] = top[l] > top[0] ? top[l] : top[0];
+    exp_shifted(row, n, top[0]);
+    for (j = 0; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; l++) lane[l] += row[j + l];
+    sum = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    for (; j < n; j++) sum += row[j];
+    for (j = 0; j < n; j++) row[j] /= sum;
+}
+
+/* out_m = sum_j p_m[j] v[key j] for `heads` (<= VALUE_HEADS) query heads of one row (their
+ * probabilities `p_stride` apart, outputs `dim` apart) over n keys from `first` on (rows through
+ * the block table), a block's keys at a time. dim a multiple of 16, 32 dims at a time in
+ * registers: each value row is read once for all the heads. Each output adds its keys in order,
+ * one fma a key: the bits of the head taken alone. */
+#ifdef __AVX2__
+#define VALUE_TILE(NH, NV)                                                                         \
+    static void value_tile_##NH##_##NV(const float *p, int64_t p_stride, const float *vc,          \
+                                       const int32_t *table, int64_t first, int64_t n,            \
+                                       int64_t block_size, int64_t dim, int64_t d0, float *out) {  \
+        __m256 acc[NH][NV];                                                                        \
+        for (int m = 0; m < NH; m++)                                                               \
+            for (int i = 0; i < NV; i++) acc[m][i] = _mm256_setzero_ps();                          \
+        for (int64_t j = 0; j < n;) {                                                              \
+            int64_t count = block_size - (first + j) % block_size;                                 \
+            count = count < n - j ? count : n - j;                                                 \
+            const float *vr = vc + slot_of(table, first + j, block_size) * dim + d0;               \
+            for (int64_t e = 0; e < count; e++, vr += dim) {                                       \
+                __m256 v[NV];                                                                      \
+                for (int i = 0; i < NV; i++) v[i] = _mm256_loadu_ps(vr + 8 * i);                   \
+                for (int m = 0; m < NH; m++) {                                                     \
+                    __m256 w = _mm256_set1_ps(p[m * p_stride + j + e]);                            \
+                    for (int i = 0; i < NV; i++) acc[m][i] = _mm256_fmadd_ps(w, v[i], acc[m][i]);  \
+                }                                                                                  \
+            }                                                                                      \
+            j += count;                                                                            \
+        }                                                                                          \
+        for (int m = 0; m < NH; m++)                                                               \
+            for (int i = 0; i < NV; i++) _mm256_storeu_ps(out + m * dim + d0 + 8 * i, acc[m][i]);  \
     }
+VALUE_TILE(1, 4)
+VALUE_TILE(2, 4)
+VALUE_TILE(3, 4)
+VALUE_TILE(1, 2)
+VALUE_TILE(2, 2)
+VALUE_TILE(3, 2)
+#endif
+
+static void weighted_values(const float *p, int64_t p_stride, int64_t heads, const float *vc,
+                            const int32_t *table, int64_t first, int64_t n, int64_t block_size,
+                            int64_t dim, float *out) {
+#ifdef __AVX2__
+    for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+        int wide = dim - d0 >= 32;
+        switch (heads * 2 + wide) {
+        case 2 + 1: value_tile_1_4(p, p_stride, vc, table, first, n, block_size, dim, d0, out); break;
+        case 4 + 1: value_tile_2_4(p, p_stride, vc, table, first, n, block_size, dim, d0, out); break;
+        case 6 + 1: value_tile_3_4(p, p_stride, vc, table, first, n, block_size, dim, d0, out); break;
+        case 2: value_tile_1_2(p, p_stride, vc, table, first, n, block_size, dim, d0, out); break;
+        case 4: value_tile_2_2(p, p_stride, vc, table, first, n, block_size, dim, d0, out); break;
+        default: value_tile_3_2(p, p_stride, vc, table, first, n, block_size, dim, d0, out); break;
+        }
+    }
+#else
+    for (int64_t m = 0; m < heads; m++)
+        for (int64_t d = 0; d < dim; d++) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < n; j++)
+                acc = fmaf(p[m * p_stride + j], vc[slot_of(table, first + j, block_size) * dim + d], acc);
+            out[m * dim + d] = acc;
+        }
+#endif
 }
 
 /* The rows of a decode step, or of a step verifying drafts: sequence s has the rows
@@ -120,12 +292,10 @@ static void weighted_values(const float *p, const float *vc, const int32_t *tabl
  * into `out` [rows][heads][dim]. The caches are head-major [kv_heads][slots][dim].
  *
  * The work splits over threads by (row, kv head): the kv head's `group` query heads meet its
- * keys a block at a time through `linear_f32_serial` (a row of 1,000 keys: ~2x faster than a dot
- * product a key, query head by query head), whose results do not depend on the tile or the other
- * rows: a row's output is the same in any batch, and a row verifying a draft gives the bits a
- * plain decode at that position gives (it reads the same keys, those up to its own). Scores go
- * in `scores` (a row of `scores_stride` >= group * context for each thread), then softmax, then
- * P.V in registers. `softcap` > 0 caps the scaled scores (tanh(s / cap) * cap, Gemma 2). */
+ * keys a block at a time (`key_scores`, tiles of 4 keys by up to 3 heads), then softmax
+ * (`softmax_row`), then P.V with each value row read once for up to 3 heads (`weighted_values`).
+ * Scores go in `scores` (a row of `scores_stride` >= group * context for each thread).
+ * `softcap` > 0 caps the scaled scores (tanh(s / cap) * cap, Gemma 2). */
 void decode_attention_f32(const float *q, const float *k, const float *v, int64_t q_stride,
                           int64_t k_stride, int64_t v_stride, float *k_cache, float *v_cache,
                           int64_t cache_head_stride, const int32_t *block_tables,
@@ -162,23 +332,13 @@ void decode_attention_f32(const float *q, const float *k, const float *v, int64_
             int64_t slot = slot_of(table, first + j, block_size);
             int64_t count = block_size - (first + j) % block_size;
             count = count < n - j ? count : n - j;
-            linear_f32_serial(qr, group, dim, kc + slot * dim, count, dim, sc + j, n);
+            key_scores(qr, group, kc + slot * dim, count, dim, sc + j, n);
             j += count;
         }
-        for (int64_t m = 0; m < group; m++) {
-            float *row = sc + m * n, top = -INFINITY, sum = 0.0f;
-            for (int64_t j = 0; j < n; j++) row[j] *= scale;
-            if (softcap > 0.0f)
-                for (int64_t j = 0; j < n; j++) row[j] = tanhf(row[j] / softcap) * softcap;
-            for (int64_t j = 0; j < n; j++) top = row[j] > top ? row[j] : top;
-            for (int64_t j = 0; j < n; j++) {
-                row[j] = exp_nonpositive(row[j] - top);
-                sum += row[j];
-            }
-            for (int64_t j = 0; j < n; j++) row[j] /= sum;
-            weighted_values(row, vc, table, first, n, block_size, dim,
-                            out + (t * num_heads + head + m) * dim);
-        }
+        for (int64_t m = 0; m < group; m++) softmax_row(sc + m * n, n, scale, softcap);
+        for (int64_t m = 0; m < group; m += VALUE_HEADS)
+            weighted_values(sc + m * n, n, group - m < VALUE_HEADS ? group - m : VALUE_HEADS, vc,
+                            table, first, n, block_size, dim, out + (t * num_heads + head + m) * dim);
     }
 }
 

@@ -146,14 +146,3 @@ void linear_f32(const float *x, int64_t rows, int64_t x_stride, const float *w, 
         f32_rows(x, rows, x_stride, w, j, n - j < nw ? (int)(n - j) : nw, nw, nx, k, y, y_stride);
     }
 }
-
-/* `linear_f32` on the calling thread, for kernels that already split their work over threads
- * (decode attention's scores: a few keys at a time, thousands of calls a step). */
-void linear_f32_serial(const float *x, int64_t rows, int64_t x_stride, const float *w, int64_t n,
-                       int64_t k, float *y, int64_t y_stride) {
-    if (rows <= 0) return;
-    int nw, nx;
-    tile_shape(rows, &nw, &nx);
-    for (int64_t j = 0; j < n; j += nw)
-        f32_rows(x, rows, x_stride, w, j, n - j < nw ? (int)(n - j) : nw, nw, nx, k, y, y_stride);
-}
