@@ -74,6 +74,16 @@ def test_the_c_gemm_keeps_the_row_counts_up_to_a_clear_onednn_win(monkeypatch):
     assert kernel_choice._time_shape(64, 96) == 32
 
 
+def test_a_win_for_torch_must_hold_when_timed_again(monkeypatch):
+    """A burst of load while timing must not cost the C kernel a row count for good: a win
+    for torch is timed again and only kept when it holds."""
+    shares = iter([0.5, 1.0, 0.5, 0.5])  # torch's share of C's time, in timing order
+
+    monkeypatch.setattr(kernel_choice, "_best_times", lambda *calls: [1.0, next(shares)])
+    # 1 row: a lucky torch time, then a loss; 2 rows: torch wins both times
+    assert kernel_choice._rows_c_serves(8, torch.float32, lambda x: (), lambda x: ()) == 1
+
+
 def test_the_load_of_other_processes_is_measured():
     """A process that keeps a core busy beside us shows in the share; our own work does not."""
     import subprocess

@@ -148,11 +148,18 @@ def _rows_c_serves(k: int, dtype: torch.dtype, c_call, torch_call) -> int:
     with torch.inference_mode():
         for rows in ROW_COUNTS:
             x = torch.randn(rows, k).to(dtype)
-            c_time, torch_time = _best_times(c_call(x), torch_call(x))
-            if torch_time < _TORCH_WINS * c_time:
+            if all(_torch_wins(*_best_times(c_call(x), torch_call(x))) for _ in range(2)):
                 break
             best = rows
     return best
+
+
+def _torch_wins(c_time: float, torch_time: float) -> bool:
+    """Whether torch's time is a clear win. A win must hold when timed again: load from outside
+    what /proc/stat shows (another VM on the host) once made the C fp32 linear lose at one row
+    of a 576x576 weight, and the cached choice ran every later start of the default model
+    without its one-call decode step (~1.5x slower a token)."""
+    return torch_time < _TORCH_WINS * c_time
 
 
 def _best_times(*calls: tuple) -> list[float]:
