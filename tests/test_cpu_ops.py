@@ -258,6 +258,45 @@ def test_fp32_decode_attention_takes_several_rows_a_sequence(window, softcap):
 
 
 @needs_ops
+@pytest.mark.parametrize(("threads", "window"), [(1, None), (2, None), (2, 9), (4, None)])
+def test_fp32_rows_of_a_sequence_give_the_bits_of_each_row_alone(threads, window):
+    """A verifying step's rows read the cache together, in chunks of rows that depend on the
+    threads: each row's output is the bits the row gives as a one-row decode at its position."""
+    lens, rows, bs = [45], 7, 4
+    *_, cache, meta = _decode_step(lens, bs, 1, 5, 64, True, 3, dtype=torch.float32)
+    table = meta.block_tables
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(rows, h, 64, generator=gen) for h in (5, 1, 1))
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    scratch = torch.empty(threads, rows * 5 * lens[0])
+    qsl = torch.tensor([0, rows], dtype=torch.int32)
+    args = dict(window=window, query_start=qsl)
+    together = cpu_ops.decode_attention(q, k, v, cache, table, seq_lens, bs, scratch, **args)
+    for r in range(rows):
+        pos = lens[0] - rows + r
+        alone = cpu_ops.decode_attention(
+            q[r : r + 1],
+            k[r : r + 1],
+            v[r : r + 1],
+            cache,
+            table,
+            torch.tensor([pos + 1], dtype=torch.int32),
+            bs,
+            scratch,
+            window=window,
+        )
+        assert torch.equal(alone[0], together[r]), r
+    want = TorchAttention(5, 1, c_decode=False, windows=(window,))
+    meta.query_start_loc, meta.num_decodes = [0, rows], 0  # one prefill chunk of 7 rows
+    meta.slot_mapping = torch.tensor(
+        [int(table[0, p // bs]) * bs + p % bs for p in range(lens[0] - rows, lens[0])]
+    )
+    want.prepare(meta)
+    expected = want.forward(q, k, v, cache, meta, window, None)
+    torch.testing.assert_close(together, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_ops
 @pytest.mark.parametrize(
     ("window", "softcap", "group"), [(None, None, 3), (7, 5.0, 1), (None, None, 8)]
 )

@@ -126,9 +126,9 @@ static inline __m128 lane_sums4(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-/* Scores of NQ query vectors (`dim` apart) against SCORE_KEYS consecutive keys, 8 dims a step. */
+/* Scores of NQ query vectors against SCORE_KEYS consecutive keys, 8 dims a step. */
 #define SCORE_TILE(NQ)                                                                             \
-    static void score_tile_##NQ(const float *q, const float *keys, int64_t dim, float *out,        \
+    static void score_tile_##NQ(const float *const *q, const float *keys, int64_t dim, float *out, \
                                 int64_t out_stride) {                                              \
         __m256 acc[NQ][SCORE_KEYS];                                                                \
         for (int m = 0; m < NQ; m++)                                                               \
@@ -137,7 +137,7 @@ static inline __m128 lane_sums4(__m256 a, __m256 b, __m256 c, __m256 d) {
             __m256 kv[SCORE_KEYS];                                                                 \
             for (int a = 0; a < SCORE_KEYS; a++) kv[a] = _mm256_loadu_ps(keys + a * dim + d);      \
             for (int m = 0; m < NQ; m++) {                                                         \
-                __m256 qv = _mm256_loadu_ps(q + m * dim + d);                                      \
+                __m256 qv = _mm256_loadu_ps(q[m] + d);                                            \
                 for (int a = 0; a < SCORE_KEYS; a++)                                               \
                     acc[m][a] = _mm256_fmadd_ps(qv, kv[a], acc[m][a]);                             \
             }                                                                                      \
@@ -165,26 +165,26 @@ static float score_one(const float *q, const float *key, int64_t dim) {
 }
 #endif
 
-/* out[m * out_stride + j] = q_m . key_j for `nq` query vectors (`dim` apart) and `count`
- * consecutive keys (`dim` apart), dim a multiple of 8. */
-static void key_scores(const float *q, int64_t nq, const float *keys, int64_t count, int64_t dim,
-                       float *out, int64_t out_stride) {
+/* out[m * out_stride + j] = q[m] . key_j for `nq` query vectors and `count` consecutive keys
+ * (`dim` apart), dim a multiple of 8. */
+static void key_scores(const float *const *q, int64_t nq, const float *keys, int64_t count,
+                       int64_t dim, float *out, int64_t out_stride) {
     int64_t j = 0;
 #ifdef __AVX2__
     for (; j + SCORE_KEYS <= count; j += SCORE_KEYS)
         for (int64_t m = 0; m < nq;) {
             int64_t left = nq - m, take = left == 4 ? 2 : left < 3 ? left : 3; /* 4: 2 + 2 */
-            const float *qm = q + m * dim, *kj = keys + j * dim;
+            const float *kj = keys + j * dim;
             float *o = out + m * out_stride + j;
-            if (take == 3) score_tile_3(qm, kj, dim, o, out_stride);
-            else if (take == 2) score_tile_2(qm, kj, dim, o, out_stride);
-            else score_tile_1(qm, kj, dim, o, out_stride);
+            if (take == 3) score_tile_3(q + m, kj, dim, o, out_stride);
+            else if (take == 2) score_tile_2(q + m, kj, dim, o, out_stride);
+            else score_tile_1(q + m, kj, dim, o, out_stride);
             m += take;
         }
 #endif
     for (; j < count; j++)
         for (int64_t m = 0; m < nq; m++)
-            out[m * out_stride + j] = score_one(q + m * dim, keys + j * dim, dim);
+            out[m * out_stride + j] = score_one(q[m], keys + j * dim, dim);
 }
 
 /* row[j] = exp(row[j] - top) for row[j] <= top (the compiler does not vectorise the scalar loop). */
@@ -291,10 +291,11 @@ static void weighted_values(const float *p, int64_t p_stride, int64_t heads, con
  * sequence's tokens up to its own (the last `window` of them, where > 0) through `block_tables`,
  * into `out` [rows][heads][dim]. The caches are head-major [kv_heads][slots][dim].
  *
- * The work splits over threads by (row, kv head): the kv head's `group` query heads meet its
- * keys a block at a time (`key_scores`, tiles of 4 keys by up to 3 heads), then softmax
- * (`softmax_row`), then P.V with each value row read once for up to 3 heads (`weighted_values`).
- * Scores go in `scores` (a row of `scores_stride` >= group * context for each thread).
+ * The work splits over threads by (sequence, kv head, chunk of the sequence's rows): the chunk's
+ * query heads of the kv head meet its keys a block at a time (`key_scores`, tiles of 4 keys by
+ * up to 3 query vectors), then each row's softmax over its own keys (`softmax_row`), then P.V
+ * with each value row read once for up to 3 heads (`weighted_values`). Scores go in `scores` (a
+ * row of `scores_stride` >= group * the most rows a sequence has * context for each thread).
  * `softcap` > 0 caps the scaled scores (tanh(s / cap) * cap, Gemma 2). */
 void decode_attention_f32(const float *q, const float *k, const float *v, int64_t q_stride,
                           int64_t k_stride, int64_t v_stride, float *k_cache, float *v_cache,
@@ -306,10 +307,8 @@ void decode_attention_f32(const float *q, const float *k, const float *v, int64_
                           float softcap) {
     int64_t group = num_heads / num_kv_heads, total_rows = query_start[num_seqs];
     if (total_rows <= 0) return;
-    int32_t seq_of[total_rows]; /* each row's sequence */
     for (int64_t s = 0; s < num_seqs; s++)
         for (int64_t t = query_start[s]; t < query_start[s + 1]; t++) {
-            seq_of[t] = (int32_t)s;
             int64_t pos = seq_lens[s] - (query_start[s + 1] - t);
             int64_t slot = slot_of(block_tables + s * max_blocks, pos, block_size);
             for (int64_t h = 0; h < num_kv_heads; h++) {
@@ -318,27 +317,50 @@ void decode_attention_f32(const float *q, const float *k, const float *v, int64_
                 memcpy(v_cache + at, v + t * v_stride + h * dim, dim * sizeof(float));
             }
         }
-    int64_t units = total_rows * num_kv_heads;
+    /* A unit: one kv head of a sequence over a chunk of its rows, which meet each key and value
+     * row in one pass (a verifying step's rows would each stream the layer's cache from memory
+     * again). A step of few sequences splits their rows so that each thread has two units. */
+    int64_t chunk_seq[total_rows], chunk_row[total_rows], chunk_rows[total_rows], chunks = 0;
+    int64_t pieces = (2 * threads + num_seqs * num_kv_heads - 1) / (num_seqs * num_kv_heads);
+    for (int64_t s = 0; s < num_seqs; s++) {
+        int64_t a = query_start[s], r = query_start[s + 1] - a, c = r < pieces ? r : pieces;
+        for (int64_t i = 0; i < c; i++, chunks++) {
+            chunk_seq[chunks] = s;
+            chunk_row[chunks] = a + r * i / c;
+            chunk_rows[chunks] = r * (i + 1) / c - r * i / c;
+        }
+    }
+    int64_t units = chunks * num_kv_heads;
 #pragma omp parallel for num_threads(threads) if (threads > 1 && units > 1) schedule(dynamic)
     for (int64_t u = 0; u < units; u++) {
-        int64_t t = u / num_kv_heads, h = u % num_kv_heads, head = h * group;
-        int64_t s = seq_of[t], pos = seq_lens[s] - (query_start[s + 1] - t);
-        int64_t first = window > 0 && pos + 1 > window ? pos + 1 - window : 0, n = pos + 1 - first;
+        int64_t c = u / num_kv_heads, h = u % num_kv_heads, head = h * group;
+        int64_t s = chunk_seq[c], t0 = chunk_row[c], rows = chunk_rows[c], nq = rows * group;
+        int64_t last = seq_lens[s] - (query_start[s + 1] - t0) + rows - 1; /* the last row's pos */
+        int64_t pos0 = last - rows + 1;
+        int64_t first = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
+        int64_t n = last + 1 - first; /* keys any row of the chunk sees */
         const int32_t *table = block_tables + s * max_blocks;
         const float *kc = k_cache + h * cache_head_stride, *vc = v_cache + h * cache_head_stride;
-        const float *qr = q + t * q_stride + head * dim;
-        float *sc = scores + omp_get_thread_num() * scores_stride;
+        const float *qs[nq];
+        for (int64_t i = 0; i < nq; i++)
+            qs[i] = q + (t0 + i / group) * q_stride + (head + i % group) * dim;
+        float *sc = scores + omp_get_thread_num() * scores_stride; /* [nq][n] */
         for (int64_t j = 0; j < n;) { /* the keys of one block at a time */
             int64_t slot = slot_of(table, first + j, block_size);
             int64_t count = block_size - (first + j) % block_size;
             count = count < n - j ? count : n - j;
-            key_scores(qr, group, kc + slot * dim, count, dim, sc + j, n);
+            key_scores(qs, nq, kc + slot * dim, count, dim, sc + j, n);
             j += count;
         }
-        for (int64_t m = 0; m < group; m++) softmax_row(sc + m * n, n, scale, softcap);
-        for (int64_t m = 0; m < group; m += VALUE_HEADS)
-            weighted_values(sc + m * n, n, group - m < VALUE_HEADS ? group - m : VALUE_HEADS, vc,
-                            table, first, n, block_size, dim, out + (t * num_heads + head + m) * dim);
+        for (int64_t r = 0; r < rows; r++) { /* each row over its own keys */
+            int64_t pos = pos0 + r, from = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+            float *p = sc + r * group * n + (from - first);
+            for (int64_t m = 0; m < group; m++) softmax_row(p + m * n, pos + 1 - from, scale, softcap);
+            for (int64_t m = 0; m < group; m += VALUE_HEADS)
+                weighted_values(p + m * n, n, group - m < VALUE_HEADS ? group - m : VALUE_HEADS, vc,
+                                table, from, pos + 1 - from, block_size, dim,
+                                out + ((t0 + r) * num_heads + head + m) * dim);
+        }
     }
 }
 
