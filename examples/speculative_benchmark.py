@@ -55,7 +55,8 @@ def workloads(n: int, tokenizer, batch: int) -> dict[str, list[list[dict]]]:
     ]
     distinct = [[{"role": "user", "content": f"Write a few paragraphs about {t}."}] for t in TOPICS]
     rag = rag_messages(tokenizer, max(n, batch))
-    return {"quote": quote[:n], "rag": rag[:n], "distinct": distinct[:n], "batch": rag[:batch]}
+    loads = {"quote": quote[:n], "rag": rag[:n], "distinct": distinct[:n], "batch": rag[:batch]}
+    return {name: conversations for name, conversations in loads.items() if conversations}
 
 
 def run(engines: dict[str, LLM], conversations: list[list[dict]], params, batched: bool = False):
@@ -87,7 +88,9 @@ def main() -> None:
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--requests", type=int, default=3, help="per workload (at most 3)")
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--batch", type=int, default=32, help="requests of the batch workload")
+    parser.add_argument(
+        "--batch", type=int, default=32, help="requests of the batch workload (0: none)"
+    )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None, help="num_threads (default: torch's)")
     parser.add_argument("--llama-cpp", action="store_true", help="add llama-cpp-python's rates")
