@@ -7,7 +7,10 @@ conversion gives). `--quantization gguf` (default) serves a GGUF file's blocks a
 activations to int8. Every position of a sequence is scored in one forward pass.
 
     python examples/quantized_accuracy.py [--model FILE.gguf | DIR] [--quantization gguf|int8]
-                                          [--tokens 2000] [--dtype float32]
+                                          [--tokens 2000] [--dtype float32] [--llama-cpp]
+
+`--llama-cpp` scores llama-cpp-python on the same GGUF file too (its own kernels, which also
+quantize activations), against the same reference: how far a quantized file's own runtime lands.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ from __future__ import annotations
 import argparse
 import math
 import sysconfig
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from paged_backend import LLM, SamplingParams
@@ -44,24 +50,48 @@ def all_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     return logits.float()
 
 
-def compare(reference: LLM, quantized: LLM, sequences: list[list[int]]) -> dict:
-    agree = total = 0
-    nll = {"reference": 0.0, "quantized": 0.0}
+def llama_cpp_logits(path: str, threads: int) -> Callable[[list[int]], torch.Tensor]:
+    """`all_logits` of llama-cpp-python on the GGUF file at `path`."""
+    from llama_cpp import Llama
+
+    llm = Llama(
+        model_path=path,
+        n_ctx=CHUNK + 1,
+        n_batch=CHUNK,
+        logits_all=True,
+        n_threads=threads,
+        verbose=False,
+    )
+
+    def logits(ids: list[int]) -> torch.Tensor:
+        llm.reset()
+        llm.eval(ids)
+        return torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
+
+    return logits
+
+
+def compare(scorers: dict[str, Callable], sequences: list[list[int]]) -> dict[str, dict]:
+    """Each scorer's top-1 agreement with the first one (the reference) and each one's
+    perplexity, over `sequences` scored CHUNK tokens at a time."""
+    names = list(scorers)
+    agree = dict.fromkeys(names, 0)
+    nll = dict.fromkeys(names, 0.0)
+    total = 0
     for ids in sequences:
         for start in range(0, len(ids) - 1, CHUNK):
             chunk = ids[start : start + CHUNK + 1]
-            ref, ours = all_logits(reference, chunk[:-1]), all_logits(quantized, chunk[:-1])
             targets = torch.tensor(chunk[1:])
-            agree += int((ref.argmax(-1) == ours.argmax(-1)).sum())
+            logits = {name: scorer(chunk[:-1]) for name, scorer in scorers.items()}
+            top = logits[names[0]].argmax(-1)
             total += len(targets)
-            for name, logits in (("reference", ref), ("quantized", ours)):
-                picked = torch.log_softmax(logits, -1).gather(1, targets[:, None])
+            for name, these in logits.items():
+                agree[name] += int((these.argmax(-1) == top).sum())
+                picked = torch.log_softmax(these, -1).gather(1, targets[:, None])
                 nll[name] -= float(picked.sum())
-    ppl = {name: math.exp(value / total) for name, value in nll.items()}
     return {
-        "tokens": total,
-        "top1_agreement": agree / total,
-        **{f"ppl_{k}": v for k, v in ppl.items()},
+        name: {"tokens": total, "top1": agree[name] / total, "ppl": math.exp(nll[name] / total)}
+        for name in names
     }
 
 
@@ -73,25 +103,33 @@ def main() -> None:
     parser.add_argument("--quantization", choices=("gguf", "int8"), default="gguf")
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--llama-cpp", action="store_true", help="score llama-cpp-python too")
     args = parser.parse_args()
     common = dict(model=args.model, dtype=args.dtype, num_kv_blocks=2 * CHUNK, max_model_len=4096)
     reference = LLM(quantization="none", **common)
     quantized = LLM(quantization=None if args.quantization == "gguf" else "int8", **common)
+    scorers = {
+        "reference": partial(all_logits, reference),
+        args.quantization: partial(all_logits, quantized),
+    }
+    if args.llama_cpp:
+        scorers["llama.cpp"] = llama_cpp_logits(args.model, torch.get_num_threads())
     tokenizer = reference.engine.tokenizer
     text = tokenizer.encode(HELD_OUT.read_text())[: args.tokens + 1]
     per_prompt = -(-args.tokens // len(PROMPTS))
     greedy = SamplingParams(temperature=0, max_tokens=per_prompt, ignore_eos=True)
     outputs = reference.generate(PROMPTS, greedy, use_tqdm=False)
     own = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outputs]
-    what = f"{args.model} ({args.quantization})"
-    print(f"{what} on {cpu_description()}, {reference.engine.runner.dtype}")
-    for name, sequences in (("held-out text", [text]), ("greedy text", own)):
-        r = compare(reference, quantized, sequences)
-        change = r["ppl_quantized"] / r["ppl_reference"] - 1
-        print(
-            f"{name:14s} {r['tokens']:5d} tokens: top-1 agreement {r['top1_agreement']:.1%}, "
-            f"perplexity {r['ppl_reference']:.3f} -> {r['ppl_quantized']:.3f} ({change:+.2%})"
-        )
+    print(f"{args.model} on {cpu_description()}, {reference.engine.runner.dtype}")
+    for text_name, sequences in (("held-out text", [text]), ("greedy text", own)):
+        results = compare(scorers, sequences)
+        ref = results.pop("reference")
+        for name, r in results.items():
+            print(
+                f"{text_name:14s} {name:9s} {r['tokens']:5d} tokens: top-1 agreement "
+                f"{r['top1']:.1%}, perplexity {ref['ppl']:.3f} -> {r['ppl']:.3f} "
+                f"({r['ppl'] / ref['ppl'] - 1:+.2%})"
+            )
 
 
 if __name__ == "__main__":

@@ -212,11 +212,14 @@ def _write_gguf_dir(path: Path, target: Path, weights: bool) -> None:
         tmp.rename(target)  # atomic: readers see the whole directory or none
 
 
-def load_safetensors(module: torch.nn.Module, path: Path, rename) -> None:
+def load_safetensors(
+    module: torch.nn.Module, path: Path, rename, elsewhere: frozenset[str] = frozenset()
+) -> None:
     """Copy every tensor of `path/*.safetensors` into `module` through `rename`.
 
     `rename(name)` maps a checkpoint name to (parameter name, shard index or None, shard sizes)
     so fused projections (qkv, gate_up) are filled piece by piece; None skips the tensor.
+    `elsewhere`: parameters another reader fills (an int4 checkpoint's linears).
     """
     params = dict(module.named_parameters())
     loaded_numel = dict.fromkeys(params, 0)
@@ -247,7 +250,7 @@ def load_safetensors(module: torch.nn.Module, path: Path, rename) -> None:
         except SafetensorError as exc:
             raise ValueError(f"corrupt weight file {file}: {exc}") from exc
     # A fused parameter counts as loaded only when every shard arrived.
-    missing = [n for n, p in params.items() if loaded_numel[n] != p.numel()]
+    missing = [n for n, p in params.items() if loaded_numel[n] != p.numel() and n not in elsewhere]
     if missing:
         raise ValueError(f"weights missing from {path}: {missing[:5]}")
 

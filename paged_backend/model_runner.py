@@ -16,6 +16,7 @@ from paged_backend.cpu.linear import GemmRows, can_pack, quantize_linears_int4
 from paged_backend.cpu.memory import advise_huge_pages, huge_page_tokens, resident_bytes
 from paged_backend.cpu.quant import QuantWeight
 from paged_backend.gguf import ARCHITECTURES as GGUF_ARCHITECTURES
+from paged_backend.int4_checkpoint import int4_scheme, load_int4_checkpoint
 from paged_backend.model_loader import (
     convert_gguf,
     gguf_source,
@@ -173,6 +174,17 @@ class ModelRunner:
         # dequantized weights or int4 / int8 copies are asked for.
         if gguf is not None and config.quantization is None and self.device.type == "cpu":
             load_gguf(model, file, self.dtype, arch, table)
+            model.to(self.dtype).fuse_decode_()
+            return model
+        scheme = int4_scheme(model_path) if gguf is None else None
+        if scheme is not None:  # GPTQ / AWQ: their 4-bit levels as blocks, nothing else
+            if self.device.type != "cpu" or config.quantization is not None:
+                raise ValueError(
+                    f"a {scheme.method} checkpoint runs on CPU with quantization=None (its "
+                    f"4-bit weights as they are), not on {self.device.type} with "
+                    f"quantization={config.quantization!r}"
+                )
+            load_int4_checkpoint(model, model_path, scheme)
             model.to(self.dtype).fuse_decode_()
             return model
         if config.quantization == "int8" and self.device.type != "cpu":

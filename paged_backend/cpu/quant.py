@@ -203,6 +203,29 @@ class QuantLinear(nn.Module):
         return sum(w.nbytes for w in self.weights)
 
 
+def check_block_shape(name: str, shape: torch.Size, weights: list[QuantWeight]) -> None:
+    """That `weights` side by side are a [shape] weight, the one module `name` takes."""
+    rows = sum(w.out_features for w in weights)
+    if rows != shape[0] or weights[0].in_features != shape[1]:
+        raise ValueError(
+            f"quantized weight of {name} is {rows}x{weights[0].in_features}, the model takes "
+            f"{tuple(shape)}"
+        )
+
+
+def place_block_linear_(model: nn.Module, module_name: str, weights: list[QuantWeight]) -> None:
+    """Put a `QuantLinear` of `weights` (the parts of a fused projection, in output order) in
+    place of linear `module_name` of `model`, keeping its bias; the head (`lm_head`) becomes
+    `model.cpu_head`."""
+    module = model.get_submodule(module_name)
+    check_block_shape(module_name, module.weight.shape, weights)
+    if module_name == "lm_head":
+        model.cpu_head, model.lm_head = QuantLinear(weights), None
+        return
+    parent_name, _, attr = module_name.rpartition(".")
+    setattr(model.get_submodule(parent_name), attr, QuantLinear(weights, module.bias))
+
+
 class QuantEmbedding(nn.Module):
     """An embedding table in a block format: the rows of a step's tokens are dequantized."""
 

@@ -28,7 +28,9 @@ from paged_backend.cpu.quant import (
     QuantEmbedding,
     QuantLinear,
     QuantWeight,
+    check_block_shape,
     dequantize,
+    place_block_linear_,
 )
 from paged_backend.gguf import ARCHITECTURES
 from paged_backend.models.llama import param_shard
@@ -268,22 +270,14 @@ def _quantize_(model: nn.Module, param_name: str, pieces, dtype: torch.dtype) ->
     weights = [_block_weight(tensor, rows) for _, _, tensor, rows in ordered]
     if any(w is None for w in weights):
         return False
-    rows = sum(w.out_features for w in weights)
-    if rows != module.weight.shape[0] or weights[0].in_features != module.weight.shape[1]:
-        raise ValueError(
-            f"GGUF weight of {module_name} is {rows}x{weights[0].in_features}, the model takes "
-            f"{tuple(module.weight.shape)}"
-        )
+    if isinstance(module, nn.Linear):
+        place_block_linear_(model, module_name, weights)
+        return True
+    check_block_shape(module_name, module.weight.shape, weights)
     parent_name, _, attr = module_name.rpartition(".")
-    parent = model.get_submodule(parent_name)
-    if isinstance(module, nn.Embedding):
-        setattr(parent, attr, QuantEmbedding(weights[0], dtype))
-        if getattr(model, "lm_head", False) is None:  # tied: the head reads the same rows
-            model.cpu_head = QuantLinear(weights)
-    elif module_name == "lm_head":
-        model.cpu_head, model.lm_head = QuantLinear(weights), None
-    else:
-        setattr(parent, attr, QuantLinear(weights, module.bias))
+    setattr(model.get_submodule(parent_name), attr, QuantEmbedding(weights[0], dtype))
+    if getattr(model, "lm_head", False) is None:  # tied: the head reads the same rows
+        model.cpu_head = QuantLinear(weights)
     return True
 
 

@@ -1,0 +1,198 @@
+"""GPTQ and AWQ int4 checkpoints, written here from tiny random models in each format's own
+layout, served by the GGUF block kernels: the blocks hold the checkpoint's values, and the
+engine's logits follow the same weights in fp32."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_tiny_model
+from safetensors.torch import load_file, save_file
+
+from paged_backend import LLM, SamplingParams, cpu
+from paged_backend.cpu.quant import QuantLinear, dequantize
+from paged_backend.int4_checkpoint import Int4Scheme, block_weight
+from paged_backend.request import Request
+
+needs_ops = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize(w: torch.Tensor, group: int, sym: bool) -> tuple[np.ndarray, ...]:
+    """(q [out, in], zero points [out, groups], fp16 scales [out, groups]) of weight w, a group's
+    range in 15 steps (symmetric: zero point 8)."""
+    out, inputs = w.shape
+    g = w.reshape(out, inputs // group, group)
+    if sym:
+        scale = g.abs().amax(-1) / 7
+        zero = torch.full_like(scale, 8)
+    else:
+        low, high = g.amin(-1), g.amax(-1)
+        scale = (high - low) / 15
+        zero = (-low / scale).round().clamp(1, 15)  # 1+: GPTQ's first format stores z - 1
+    scale = scale.half().float()
+    q = (g / scale[..., None]).round() + zero[..., None]
+    q = q.clamp(0, 15).reshape(out, inputs)
+    return q.to(torch.uint8).numpy(), zero.to(torch.uint8).numpy(), scale.half().numpy()
+
+
+def pack(values: np.ndarray) -> np.ndarray:
+    """[rows, cols] 4-bit values as int32 [rows, cols / 8], eight a word, low bits first."""
+    v = values.astype(np.uint32).reshape(values.shape[0], -1, 8)
+    return (v << (4 * np.arange(8, dtype=np.uint32))).sum(-1, dtype=np.uint32).view(np.int32)
+
+
+def checkpoint_tensors(method: str, q, zero, scale, group: int) -> dict[str, torch.Tensor]:
+    if method == "awq":  # [in, out / 8], each word's outputs in AWQ's order
+        order = np.concatenate([c * 8 + np.array(AWQ_ORDER) for c in range(q.shape[0] // 8)])
+        tensors = {"qweight": pack(q.T[:, order]), "qzeros": pack(zero.T[:, order])}
+    else:  # GPTQ: [in / 8, out] packs inputs; zero points [groups, out / 8] stored as z - 1
+        tensors = {"qweight": pack(q).T.copy(), "qzeros": pack(zero.T.astype(np.int64) - 1)}
+        tensors["g_idx"] = (np.arange(q.shape[1]) // group).astype(np.int32)
+    tensors["scales"] = scale.T.copy()
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()}
+
+
+def write_int4(source: Path, out: Path, method: str, group: int, sym: bool) -> Path:
+    """`source`'s model as a `method` checkpoint in `out`, and in `out`-fp32 the fp32 weights it
+    stands for (s * (q - z))."""
+    reference = out.with_name(out.name + "-fp32")
+    for path in (out, reference):
+        shutil.copytree(source, path)
+    weights = load_file(source / "model.safetensors")
+    quantized, dequantized = {}, dict(weights)
+    for name, w in weights.items():
+        prefix, _, kind = name.rpartition(".")
+        if kind != "weight" or prefix.rpartition(".")[2] not in PROJECTIONS:
+            quantized[name] = w
+            continue
+        q, zero, scale = quantize(w, group, sym)
+        groups = np.repeat(np.arange(q.shape[1] // group), group)
+        values = scale[:, groups].astype(np.float32) * (q.astype(np.float32) - zero[:, groups])
+        dequantized[name] = torch.from_numpy(values)
+        for kind, t in checkpoint_tensors(method, q, zero, scale, group).items():
+            quantized[f"{prefix}.{kind}"] = t
+        if f"{prefix}.bias" not in weights:  # as AutoGPTQ writes a linear without one
+            quantized[f"{prefix}.bias"] = torch.zeros(w.shape[0], dtype=torch.float16)
+    save_file(quantized, out / "model.safetensors")
+    save_file(dequantized, reference / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = (
+        {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm",
+         "zero_point": True}
+        if method == "awq"
+        else {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+              "sym": sym}
+    )  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize(("method", "sym"), [("gptq", True), ("gptq", False), ("awq", False)])
+def test_blocks_hold_the_checkpoint_values(method, sym):
+    """Unpacked and packed as GGUF blocks, a linear dequantizes to s * (q - z): exactly where
+    every zero point is 8 (Q4_0), else to the fp16 rounding of -s * z (Q4_1)."""
+    gen = torch.Generator().manual_seed(0)
+    w, group = torch.randn(48, 128, generator=gen), 64
+    q, zero, scale = quantize(w, group, sym)
+    scheme = Int4Scheme.from_config(
+        {"quantization_config": {"quant_method": method, "bits": 4, "group_size": group}}
+    )
+    unpacked = scheme.unpack(checkpoint_tensors(method, q, zero, scale, group))
+    assert all(np.array_equal(a, b) for a, b in zip(unpacked, (q, zero, scale), strict=True))
+    weight = block_weight(q, zero, scale, group)
+    assert weight.format == ("Q4_0" if sym else "Q4_1")
+    groups = np.repeat(np.arange(2), group)
+    want = scale[:, groups].astype(np.float32) * (q.astype(np.float32) - zero[:, groups])
+    got = dequantize(weight).float().numpy()
+    if sym:
+        assert np.array_equal(got, want)
+    else:
+        step = scale[:, groups].astype(np.float32)
+        assert np.abs(got - want).max() <= (step * zero[:, groups] * 2**-10).max()
+
+
+def logits_of(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """Every position's logits, in one step (the rows after the first as drafts to verify)."""
+    runner = llm.engine.runner
+    request = Request("score", ids[:1], SamplingParams(max_tokens=1))
+    blocks = list(range(-(-len(ids) // runner.block_size)))
+    return runner.execute([(request, len(ids))], [blocks], {request: ids[1:]})[0].float()
+
+
+@needs_ops
+@pytest.mark.parametrize(
+    ("method", "sym", "architecture"),
+    [
+        ("gptq", True, "LlamaForCausalLM"),
+        ("gptq", False, "Qwen2ForCausalLM"),  # biases on q/k/v
+        ("awq", False, "LlamaForCausalLM"),
+    ],
+)
+def test_an_int4_checkpoint_runs_on_its_blocks(
+    tmp_path, default_model_path, one_thread, method, sym, architecture
+):
+    source = make_tiny_model(
+        tmp_path / "source", default_model_path, architecture, vector_noise=0.1
+    )
+    path = write_int4(source, tmp_path / method, method, 32, sym)
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
+    reference = LLM(model=str(path) + "-fp32", dtype="float32", num_kv_blocks=64)
+    layer = llm.engine.runner.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, QuantLinear)
+    assert {w.format for w in layer.mlp.down_proj.weights} == {"Q4_0" if sym else "Q4_1"}
+    ids = llm.get_tokenizer()("The archive of Lindenfeld holds maps of the river valley").input_ids
+    got, want = logits_of(llm, ids), logits_of(reference, ids)
+    # int8 activations: close to the fp32 product of the same weights, far from other weights
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert len(out.outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize(
+    ("quant", "match"),
+    [
+        ({"bits": 8, "group_size": 128}, "bits must be 4"),
+        ({"bits": 4, "group_size": 48}, "group_size must be a positive multiple of 32"),
+        ({"bits": 4, "group_size": -1}, "group_size must be a positive multiple of 32"),
+        ({"bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "checkpoint_format"),
+    ],
+)
+def test_int4_configurations_the_kernels_cannot_serve_are_named(quant, match):
+    config = {"quantization_config": {"quant_method": "gptq", **quant}}
+    with pytest.raises(ValueError, match=match):
+        Int4Scheme.from_config(config)
+
+
+def test_act_order_groups_are_refused():
+    gen = torch.Generator().manual_seed(1)
+    q, zero, scale = quantize(torch.randn(16, 64, generator=gen), 32, True)
+    tensors = checkpoint_tensors("gptq", q, zero, scale, 32)
+    tensors["g_idx"] = torch.from_numpy(np.arange(64, dtype=np.int32) % 2)  # desc_act order
+    scheme = Int4Scheme("gptq", 32, 1)
+    with pytest.raises(ValueError, match="act-order groups"):
+        scheme.unpack(tensors)
+
+
+def test_a_nonzero_bias_the_model_lacks_is_refused(tmp_path, default_model_path):
+    source = make_tiny_model(tmp_path / "source", default_model_path)
+    path = write_int4(source, tmp_path / "gptq", "gptq", 32, True)
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.bias"] += 1
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"down_proj\.bias is a bias the model does not have"):
+        LLM(model=str(path), num_kv_blocks=16)
+
+
+def test_an_int4_checkpoint_refuses_other_quantizations(tmp_path, default_model_path):
+    source = make_tiny_model(tmp_path / "source", default_model_path)
+    path = write_int4(source, tmp_path / "gptq", "gptq", 32, True)
+    with pytest.raises(ValueError, match="gptq checkpoint runs on CPU with quantization=None"):
+        LLM(model=str(path), quantization="int8", num_kv_blocks=16)
