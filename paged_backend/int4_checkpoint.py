@@ -134,6 +134,40 @@ def block_weight(q: np.ndarray, zeros: np.ndarray, scales: np.ndarray, group: in
     return QuantWeight(fmt, torch.from_numpy(np.ascontiguousarray(data)), inputs)
 
 
+def int4_levels(weight: torch.Tensor, group: int, sym: bool) -> tuple[np.ndarray, ...]:
+    """(q [out, in], zero points [out, groups], fp16 scales [out, groups]) of a float weight
+    [out, in], each group's range in 15 steps (`sym`: zero point 8), for writing checkpoints."""
+    out, inputs = weight.shape
+    g = weight.float().reshape(out, inputs // group, group)
+    if sym:
+        scale = g.abs().amax(-1) / 7
+        zero = torch.full_like(scale, 8)
+    else:
+        low, high = g.amin(-1), g.amax(-1)
+        scale = (high - low) / 15
+        zero = (-low / scale).round().clamp(1, 15)  # 1+: GPTQ's first format stores z - 1
+    scale = scale.clamp(min=2**-24).half().float()
+    q = ((g / scale[..., None]).round() + zero[..., None]).clamp(0, 15).reshape(out, inputs)
+    return q.to(torch.uint8).numpy(), zero.to(torch.uint8).numpy(), scale.half().numpy()
+
+
+def pack_nibbles(values: np.ndarray) -> np.ndarray:
+    """[rows, cols] 4-bit values as int32 [rows, cols / 8], eight a word, low bits first."""
+    v = values.astype(np.uint32).reshape(values.shape[0], -1, 8)
+    return (v << (4 * np.arange(8, dtype=np.uint32))).sum(-1, dtype=np.uint32).view(np.int32)
+
+
+def gptq_tensors(q: np.ndarray, zero: np.ndarray, scale: np.ndarray, group: int) -> dict:
+    """A linear's GPTQ tensors (original format) from `int4_levels`' arrays."""
+    tensors = {
+        "qweight": pack_nibbles(q).T,  # [in / 8, out]: eight inputs a word
+        "qzeros": pack_nibbles(zero.T.astype(np.int64) - 1),  # [groups, out / 8], z - 1
+        "scales": scale.T,
+        "g_idx": (np.arange(q.shape[1]) // group).astype(np.int32),
+    }
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()}
+
+
 def int4_scheme(model_dir: Path) -> Int4Scheme | None:
     """The int4 scheme of the checkpoint in `model_dir` (None: not a GPTQ / AWQ one)."""
     config = model_dir / "config.json"

@@ -174,8 +174,7 @@ class ModelRunner:
         # dequantized weights or int4 / int8 copies are asked for.
         if gguf is not None and config.quantization is None and self.device.type == "cpu":
             load_gguf(model, file, self.dtype, arch, table)
-            model.to(self.dtype).fuse_decode_()
-            return model
+            return self._blocks_model(config, model, ops)
         scheme = int4_scheme(model_path) if gguf is None else None
         if scheme is not None:  # GPTQ / AWQ: their 4-bit levels as blocks, nothing else
             if self.device.type != "cpu" or config.quantization is not None:
@@ -185,8 +184,7 @@ class ModelRunner:
                     f"quantization={config.quantization!r}"
                 )
             load_int4_checkpoint(model, model_path, scheme)
-            model.to(self.dtype).fuse_decode_()
-            return model
+            return self._blocks_model(config, model, ops)
         if config.quantization == "int8" and self.device.type != "cpu":
             raise ValueError(f"quantization='int8' runs on CPU only, not {self.device.type}")
         pack, fp16_copy = self._cpu_linears(config, model)
@@ -209,6 +207,18 @@ class ModelRunner:
         elif self._c_f32_linears(config, ops):
             self.gemm_rows = self._gemm_rows(config, model, kernel_choice.f32_max_rows)
             model.use_f32_linears_(self.gemm_rows)
+        return model
+
+    def _blocks_model(self, config: EngineConfig, model, ops: str) -> LlamaForCausalLM:
+        """A model whose linears hold quantized blocks, cast: its float linears left (a float
+        head, a GGUF file's F16 tensors) run the C fp32 linear for small steps as an fp32
+        model's do; the one-call decode step takes every layer."""
+        model.to(self.dtype)
+        if self._c_f32_linears(config, ops):
+            self.gemm_rows = self._gemm_rows(config, model, kernel_choice.f32_max_rows)
+            model.use_f32_linears_(self.gemm_rows)
+        else:
+            model.fuse_decode_()
         return model
 
     def _c_f32_linears(self, config: EngineConfig, ops: str) -> bool:

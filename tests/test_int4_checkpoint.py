@@ -16,7 +16,13 @@ from safetensors.torch import load_file, save_file
 
 from paged_backend import LLM, SamplingParams, cpu
 from paged_backend.cpu.quant import QuantLinear, dequantize
-from paged_backend.int4_checkpoint import Int4Scheme, block_weight
+from paged_backend.int4_checkpoint import (
+    Int4Scheme,
+    block_weight,
+    gptq_tensors,
+    int4_levels,
+    pack_nibbles,
+)
 from paged_backend.request import Request
 
 needs_ops = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
@@ -24,38 +30,16 @@ AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def quantize(w: torch.Tensor, group: int, sym: bool) -> tuple[np.ndarray, ...]:
-    """(q [out, in], zero points [out, groups], fp16 scales [out, groups]) of weight w, a group's
-    range in 15 steps (symmetric: zero point 8)."""
-    out, inputs = w.shape
-    g = w.reshape(out, inputs // group, group)
-    if sym:
-        scale = g.abs().amax(-1) / 7
-        zero = torch.full_like(scale, 8)
-    else:
-        low, high = g.amin(-1), g.amax(-1)
-        scale = (high - low) / 15
-        zero = (-low / scale).round().clamp(1, 15)  # 1+: GPTQ's first format stores z - 1
-    scale = scale.half().float()
-    q = (g / scale[..., None]).round() + zero[..., None]
-    q = q.clamp(0, 15).reshape(out, inputs)
-    return q.to(torch.uint8).numpy(), zero.to(torch.uint8).numpy(), scale.half().numpy()
-
-
-def pack(values: np.ndarray) -> np.ndarray:
-    """[rows, cols] 4-bit values as int32 [rows, cols / 8], eight a word, low bits first."""
-    v = values.astype(np.uint32).reshape(values.shape[0], -1, 8)
-    return (v << (4 * np.arange(8, dtype=np.uint32))).sum(-1, dtype=np.uint32).view(np.int32)
-
-
 def checkpoint_tensors(method: str, q, zero, scale, group: int) -> dict[str, torch.Tensor]:
-    if method == "awq":  # [in, out / 8], each word's outputs in AWQ's order
-        order = np.concatenate([c * 8 + np.array(AWQ_ORDER) for c in range(q.shape[0] // 8)])
-        tensors = {"qweight": pack(q.T[:, order]), "qzeros": pack(zero.T[:, order])}
-    else:  # GPTQ: [in / 8, out] packs inputs; zero points [groups, out / 8] stored as z - 1
-        tensors = {"qweight": pack(q).T.copy(), "qzeros": pack(zero.T.astype(np.int64) - 1)}
-        tensors["g_idx"] = (np.arange(q.shape[1]) // group).astype(np.int32)
-    tensors["scales"] = scale.T.copy()
+    if method == "gptq":
+        return gptq_tensors(q, zero, scale, group)
+    # AWQ: [in, out / 8], each word's outputs in AWQ's order
+    order = np.concatenate([c * 8 + np.array(AWQ_ORDER) for c in range(q.shape[0] // 8)])
+    tensors = {
+        "qweight": pack_nibbles(q.T[:, order]),
+        "qzeros": pack_nibbles(zero.T[:, order]),
+        "scales": scale.T,
+    }
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()}
 
 
@@ -72,7 +56,7 @@ def write_int4(source: Path, out: Path, method: str, group: int, sym: bool) -> P
         if kind != "weight" or prefix.rpartition(".")[2] not in PROJECTIONS:
             quantized[name] = w
             continue
-        q, zero, scale = quantize(w, group, sym)
+        q, zero, scale = int4_levels(w, group, sym)
         groups = np.repeat(np.arange(q.shape[1] // group), group)
         values = scale[:, groups].astype(np.float32) * (q.astype(np.float32) - zero[:, groups])
         dequantized[name] = torch.from_numpy(values)
@@ -100,7 +84,7 @@ def test_blocks_hold_the_checkpoint_values(method, sym):
     every zero point is 8 (Q4_0), else to the fp16 rounding of -s * z (Q4_1)."""
     gen = torch.Generator().manual_seed(0)
     w, group = torch.randn(48, 128, generator=gen), 64
-    q, zero, scale = quantize(w, group, sym)
+    q, zero, scale = int4_levels(w, group, sym)
     scheme = Int4Scheme.from_config(
         {"quantization_config": {"quant_method": method, "bits": 4, "group_size": group}}
     )
@@ -173,7 +157,7 @@ def test_int4_configurations_the_kernels_cannot_serve_are_named(quant, match):
 
 def test_act_order_groups_are_refused():
     gen = torch.Generator().manual_seed(1)
-    q, zero, scale = quantize(torch.randn(16, 64, generator=gen), 32, True)
+    q, zero, scale = int4_levels(torch.randn(16, 64, generator=gen), 32, True)
     tensors = checkpoint_tensors("gptq", q, zero, scale, 32)
     tensors["g_idx"] = torch.from_numpy(np.arange(64, dtype=np.int32) % 2)  # desc_act order
     scheme = Int4Scheme("gptq", 32, 1)

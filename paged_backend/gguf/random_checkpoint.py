@@ -8,6 +8,8 @@ writes, from one set of weights (normal, std 0.02; norms ones, Gemma's offsets f
 too), rounded to bfloat16:
 - `DIR/bf16/`: a Hugging Face directory (config.json, model.safetensors, the default model's
   tokenizer files);
+- `DIR/gptq/` (only when `--formats` names `gptq`): the same as a symmetric GPTQ int4 checkpoint
+  (groups of 128 inputs, the original format; embedding, norms and head fp16);
 - `DIR/<shape>-Q4_K_M.gguf`, `-Q4_0.gguf`, `-Q8_0.gguf`: those weights quantized, as
   llama.cpp's convert_hf_to_gguf.py and llama-quantize write them: its tensor names, its
   hyperparameter keys (arch `llama` for Llama and Mistral, `qwen2`, `qwen3`, `gemma2`, `gemma3`),
@@ -53,6 +55,7 @@ import torch
 
 from paged_backend.default_model import default_model_file
 from paged_backend.gguf.quantize import QK_K, quantize
+from paged_backend.int4_checkpoint import gptq_tensors, int4_levels
 from paged_backend.model_loader import resolve_model_path
 
 INIT_STD = 0.02
@@ -170,7 +173,8 @@ GGUF_FORMATS = {
     "q4_0": ("Q4_0", gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_0"),
     "q8_0": ("Q8_0", gguf.LlamaFileType.MOSTLY_Q8_0, "Q8_0"),
 }
-FORMATS = ("bf16", *GGUF_FORMATS)
+DEFAULT_FORMATS = ("bf16", *GGUF_FORMATS)
+FORMATS = (*DEFAULT_FORMATS, "gptq")
 # llama.cpp's types for rows that are not whole super-blocks (`convert_incompatible_tensor`).
 _K_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
 
@@ -441,20 +445,44 @@ class _Sink(Protocol):
     def close(self) -> None: ...
 
 
+GPTQ_GROUP = 128  # the group size of the `gptq` format (symmetric, as most GPTQ files)
+_DTYPE_BYTES = {"BF16": 2, "F16": 2, "I32": 4}
+
+
+def _entries(spec: TensorSpec, fmt: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) of the safetensors tensors `spec` becomes in `fmt`: bf16 as it is;
+    in `gptq` a layer's projection as GPTQ's four tensors, anything else fp16."""
+    if fmt == "bf16":
+        return [(spec.hf_name, "BF16", spec.shape)]
+    if spec.layer is None or not spec.hf_name.endswith("_proj.weight"):
+        return [(spec.hf_name, "F16", spec.shape)]
+    out, inputs = spec.shape
+    prefix, groups = spec.hf_name.removesuffix(".weight"), inputs // GPTQ_GROUP
+    return [
+        (f"{prefix}.qweight", "I32", (inputs // 8, out)),
+        (f"{prefix}.qzeros", "I32", (groups, out // 8)),
+        (f"{prefix}.scales", "F16", (groups, out)),
+        (f"{prefix}.g_idx", "I32", (inputs,)),
+    ]
+
+
 class _SafetensorsSink:
     """model.safetensors, a tensor at a time (its header from the plan first): safetensors'
-    own writer takes the whole state dict, 6 GB for a 3B model."""
+    own writer takes the whole state dict, 6 GB for a 3B model. `fmt`: "bf16", or "gptq" (its
+    projections as symmetric GPTQ int4, `GPTQ_GROUP` inputs a group)."""
 
-    def __init__(self, path: Path, plan: list[TensorSpec]) -> None:
+    def __init__(self, path: Path, plan: list[TensorSpec], fmt: str = "bf16") -> None:
         header, offset = {}, 0
+        self.fmt = fmt
         for spec in plan:
-            size = math.prod(spec.shape) * 2
-            header[spec.hf_name] = {
-                "dtype": "BF16",
-                "shape": list(spec.shape),
-                "data_offsets": [offset, offset + size],
-            }
-            offset += size
+            for name, dtype, shape in _entries(spec, fmt):
+                size = math.prod(shape) * _DTYPE_BYTES[dtype]
+                header[name] = {
+                    "dtype": dtype,
+                    "shape": list(shape),
+                    "data_offsets": [offset, offset + size],
+                }
+                offset += size
         header["__metadata__"] = {"format": "pt"}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors pads
@@ -462,7 +490,14 @@ class _SafetensorsSink:
         self.file.write(struct.pack("<Q", len(raw)) + raw)
 
     def write(self, spec: TensorSpec, weight: torch.Tensor) -> None:
-        weight.view(torch.int16).numpy().tofile(self.file)
+        entries = _entries(spec, self.fmt)
+        if len(entries) == 4:  # in the order of `_entries`
+            levels = int4_levels(weight, GPTQ_GROUP, sym=True)
+            tensors = list(gptq_tensors(*levels, GPTQ_GROUP).values())
+        else:
+            tensors = [weight if self.fmt == "bf16" else weight.to(torch.float16)]
+        for tensor in tensors:
+            tensor.contiguous().view(torch.uint8).numpy().tofile(self.file)
 
     def close(self) -> None:
         self.file.close()
@@ -526,7 +561,7 @@ def gguf_path(out: Path, name: str, fmt: str) -> Path:
 
 
 def write_checkpoint(
-    name: str, out: Path, formats: tuple[str, ...] = FORMATS, seed: int = 0
+    name: str, out: Path, formats: tuple[str, ...] = DEFAULT_FORMATS, seed: int = 0
 ) -> list[Path]:
     """Write the random checkpoint of shape `name` into `out` in `formats`; the paths written."""
     if name not in SHAPES:
@@ -539,15 +574,27 @@ def write_checkpoint(
     written = []
     with ExitStack() as stack:
         sinks = []
-        if "bf16" in formats:
-            hf_dir = out / "bf16"
+        for fmt in (f for f in ("bf16", "gptq") if f in formats):
+            hf_dir = out / fmt
             hf_dir.mkdir(exist_ok=True)
             default_dir = resolve_model_path(None)
-            (hf_dir / "config.json").write_text(json.dumps(hf_config(shape, default_dir), indent=2))
+            config = hf_config(shape, default_dir)
+            if fmt == "gptq":
+                config["torch_dtype"] = "float16"
+                config["quantization_config"] = {
+                    "quant_method": "gptq",
+                    "bits": 4,
+                    "group_size": GPTQ_GROUP,
+                    "desc_act": False,
+                    "sym": True,
+                    "checkpoint_format": "gptq",
+                }
+            (hf_dir / "config.json").write_text(json.dumps(config, indent=2))
             for file in COPIED_FILES:
                 shutil.copy(default_dir / file, hf_dir / file)
             path = hf_dir / "model.safetensors"
-            sinks.append(_open_sink(stack, path, functools.partial(_SafetensorsSink, plan=plan)))
+            make = functools.partial(_SafetensorsSink, plan=plan, fmt=fmt)
+            sinks.append(_open_sink(stack, path, make))
             written.append(hf_dir)
         for fmt in (f for f in GGUF_FORMATS if f in formats):
             path = gguf_path(out, name, fmt)
@@ -568,7 +615,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", required=True, choices=sorted(SHAPES))
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated")
+    parser.add_argument(
+        "--formats",
+        default=",".join(DEFAULT_FORMATS),
+        help=f"comma-separated, of {', '.join(FORMATS)}",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     start = time.perf_counter()

@@ -319,15 +319,20 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear) and cpu_ops.linear_f32_fits(module.weight):
                 module.c_rows = rows[tuple(module.weight.shape)]
         head = self._head_weight()
-        self.head_c_rows = rows[tuple(head.shape)] if cpu_ops.linear_f32_fits(head) else 0
+        if head is not None and cpu_ops.linear_f32_fits(head):
+            self.head_c_rows = rows[tuple(head.shape)]
         self.fuse_decode_()
 
-    def _head_weight(self) -> torch.Tensor:
+    def _head_weight(self) -> torch.Tensor | None:
+        """The float weight the head multiplies by (None: `cpu_head` runs it)."""
+        if self.cpu_head is not None:
+            return None
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def linear_shapes(self) -> set[tuple[int, int]]:
-        """The weight shapes of the projections and the output head."""
-        return linear_shapes(self.layers) | {tuple(self._head_weight().shape)}
+        """The weight shapes of the float projections and output head."""
+        head = self._head_weight()
+        return linear_shapes(self.layers) | (set() if head is None else {tuple(head.shape)})
 
     def forward(
         self,
