@@ -128,8 +128,10 @@ def test_an_int4_checkpoint_runs_on_its_blocks(
     path = write_int4(source, tmp_path / method, method, 32, sym)
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
     reference = LLM(model=str(path) + "-fp32", dtype="float32", num_kv_blocks=64)
-    layer = llm.engine.runner.model.layers[0]
+    model = llm.engine.runner.model
+    layer = model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, QuantLinear)
+    assert model.fused_decode is not None  # the one-call decode step takes the blocks
     assert {w.format for w in layer.mlp.down_proj.weights} == {"Q4_0" if sym else "Q4_1"}
     ids = llm.get_tokenizer()("The archive of Lindenfeld holds maps of the river valley").input_ids
     got, want = logits_of(llm, ids), logits_of(reference, ids)
