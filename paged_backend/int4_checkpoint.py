@@ -2,7 +2,8 @@
 kernels, with no float copy of their linears.
 
 Both formats store 4-bit levels q with a scale s and a zero point z per output and group of
-`group_size` inputs: w = s * (q - z). Groups are whole 32-input blocks, so each block of a row
+`group_size` inputs (-1: all of a row's): w = s * (q - z). Groups are whole 32-input blocks, so
+each block of a row
 becomes one GGUF block: Q4_0 (d = s, w = d * (q - 8)) where every zero point is 8, as in
 symmetric GPTQ files, exactly; else Q4_1 (w = d * q + m with d = s, m = -s * z rounded to fp16,
 ~2^-11 of s * z off).
@@ -36,7 +37,7 @@ _AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # output of each nibble of an A
 @dataclass(frozen=True)
 class Int4Scheme:
     method: str  # "gptq" or "awq"
-    group_size: int
+    group_size: int | None  # None: one group a row (`group_size` -1)
     zero_offset: int  # added to stored zero points (GPTQ's original format stores z - 1)
 
     @classmethod
@@ -52,11 +53,12 @@ class Int4Scheme:
         group = quant.get("q_group_size") if group is None else group
         if bits != 4:
             raise ValueError(f"{what}: bits must be 4 (the 4-bit block kernels), got {bits}")
-        if not isinstance(group, int) or group <= 0 or group % 32:
+        if not isinstance(group, int) or (group != -1 and (group <= 0 or group % 32)):
             raise ValueError(
-                f"{what}: group_size must be a positive multiple of 32 (whole 32-input blocks), "
-                f"got {group}"
+                f"{what}: group_size must be -1 or a positive multiple of 32 (whole 32-input "
+                f"blocks), got {group}"
             )
+        group = None if group == -1 else group
         if method == "awq":
             version = str(quant.get("version", "gemm")).lower()
             if version != "gemm" or quant.get("zero_point", True) is not True:
@@ -71,7 +73,8 @@ class Int4Scheme:
         return cls("gptq", group, 1 if fmt == "gptq" else 0)
 
     def unpack(self, tensors: dict[str, torch.Tensor]) -> tuple[np.ndarray, ...]:
-        """(q [out, in], z [out, groups], s [out, groups] fp16) of one linear's tensors."""
+        """(q [out, in], z [out, groups], s [out, groups] fp16, inputs a group) of one linear's
+        tensors."""
         words = tensors["qweight"].numpy().view(np.uint32)
         zeros = _nibbles(tensors["qzeros"].numpy().view(np.uint32))  # [groups, out]
         scales = tensors["scales"].numpy().astype(np.float16)
@@ -82,21 +85,22 @@ class Int4Scheme:
             q = _nibbles(words.T).T  # [in, out]: words [in / 8, out] pack inputs
         zeros = zeros + self.zero_offset
         inputs = q.shape[0]
+        group = self.group_size or inputs
         if "g_idx" in tensors and self.method == "gptq":
             g_idx = tensors["g_idx"].numpy()
-            if not np.array_equal(g_idx, np.arange(inputs) // self.group_size):
+            if not np.array_equal(g_idx, np.arange(inputs) // group):
                 raise ValueError(
                     "gptq checkpoint with act-order groups (g_idx not input // group_size, "
                     "desc_act true): its groups are not whole 32-input blocks"
                 )
-        groups = -(-inputs // self.group_size)
+        groups = -(-inputs // group)
         if zeros.shape[0] != groups or scales.shape[0] != groups or inputs % 32:
             raise ValueError(
                 f"{self.method} linear of {inputs} inputs: expected {groups} groups of "
-                f"{self.group_size} and inputs a multiple of 32, got zeros {zeros.shape}, "
+                f"{group} and inputs a multiple of 32, got zeros {zeros.shape}, "
                 f"scales {scales.shape}"
             )
-        return q.T, zeros.T, scales.T
+        return q.T, zeros.T, scales.T, group
 
 
 def _nibbles(words: np.ndarray) -> np.ndarray:
@@ -198,8 +202,7 @@ def load_int4_checkpoint(model: nn.Module, path: Path, scheme: Int4Scheme) -> No
         if target is None:
             continue
         param_name, shard, _ = target
-        q, zeros, scales = scheme.unpack(tensors)
-        weight = block_weight(q, zeros, scales, scheme.group_size)
+        weight = block_weight(*scheme.unpack(tensors))
         parts.setdefault(param_name, []).append((shard or 0, weight))
 
     def rename(name: str):

@@ -56,11 +56,12 @@ def write_int4(source: Path, out: Path, method: str, group: int, sym: bool) -> P
         if kind != "weight" or prefix.rpartition(".")[2] not in PROJECTIONS:
             quantized[name] = w
             continue
-        q, zero, scale = int4_levels(w, group, sym)
-        groups = np.repeat(np.arange(q.shape[1] // group), group)
+        g = w.shape[1] if group == -1 else group  # -1: a row's inputs in one group
+        q, zero, scale = int4_levels(w, g, sym)
+        groups = np.repeat(np.arange(q.shape[1] // g), g)
         values = scale[:, groups].astype(np.float32) * (q.astype(np.float32) - zero[:, groups])
         dequantized[name] = torch.from_numpy(values)
-        for kind, t in checkpoint_tensors(method, q, zero, scale, group).items():
+        for kind, t in checkpoint_tensors(method, q, zero, scale, g).items():
             quantized[f"{prefix}.{kind}"] = t
         if f"{prefix}.bias" not in weights:  # as AutoGPTQ writes a linear without one
             quantized[f"{prefix}.bias"] = torch.zeros(w.shape[0], dtype=torch.float16)
@@ -88,8 +89,9 @@ def test_blocks_hold_the_checkpoint_values(method, sym):
     scheme = Int4Scheme.from_config(
         {"quantization_config": {"quant_method": method, "bits": 4, "group_size": group}}
     )
-    unpacked = scheme.unpack(checkpoint_tensors(method, q, zero, scale, group))
+    *unpacked, unpacked_group = scheme.unpack(checkpoint_tensors(method, q, zero, scale, group))
     assert all(np.array_equal(a, b) for a, b in zip(unpacked, (q, zero, scale), strict=True))
+    assert unpacked_group == group
     weight = block_weight(q, zero, scale, group)
     assert weight.format == ("Q4_0" if sym else "Q4_1")
     groups = np.repeat(np.arange(2), group)
@@ -112,20 +114,21 @@ def logits_of(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 @needs_ops
 @pytest.mark.parametrize(
-    ("method", "sym", "architecture"),
+    ("method", "sym", "architecture", "group"),
     [
-        ("gptq", True, "LlamaForCausalLM"),
-        ("gptq", False, "Qwen2ForCausalLM"),  # biases on q/k/v
-        ("awq", False, "LlamaForCausalLM"),
+        ("gptq", True, "LlamaForCausalLM", 32),
+        ("gptq", False, "Qwen2ForCausalLM", 32),  # biases on q/k/v
+        ("gptq", True, "LlamaForCausalLM", -1),  # one group a row
+        ("awq", False, "LlamaForCausalLM", 64),
     ],
 )
 def test_an_int4_checkpoint_runs_on_its_blocks(
-    tmp_path, default_model_path, one_thread, method, sym, architecture
+    tmp_path, default_model_path, one_thread, method, sym, architecture, group
 ):
     source = make_tiny_model(
         tmp_path / "source", default_model_path, architecture, vector_noise=0.1
     )
-    path = write_int4(source, tmp_path / method, method, 32, sym)
+    path = write_int4(source, tmp_path / method, method, group, sym)
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
     reference = LLM(model=str(path) + "-fp32", dtype="float32", num_kv_blocks=64)
     model = llm.engine.runner.model
@@ -135,9 +138,9 @@ def test_an_int4_checkpoint_runs_on_its_blocks(
     assert {w.format for w in layer.mlp.down_proj.weights} == {"Q4_0" if sym else "Q4_1"}
     ids = llm.get_tokenizer()("The archive of Lindenfeld holds maps of the river valley").input_ids
     got, want = logits_of(llm, ids), logits_of(reference, ids)
-    # int8 activations: close to the fp32 product of the same weights, far from other weights
-    assert (got - want).abs().max() < 0.05 * want.abs().max()
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+    # int8 activations: close to the fp32 product of the same weights (other weights, or the
+    # same levels misread, are off by the logits' own size)
+    assert (got - want).norm() < 0.1 * want.norm()  # 0.02-0.03 here; misread levels: > 1
     out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))[0]
     assert len(out.outputs[0].token_ids) == 8
 
@@ -146,8 +149,8 @@ def test_an_int4_checkpoint_runs_on_its_blocks(
     ("quant", "match"),
     [
         ({"bits": 8, "group_size": 128}, "bits must be 4"),
-        ({"bits": 4, "group_size": 48}, "group_size must be a positive multiple of 32"),
-        ({"bits": 4, "group_size": -1}, "group_size must be a positive multiple of 32"),
+        ({"bits": 4, "group_size": 48}, "group_size must be -1 or a positive multiple of 32"),
+        ({"bits": 4, "group_size": 0}, "group_size must be -1 or a positive multiple of 32"),
         ({"bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "checkpoint_format"),
     ],
 )
