@@ -212,9 +212,11 @@ class ModelRunner:
     def _blocks_model(self, config: EngineConfig, model, ops: str) -> LlamaForCausalLM:
         """A model whose linears hold quantized blocks, cast: its float linears left (a float
         head, a GGUF file's F16 tensors) run the C fp32 linear for small steps as an fp32
-        model's do; the one-call decode step takes every layer."""
+        model's do, a head of fp16 values kept in fp16 (`half_head_`); the one-call decode step
+        takes every layer."""
         model.to(self.dtype)
         if self._c_f32_linears(config, ops):
+            model.half_head_()
             self.gemm_rows = self._gemm_rows(config, model, kernel_choice.f32_max_rows)
             model.use_f32_linears_(self.gemm_rows)
         else:

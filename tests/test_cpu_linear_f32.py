@@ -45,6 +45,17 @@ def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_threads(rows):
     assert torch.equal(torch.cat(alone), together)
 
 
+@pytest.mark.parametrize("n", [1, 7, 161])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 13])  # every tile shape
+def test_fp16_weights_give_the_bits_of_their_fp32_values(n, rows):
+    """A head kept in fp16 (`half_head_`) reads half the bytes and gives the same logits."""
+    torch.manual_seed(n + rows)
+    x = torch.randn(rows, 200)
+    half = torch.randn(n, 200).half()
+    half[0, :3] = torch.tensor([6e-8, -1e-5, 65504.0])  # subnormal, small, the largest
+    assert torch.equal(cpu_ops.linear_f32(x, half, None), cpu_ops.linear_f32(x, half.float(), None))
+
+
 def test_a_step_without_rows_gives_an_empty_result():
     assert cpu_ops.linear_f32(torch.empty(0, 16), torch.randn(5, 16), None).shape == (0, 5)
 
@@ -54,6 +65,7 @@ def test_linear_f32_fits_only_what_it_reads_right():
     assert not cpu_ops.linear_f32_fits(torch.zeros(4, 12))  # k not a multiple of 8
     assert not cpu_ops.linear_f32_fits(torch.zeros(16, 4).t())  # not contiguous
     assert not cpu_ops.linear_f32_fits(torch.zeros(4, 16, dtype=torch.bfloat16))
+    assert cpu_ops.linear_f32_fits(torch.zeros(4, 16, dtype=torch.float16))
 
 
 def test_fp32_engines_serve_small_steps_in_c_with_torchs_tokens(tiny_model, one_thread):

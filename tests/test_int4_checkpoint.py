@@ -170,6 +170,30 @@ def test_act_order_groups_are_refused():
         scheme.unpack(tensors)
 
 
+@needs_ops
+@pytest.mark.parametrize("tied", [True, False])
+def test_an_fp16_head_stays_fp16_with_the_same_logits(
+    tmp_path, default_model_path, one_thread, monkeypatch, tied
+):
+    """A GPTQ file's fp16 head (and tied embedding) is read in fp16, half the bytes of fp32,
+    giving the fp32 head's logits bit for bit."""
+    source = make_tiny_model(tmp_path / "source", default_model_path, tie_word_embeddings=tied)
+    path = write_int4(source, tmp_path / "gptq", "gptq", 32, True)
+    weights = load_file(path / "model.safetensors")
+    save_file({k: v.half() if v.is_floating_point() else v for k, v in weights.items()},
+              path / "model.safetensors")  # fmt: skip
+    halved = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
+    model = halved.engine.runner.model
+    assert model._head_weight().dtype == torch.float16
+    assert model.embed_tokens(torch.tensor([5])).dtype == torch.float32
+    monkeypatch.setattr(type(model), "half_head_", lambda self: None)
+    full = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
+    assert full.engine.runner.model._head_weight().dtype == torch.float32
+    ids = halved.get_tokenizer()("The archive of Lindenfeld holds maps").input_ids
+    assert torch.equal(logits_of(halved, ids), logits_of(full, ids))
+    assert halved.stats()["weights_bytes"] < full.stats()["weights_bytes"]
+
+
 def test_a_nonzero_bias_the_model_lacks_is_refused(tmp_path, default_model_path):
     source = make_tiny_model(tmp_path / "source", default_model_path)
     path = write_int4(source, tmp_path / "gptq", "gptq", 32, True)

@@ -473,13 +473,15 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, out_dtype: torch.dtype) -> torch
 
 
 def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for fp32 rows x [rows, k] (unit stride within a row) and a
-    contiguous fp32 weight [n, k], k a multiple of 8 (`linear_f32_fits`), in C: each weight is
-    read once for all rows, and a row's result does not depend on the others."""
+    """`F.linear(x, weight.float(), bias)` for fp32 rows x [rows, k] (unit stride within a row)
+    and a contiguous fp32 or fp16 weight [n, k], k a multiple of 8 (`linear_f32_fits`), in C:
+    each weight is read once for all rows, and a row's result does not depend on the others (an
+    fp16 weight gives the bits of its fp32 conversion, for half the bytes read)."""
     rows, k = x.shape
     n = weight.shape[0]
     out = torch.empty(rows, n, dtype=torch.float32)
-    load_library().linear_f32(
+    lib = load_library()
+    (lib.linear_f16w if weight.dtype == torch.float16 else lib.linear_f32)(
         x=x.data_ptr(),
         rows=rows,
         x_stride=x.stride(0),
@@ -496,7 +498,7 @@ def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 def linear_f32_fits(weight: torch.Tensor) -> bool:
     """Whether `linear_f32` takes this weight."""
     return (
-        weight.dtype == torch.float32
+        weight.dtype in (torch.float32, torch.float16)
         and weight.dim() == 2
         and weight.is_contiguous()
         and weight.shape[1] % 8 == 0

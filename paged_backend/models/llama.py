@@ -75,10 +75,17 @@ class Linear(nn.Linear):
 
 
 class Embedding(nn.Embedding):
-    """`nn.Embedding` left as allocated, as `Linear`."""
+    """`nn.Embedding` left as allocated, as `Linear`. `out_dtype`: the rows' dtype where the
+    table is kept in another (`LlamaForCausalLM.half_head_`)."""
+
+    out_dtype: torch.dtype | None = None
 
     def reset_parameters(self) -> None:
         pass
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = super().forward(ids)
+        return rows if self.out_dtype is None else rows.to(self.out_dtype)
 
 
 class RMSNorm(nn.Module):
@@ -323,6 +330,24 @@ class LlamaForCausalLM(nn.Module):
             self.head_c_rows = rows[tuple(head.shape)]
         self.fuse_decode_()
 
+    def half_head_(self) -> None:
+        """Keep a float head whose values are all fp16's (a GPTQ / AWQ file's, a GGUF file's F16
+        tensor) in fp16, read by `cpu_ops.linear_f32` at half the bytes with the bits of its fp32
+        values; a tied embedding then looks its rows up in the same fp16 table. For an fp32
+        model on the C kernels, before `use_f32_linears_`."""
+        weight = self._head_weight()
+        if weight is None or weight.dtype != torch.float32 or not cpu_ops.linear_f32_fits(weight):
+            return
+        half = weight.half()
+        step = max(1, (1 << 22) // weight.shape[1])  # rows compared at once
+        for start in range(0, len(weight), step):
+            if not torch.equal(half[start : start + step].float(), weight[start : start + step]):
+                return
+        table = self.embed_tokens if self.lm_head is None else self.lm_head
+        table.weight = nn.Parameter(half, requires_grad=False)
+        if self.lm_head is None:
+            self.embed_tokens.out_dtype = torch.float32
+
     def _head_weight(self) -> torch.Tensor | None:
         """The float weight the head multiplies by (None: `cpu_head` runs it)."""
         if self.cpu_head is not None:
@@ -363,8 +388,8 @@ class LlamaForCausalLM(nn.Module):
         if self.cpu_head is not None:
             return self.cpu_head(x, out_dtype=torch.float32)
         weight = self._head_weight()
-        if self.head_c_rows and x.shape[0] <= self.head_c_rows:
-            return cpu_ops.linear_f32(x, weight, None)
+        if weight.dtype == torch.float16 or (self.head_c_rows and x.shape[0] <= self.head_c_rows):
+            return cpu_ops.linear_f32(x, weight, None)  # an fp16 head (`half_head_`) at any size
         return F.linear(x, weight).float()
 
     def checkpoint_name_map(self, name: str) -> tuple[str, int | None, tuple | None] | None:

@@ -12,8 +12,13 @@
  * Every output is one dot product whose summation order depends only on k (8 lanes, in order,
  * then the lanes summed in a fixed tree), never on the number of rows or the tile it falls in:
  * a row's result is the same alone or in any batch. Without AVX2 a scalar loop keeps that too.
+ *
+ * `linear_f16w` is the same on fp16 weights (a GPTQ / AWQ checkpoint's head, a GGUF file's F16
+ * tensors): each converts exactly to fp32 as it is loaded, so the outputs are `linear_f32`'s bits
+ * on the converted weight, for half its bytes.
  */
 #include <stdint.h>
+#include <string.h>
 
 /* Weight rows a tile for a step of `rows` input rows, and the most input rows a group. 16 AVX2
  * registers hold the NW x NX sums and the operand there are fewer of (`F32_TILE`); from 7 rows
@@ -39,10 +44,15 @@ static inline float lanes_sum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* y[b, a] = x[b] . w[a] for NW weight rows and NX input rows; k a multiple of 8 here. */
-#define F32_TILE(NW, NX)                                                                           \
-    static void f32_tile_##NW##_##NX(const float *x, int64_t xs, const float *w, int64_t k,        \
-                                     float *y, int64_t ys) {                                       \
+/* y[b, a] = x[b] . w[a] for NW weight rows and NX input rows; k a multiple of 8 here. KIND: the
+ * weights' type, f32 or f16 (`load_f32`, `load_f16`). */
+static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load_f16(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+#define TILE(KIND, WT, NW, NX)                                                                     \
+    static void KIND##_tile_##NW##_##NX(const float *x, int64_t xs, const WT *w, int64_t k,        \
+                                        float *y, int64_t ys) {                                    \
         __m256 acc[NW][NX];                                                                        \
         for (int a = 0; a < NW; a++)                                                               \
             for (int b = 0; b < NX; b++) acc[a][b] = _mm256_setzero_ps();                          \
@@ -54,13 +64,13 @@ static inline float lanes_sum(__m256 v) {
                 __m256 xv[NX];                                                                     \
                 for (int b = 0; b < NX; b++) xv[b] = _mm256_loadu_ps(x + b * xs + i);              \
                 for (int a = 0; a < NW; a++) {                                                     \
-                    __m256 wv = _mm256_loadu_ps(w + a * k + i);                                    \
+                    __m256 wv = load_##KIND(w + a * k + i);                                       \
                     for (int b = 0; b < NX; b++)                                           \
                         acc[a][b] = _mm256_fmadd_ps(wv, xv[b], acc[a][b]);                         \
                 }                                                                                  \
             } else {                                                                               \
                 __m256 wv[NW];                                                                     \
-                for (int a = 0; a < NW; a++) wv[a] = _mm256_loadu_ps(w + a * k + i);               \
+                for (int a = 0; a < NW; a++) wv[a] = load_##KIND(w + a * k + i);                  \
                 for (int b = 0; b < NX; b++) {                                                     \
                     __m256 xv = _mm256_loadu_ps(x + b * xs + i);                                   \
                     for (int a = 0; a < NW; a++)                                           \
@@ -71,6 +81,7 @@ static inline float lanes_sum(__m256 v) {
         for (int a = 0; a < NW; a++)                                                               \
             for (int b = 0; b < NX; b++) y[b * ys + a] = lanes_sum(acc[a][b]);                     \
     }
+#define F32_TILE(NW, NX) TILE(f32, float, NW, NX) TILE(f16, uint16_t, NW, NX)
 F32_TILE(4, 1)
 F32_TILE(6, 2)
 F32_TILE(4, 3)
@@ -86,56 +97,89 @@ F32_TILE(1, 4)
 F32_TILE(1, 5)
 F32_TILE(1, 6)
 
-/* One tile of `nw` weight rows (a shape `tile_shape` gives, or 1) by `nx` input rows. */
-static void f32_tile(int nw, int nx, const float *x, int64_t xs, const float *w, int64_t k,
-                     float *y, int64_t ys) {
+/* One tile of `nw` weight rows (a shape `tile_shape` gives, or 1) by `nx` input rows; the
+ * weights fp16 where `half`, else fp32. */
+#define TILE_CASE(NW, NX)                                                                          \
+    case NW * 8 + NX:                                                                              \
+        if (half) f16_tile_##NW##_##NX(x, xs, w, k, y, ys);                                        \
+        else f32_tile_##NW##_##NX(x, xs, w, k, y, ys);                                             \
+        return;
+static void f32_tile(int nw, int nx, const float *x, int64_t xs, const void *w, int half,
+                     int64_t k, float *y, int64_t ys) {
     switch (nw * 8 + nx) {
-    case 4 * 8 + 1: f32_tile_4_1(x, xs, w, k, y, ys); return;
-    case 6 * 8 + 2: f32_tile_6_2(x, xs, w, k, y, ys); return;
-    case 4 * 8 + 3: f32_tile_4_3(x, xs, w, k, y, ys); return;
-    case 3 * 8 + 4: f32_tile_3_4(x, xs, w, k, y, ys); return;
-    case 3 * 8 + 3: f32_tile_3_3(x, xs, w, k, y, ys); return;
-    case 2 * 8 + 4: f32_tile_2_4(x, xs, w, k, y, ys); return;
-    case 2 * 8 + 5: f32_tile_2_5(x, xs, w, k, y, ys); return;
-    case 2 * 8 + 6: f32_tile_2_6(x, xs, w, k, y, ys); return;
-    case 1 * 8 + 1: f32_tile_1_1(x, xs, w, k, y, ys); return;
-    case 1 * 8 + 2: f32_tile_1_2(x, xs, w, k, y, ys); return;
-    case 1 * 8 + 3: f32_tile_1_3(x, xs, w, k, y, ys); return;
-    case 1 * 8 + 4: f32_tile_1_4(x, xs, w, k, y, ys); return;
-    case 1 * 8 + 5: f32_tile_1_5(x, xs, w, k, y, ys); return;
-    default: f32_tile_1_6(x, xs, w, k, y, ys); return;
+        TILE_CASE(4, 1)
+        TILE_CASE(6, 2)
+        TILE_CASE(4, 3)
+        TILE_CASE(3, 4)
+        TILE_CASE(3, 3)
+        TILE_CASE(2, 4)
+        TILE_CASE(2, 5)
+        TILE_CASE(2, 6)
+        TILE_CASE(1, 1)
+        TILE_CASE(1, 2)
+        TILE_CASE(1, 3)
+        TILE_CASE(1, 4)
+        TILE_CASE(1, 5)
+    default: /* 1 x 6 */
+        if (half) f16_tile_1_6(x, xs, w, k, y, ys);
+        else f32_tile_1_6(x, xs, w, k, y, ys);
     }
 }
 #else
-static void f32_tile(int nw, int nx, const float *x, int64_t xs, const float *w, int64_t k,
-                     float *y, int64_t ys) {
+/* An fp16 value as fp32 (exact), without F16C. */
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, bits;
+    if (exp == 31) bits = sign | 0x7f800000u | (man << 13); /* inf, nan */
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) bits = sign;
+    else { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 1024)) man <<= 1, exp--;
+        bits = sign | (exp << 23) | ((man & 1023) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static void f32_tile(int nw, int nx, const float *x, int64_t xs, const void *w, int half,
+                     int64_t k, float *y, int64_t ys) {
     for (int b = 0; b < nx; b++)
         for (int a = 0; a < nw; a++) {
             float s = 0.0f;
-            for (int64_t i = 0; i < k; i++) s += x[b * xs + i] * w[a * k + i];
+            for (int64_t i = 0; i < k; i++)
+                s += x[b * xs + i] * (half ? half_to_float(((const uint16_t *)w)[a * k + i])
+                                           : ((const float *)w)[a * k + i]);
             y[b * ys + a] = s;
         }
 }
 #endif
 
+/* Weight row `row` of w, rows k weights long, fp16 where `half`, else fp32. */
+static const void *weight_row(const void *w, int half, int64_t row, int64_t k) {
+    return (const char *)w + row * k * (half ? 2 : 4);
+}
+
 /* Weight rows j..j+nw (nw below the tile's height: one at a time) against every input row, in
  * groups of at most `nx` rows sized evenly (7 rows: 4 and 3, not 6 and 1). */
-static void f32_rows(const float *x, int64_t rows, int64_t xs, const float *w, int64_t j, int nw,
-                     int tile_rows, int nx, int64_t k, float *y, int64_t ys) {
+static void f32_rows(const float *x, int64_t rows, int64_t xs, const void *w, int half, int64_t j,
+                     int nw, int tile_rows, int nx, int64_t k, float *y, int64_t ys) {
     int64_t groups = (rows + nx - 1) / nx;
     for (int64_t g = 0, m = 0; g < groups; g++) {
         int size = (int)((rows - m) / (groups - g) + ((rows - m) % (groups - g) != 0));
-        if (nw == tile_rows) f32_tile(nw, size, x + m * xs, xs, w + j * k, k, y + m * ys + j, ys);
+        if (nw == tile_rows)
+            f32_tile(nw, size, x + m * xs, xs, weight_row(w, half, j, k), half, k, y + m * ys + j,
+                     ys);
         else
             for (int64_t a = j; a < j + nw; a++)
-                f32_tile(1, size, x + m * xs, xs, w + a * k, k, y + m * ys + a, ys);
+                f32_tile(1, size, x + m * xs, xs, weight_row(w, half, a, k), half, k,
+                         y + m * ys + a, ys);
         m += size;
     }
 }
 
-/* k a multiple of 8; x rows `x_stride` floats apart, y rows `y_stride`. */
-void linear_f32(const float *x, int64_t rows, int64_t x_stride, const float *w, int64_t n, int64_t k,
-                float *y, int64_t y_stride, int threads) {
+static void linear_rows(const float *x, int64_t rows, int64_t x_stride, const void *w, int half,
+                        int64_t n, int64_t k, float *y, int64_t y_stride, int threads) {
     if (rows <= 0) return; /* a step's empty part (no rows of its kind) */
     int nw, nx;
     tile_shape(rows, &nw, &nx);
@@ -143,6 +187,19 @@ void linear_f32(const float *x, int64_t rows, int64_t x_stride, const float *w, 
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         int64_t j = t * nw;
-        f32_rows(x, rows, x_stride, w, j, n - j < nw ? (int)(n - j) : nw, nw, nx, k, y, y_stride);
+        f32_rows(x, rows, x_stride, w, half, j, n - j < nw ? (int)(n - j) : nw, nw, nx, k, y,
+                 y_stride);
     }
+}
+
+/* k a multiple of 8; x rows `x_stride` floats apart, y rows `y_stride`. */
+void linear_f32(const float *x, int64_t rows, int64_t x_stride, const float *w, int64_t n, int64_t k,
+                float *y, int64_t y_stride, int threads) {
+    linear_rows(x, rows, x_stride, w, 0, n, k, y, y_stride, threads);
+}
+
+/* `linear_f32` with fp16 weights w [n, k]. */
+void linear_f16w(const float *x, int64_t rows, int64_t x_stride, const uint16_t *w, int64_t n,
+                 int64_t k, float *y, int64_t y_stride, int threads) {
+    linear_rows(x, rows, x_stride, w, 1, n, k, y, y_stride, threads);
 }
