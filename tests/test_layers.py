@@ -45,7 +45,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # The scheduler, with what decides drafts: who drafts, what, and what of it is kept.
     "scheduler": ("scheduler", "ngram_proposer", "spec_decode"),
     # The engine's and the model's configuration, the model's modules and weights, sampling.
-    "model": ("config", "models", "default_model", "model_loader", "gguf", "sampler"),
+    "model": (
+        *("config", "models", "default_model", "model_loader", "gguf", "int4_checkpoint"),
+        "sampler",
+    ),
     "runner": ("model_runner",),
     "engine": ("engine",),
     "frontends": ("engine_client", "async_engine", "llm"),
