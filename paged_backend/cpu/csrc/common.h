@@ -3,6 +3,9 @@
 #define PAGED_BACKEND_COMMON_H
 #include <stdint.h>
 #include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -49,5 +52,54 @@ static inline float exp_nonpositive(float x) {
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
     return y * two_n;
+}
+
+/* `exp_nonpositive` on a vector of W bits (256: AVX2, 512: AVX-512), defined as NAME: the same
+ * operations in the same order (the compiler contracts the scalar one's multiply-adds into
+ * these fmas), so the same bits. Expanded where the file has included immintrin.h. */
+#define EXP_CLAMPED(NAME, W)                                                                       \
+    static inline __m##W NAME(__m##W x) {                                                          \
+        x = _mm##W##_max_ps(x, _mm##W##_set1_ps(-87.0f));                                          \
+        const __m##W magic = _mm##W##_set1_ps(12582912.0f);                                        \
+        __m##W n = _mm##W##_sub_ps(_mm##W##_fmadd_ps(x, _mm##W##_set1_ps(1.44269504f), magic),     \
+                                   magic);                                                         \
+        __m##W r = _mm##W##_fnmadd_ps(n, _mm##W##_set1_ps(0.693359375f), x);                       \
+        r = _mm##W##_fmadd_ps(n, _mm##W##_set1_ps(2.12194440e-4f), r);                             \
+        __m##W p = _mm##W##_set1_ps(1.9875691500e-4f);                                             \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.3981999507e-3f));                           \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(8.3334519073e-3f));                           \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(4.1665795894e-2f));                           \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.6666665459e-1f));                           \
+        p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(5.0000001201e-1f));                           \
+        __m##W y = _mm##W##_add_ps(_mm##W##_fmadd_ps(_mm##W##_mul_ps(p, r), r, r),                 \
+                                   _mm##W##_set1_ps(1.0f));                                        \
+        __m##W##i e = _mm##W##_slli_epi32(                                                         \
+            _mm##W##_add_epi32(_mm##W##_cvtps_epi32(n), _mm##W##_set1_epi32(127)), 23);            \
+        return _mm##W##_mul_ps(y, _mm##W##_castsi##W##_ps(e));                                     \
+    }
+
+/* fp16 bits at p as fp32 (exact; subnormals normalised, inf and nan kept). */
+static inline float f16_to_f32(const void *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023, bits;
+    if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man) { /* subnormal: normalize */
+        int e = -1;
+        do { e++; man <<= 1; } while (!(man & 1024));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 1023) << 13);
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
 }
 #endif

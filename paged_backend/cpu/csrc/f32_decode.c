@@ -68,24 +68,7 @@ void rotary_f32(float *x, const float *cos, const float *sin, int64_t tokens, in
 }
 
 #ifdef __AVX2__
-/* exp_nonpositive on 8 lanes: the same operations in the same order (the compiler contracts the
- * scalar one's multiply-adds into these fmas), so the same bits. */
-static inline __m256 exp_nonpositive8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 magic = _mm256_set1_ps(12582912.0f);
-    __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), magic), magic);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
+EXP_CLAMPED(exp_clamped8, 256) /* exp_nonpositive on 8 lanes, the same bits */
 #endif
 
 /* out = silu(gate) * up for rows [gate | up] of 2 * dim; sigmoid from exp(-|g|), which never
@@ -98,7 +81,7 @@ void silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t dim, int
 #ifdef __AVX2__
         const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
         for (; i + 8 <= dim; i += 8) { /* the scalar loop's operations, 8 lanes at a time */
-            __m256 g = _mm256_loadu_ps(gate + i), e = exp_nonpositive8(_mm256_or_ps(g, sign));
+            __m256 g = _mm256_loadu_ps(gate + i), e = exp_clamped8(_mm256_or_ps(g, sign));
             __m256 sum = _mm256_add_ps(one, e), nonneg = _mm256_cmp_ps(g, sign, _CMP_GE_OQ);
             __m256 sigmoid = _mm256_blendv_ps(_mm256_div_ps(e, sum), _mm256_div_ps(one, sum), nonneg);
             _mm256_storeu_ps(out + r * dim + i,
@@ -192,15 +175,16 @@ static void exp_shifted(float *row, int64_t n, float top) {
     int64_t j = 0;
 #ifdef __AVX2__
     for (; j + 8 <= n; j += 8)
-        _mm256_storeu_ps(row + j, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(row + j),
+        _mm256_storeu_ps(row + j, exp_clamped8(_mm256_sub_ps(_mm256_loadu_ps(row + j),
                                                                  _mm256_set1_ps(top))));
 #endif
     for (; j < n; j++) row[j] = exp_nonpositive(row[j] - top);
 }
 
 /* row = softmax(scale * row) in place over n scores (capped first where softcap > 0: tanh(s /
- * cap) * cap, Gemma 2). The max and the sum go 8 lanes at a time (the compiler vectorises these
- * loops and the exp's), the sum's lanes added in a fixed tree, then the tail in order. */
+ * cap) * cap, Gemma 2). The max and the sum go 8 lanes at a time (loops the compiler
+ * vectorises; the exp: `exp_shifted`), the sum's lanes added in a fixed tree, then the tail in
+ * order. */
 static void softmax_row(float *row, int64_t n, float scale, float softcap) {
     for (int64_t j = 0; j < n; j++) row[j] *= scale;
     if (softcap > 0.0f)
@@ -284,6 +268,11 @@ static void weighted_values(const float *p, int64_t p_stride, int64_t heads, con
 #endif
 }
 
+/* The first key position the query at `pos` sees: the last `window` (where > 0), else all. */
+static inline int64_t window_first(int64_t pos, int64_t window) {
+    return window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+}
+
 /* The rows of a decode step, or of a step verifying drafts: sequence s has the rows
  * query_start[s] .. query_start[s + 1] - 1, its last tokens, at positions up to seq_lens[s] - 1.
  * Write each row's new k/v (rows `k_stride`/`v_stride` apart, heads side by side) at its
@@ -335,10 +324,9 @@ void decode_attention_f32(const float *q, const float *k, const float *v, int64_
     for (int64_t u = 0; u < units; u++) {
         int64_t c = u / num_kv_heads, h = u % num_kv_heads, head = h * group;
         int64_t s = chunk_seq[c], t0 = chunk_row[c], rows = chunk_rows[c], nq = rows * group;
-        int64_t last = seq_lens[s] - (query_start[s + 1] - t0) + rows - 1; /* the last row's pos */
-        int64_t pos0 = last - rows + 1;
-        int64_t first = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
-        int64_t n = last + 1 - first; /* keys any row of the chunk sees */
+        int64_t pos0 = seq_lens[s] - (query_start[s + 1] - t0); /* the chunk's first row's */
+        int64_t first = window_first(pos0, window);
+        int64_t n = pos0 + rows - first; /* keys any row of the chunk sees */
         const int32_t *table = block_tables + s * max_blocks;
         const float *kc = k_cache + h * cache_head_stride, *vc = v_cache + h * cache_head_stride;
         const float *qs[nq];
@@ -353,7 +341,7 @@ void decode_attention_f32(const float *q, const float *k, const float *v, int64_
             j += count;
         }
         for (int64_t r = 0; r < rows; r++) { /* each row over its own keys */
-            int64_t pos = pos0 + r, from = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+            int64_t pos = pos0 + r, from = window_first(pos, window);
             float *p = sc + r * group * n + (from - first);
             for (int64_t m = 0; m < group; m++) softmax_row(p + m * n, pos + 1 - from, scale, softcap);
             for (int64_t m = 0; m < group; m += VALUE_HEADS)

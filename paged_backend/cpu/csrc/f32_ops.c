@@ -18,7 +18,8 @@
  * on the converted weight, for half its bytes.
  */
 #include <stdint.h>
-#include <string.h>
+
+#include "common.h"
 
 /* Weight rows a tile for a step of `rows` input rows, and the most input rows a group. 16 AVX2
  * registers hold the NW x NX sums and the operand there are fewer of (`F32_TILE`); from 7 rows
@@ -126,29 +127,13 @@ static void f32_tile(int nw, int nx, const float *x, int64_t xs, const void *w, 
     }
 }
 #else
-/* An fp16 value as fp32 (exact), without F16C. */
-static float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, bits;
-    if (exp == 31) bits = sign | 0x7f800000u | (man << 13); /* inf, nan */
-    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
-    else if (!man) bits = sign;
-    else { /* subnormal: normalise */
-        exp = 113;
-        while (!(man & 1024)) man <<= 1, exp--;
-        bits = sign | (exp << 23) | ((man & 1023) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 static void f32_tile(int nw, int nx, const float *x, int64_t xs, const void *w, int half,
                      int64_t k, float *y, int64_t ys) {
     for (int b = 0; b < nx; b++)
         for (int a = 0; a < nw; a++) {
             float s = 0.0f;
             for (int64_t i = 0; i < k; i++)
-                s += x[b * xs + i] * (half ? half_to_float(((const uint16_t *)w)[a * k + i])
+                s += x[b * xs + i] * (half ? f16_to_f32((const uint16_t *)w + a * k + i)
                                            : ((const float *)w)[a * k + i]);
             y[b * ys + a] = s;
         }

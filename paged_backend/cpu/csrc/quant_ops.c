@@ -45,29 +45,6 @@ typedef struct {
     int is_signed;
 } chunk;
 
-static inline float f16_to_f32(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#endif
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023, bits;
-    if (exp == 31) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man) { /* subnormal: normalize */
-        int e = -1;
-        do { e++; man <<= 1; } while (!(man & 1024));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 1023) << 13);
-    } else {
-        bits = sign;
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 /* Bytes of one block, by type (0: not a supported type), and weights in it. */
 static int64_t block_bytes(int type) {
     switch (type) {
