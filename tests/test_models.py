@@ -348,4 +348,6 @@ def test_a_long_steps_mlp_runs_in_slices_of_rows_with_the_same_result(tiny_model
     sliced = mlp(x)
     assert calls == [5] * 7 + [2]
     assert sliced.shape == whole.shape
-    torch.testing.assert_close(sliced, whole, rtol=1e-5, atol=1e-6)
+    # 5-row slices may take another linear kernel than 37 rows (timed per machine: the C fp32
+    # linear or torch's), which sums in another order: ~1e-6 apart, a misplaced row ~1
+    torch.testing.assert_close(sliced, whole, rtol=1e-4, atol=1e-5)
