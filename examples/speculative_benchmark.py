@@ -2,7 +2,9 @@
 (greedy) on two workloads, and the acceptance figures of the drafting engine.
 
   quote     the answer repeats a passage of its prompt (drafts match: the case drafting is for)
-  rag       questions over the retrieved documents of `benchmark.py`'s RAG workload
+  rag       questions over the retrieved documents of `benchmark.py`'s RAG workload, one on each
+            of its topics (`--rag-questions`, default all 16: answers differ widely in how much
+            they quote, from none to whole passages, so a few questions are a poor sample)
   distinct  prose on a topic that the prompt does not contain (drafts rarely match)
   batch     `--batch` RAG questions at once (the per-step rule `disable_by_batch_size` keeps
             large steps from drafting)
@@ -11,7 +13,8 @@ Both engines run the same requests, one at a time (but batch), taking turns on e
 warm-up request), and must give the same tokens; the rate is total output tokens over total time.
 
     python examples/speculative_benchmark.py [--k 4] [--lookup-min 2] [--lookup-max 4]
-                                             [--requests 3] [--max-tokens 96] [--batch 32]
+                                             [--requests 3] [--rag-questions 16]
+                                             [--max-tokens 96] [--batch 32]
                                              [--dtype auto] [--threads N] [--llama-cpp]
 
 `--llama-cpp` adds llama-cpp-python on the default model's GGUF file (its Q4_1 weights: other
@@ -25,6 +28,7 @@ import argparse
 import time
 
 import torch
+from benchmark import TOPICS as RAG_TOPICS
 from benchmark import LlamaCpp, _chat_ids, rag_messages
 
 from paged_backend import LLM, SamplingParams
@@ -48,22 +52,27 @@ PASSAGES = [
 TOPICS = ["the history of tea", "how glaciers move", "a day at a chess tournament"]
 
 
-def workloads(n: int, tokenizer, batch: int) -> dict[str, list[list[dict]]]:
+def workloads(n: int, tokenizer, batch: int, questions: int) -> dict[str, list[list[dict]]]:
     quote = [
         [{"role": "user", "content": f"Repeat this passage word for word:\n\n{p}"}]
         for p in PASSAGES
     ]
     distinct = [[{"role": "user", "content": f"Write a few paragraphs about {t}."}] for t in TOPICS]
-    rag = rag_messages(tokenizer, max(n, batch))
-    loads = {"quote": quote[:n], "rag": rag[:n], "distinct": distinct[:n], "batch": rag[:batch]}
+    rag = rag_messages(tokenizer, max(questions, batch))
+    loads = {
+        "quote": quote[:n],
+        "rag": rag[:questions],
+        "distinct": distinct[:n],
+        "batch": rag[:batch],
+    }
     return {name: conversations for name, conversations in loads.items() if conversations}
 
 
 def run(engines: dict[str, LLM], conversations: list[list[dict]], params, batched: bool = False):
-    """Per engine: (token ids of each answer, seconds, drafted, accepted), one request at a time
-    (`batched`: all at once), the engines taking turns on each request so that both see the
-    same load from elsewhere."""
-    results = {name: ([], 0.0, 0, 0) for name in engines}
+    """Per engine: (token ids of each answer, seconds of each request, drafted, accepted), one
+    request at a time (`batched`: all at once), the engines taking turns on each request so
+    that both see the same load from elsewhere."""
+    results = {name: ([], [], 0, 0) for name in engines}
     for group in [conversations] if batched else [[c] for c in conversations]:
         for name, llm in engines.items():
             before = llm.stats()
@@ -74,7 +83,7 @@ def run(engines: dict[str, LLM], conversations: list[list[dict]], params, batche
             tokens, total, drafted, accepted = results[name]
             results[name] = (
                 [*tokens, *(o.outputs[0].token_ids for o in outs)],
-                total + seconds,
+                [*total, seconds],
                 drafted + after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"],
                 accepted + after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"],
             )
@@ -86,7 +95,10 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup-min", type=int, default=2)
     parser.add_argument("--lookup-max", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=3, help="per workload (at most 3)")
+    parser.add_argument("--requests", type=int, default=3, help="quote and distinct (at most 3)")
+    parser.add_argument(
+        "--rag-questions", type=int, default=len(RAG_TOPICS), help="rag requests (one a topic)"
+    )
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument(
         "--batch", type=int, default=32, help="requests of the batch workload (0: none)"
@@ -108,17 +120,21 @@ def main() -> None:
     run(engines, warm, SamplingParams(temperature=0, max_tokens=8))
     print(f"CPU: {cpu_description()}; dtype {args.dtype}; speculative_config {spec}")
     tokenizer = engines["plain"].get_tokenizer()
-    for name, conversations in workloads(args.requests, tokenizer, args.batch).items():
+    loads = workloads(args.requests, tokenizer, args.batch, args.rag_questions)
+    for name, conversations in loads.items():
         results = run(engines, conversations, params, batched=name == "batch")
         plain, ngram = results["plain"], results["ngram"]
-        plain_rate = sum(map(len, plain[0])) / plain[1]
-        rate = sum(map(len, ngram[0])) / ngram[1]
+        plain_rate = sum(map(len, plain[0])) / sum(plain[1])
+        rate = sum(map(len, ngram[0])) / sum(ngram[1])
         drafted, accepted = ngram[2], ngram[3]
         print(
             f"{name:9s} plain {plain_rate:6.1f} tok/s  ngram {rate:6.1f} tok/s  "
             f"x{rate / plain_rate:.2f}  acceptance {accepted / max(drafted, 1):.2f} "
             f"({accepted}/{drafted} drafts)  identical tokens: {plain[0] == ngram[0]}"
         )
+        if len(plain[1]) > 1:
+            ratios = sorted(p / n for p, n in zip(plain[1], ngram[1], strict=True))
+            print(f"{'':9s} per request x{ratios[0]:.2f} to x{ratios[-1]:.2f}")
         if args.llama_cpp and name != "batch":
             prompts = [_chat_ids(tokenizer, c) for c in conversations]
             print(f"{'':9s} llama-cpp-python {llama_cpp_rates(prompts, args, engines['plain'])}")
