@@ -85,6 +85,12 @@ def _parser() -> argparse.ArgumentParser:
         help="weights and activations (auto: bfloat16 where the hardware runs it, else float32)",
     )
     common.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float16"],
+        help="the KV cache's (auto: the model's; float16: half the memory of a float32 model's)",
+    )
+    common.add_argument(
         "--max-tokens", type=int, default=256, help="most tokens to generate per reply"
     )
     common.add_argument(
@@ -197,7 +203,11 @@ def _run(args: argparse.Namespace) -> int:
     )
     seed = secrets.randbits(31) if args.seed is None else args.seed
     config = EngineConfig(
-        model=args.model, dtype=args.dtype, seed=seed, speculative_config=args.speculative
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        seed=seed,
+        speculative_config=args.speculative,
     )
     engine = LLMEngine(config)
     if args.command == "generate":

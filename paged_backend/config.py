@@ -98,6 +98,9 @@ class EngineConfig:
     block_size: int | None = None
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
+    # vLLM's name. "auto": the model's dtype. "float16": fp16 K/V for a float32 model on CPU,
+    # half the bytes a token holds and its attention reads (llama.cpp's default cache type).
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -166,6 +169,18 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.kv_cache_dtype not in ("auto", "float16"):
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto' or 'float16', got {self.kv_cache_dtype!r}"
+            )
+        if self.kv_cache_dtype == "float16":
+            device = self.resolve_device()
+            model_dtype = self.resolve_dtype(device)
+            if device.type != "cpu" or model_dtype != torch.float32:
+                raise ValueError(
+                    "kv_cache_dtype='float16' is for float32 models on CPU (a bfloat16 model's "
+                    f"cache is already 2 bytes a value); got {model_dtype} on {device.type}"
+                )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_seqs < 1:
@@ -216,6 +231,9 @@ class EngineConfig:
         if device.type == "cuda":
             return torch.bfloat16
         return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+
+    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return torch.float16 if self.kv_cache_dtype == "float16" else model_dtype
 
     def resolve_backend(self, device: torch.device) -> str:
         if self.attention_backend != "auto":

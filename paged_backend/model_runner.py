@@ -53,6 +53,7 @@ class ModelRunner:
     ) -> None:
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
+        self.kv_dtype = config.resolve_kv_cache_dtype(self.dtype)
         self.bf16_cpu = self.device.type == "cpu" and self.dtype == torch.bfloat16
         # the dtypes the C elementwise ops and decode attention run (`cpu.ops`)
         self.c_ops_dtype = self.device.type == "cpu" and self.dtype in (
@@ -104,7 +105,7 @@ class ModelRunner:
             config.block_size,
             mc.num_kv_heads,
             mc.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         # The KV cache goes on 2 MiB pages once a step's sequences hold this many blocks: below,
@@ -114,7 +115,7 @@ class ModelRunner:
         # of 32 x ~280 tokens committed 1,024 MB of KV cache for 590 MB of tokens).
         self.huge_pages_from_blocks = None
         if self.device.type == "cpu":
-            tokens = HUGE_PAGES_A_REGION * huge_page_tokens(mc.head_dim, self.dtype)
+            tokens = HUGE_PAGES_A_REGION * huge_page_tokens(mc.head_dim, self.kv_dtype)
             self.huge_pages_from_blocks = -(-tokens // config.block_size)
 
     def _ops(self, config: EngineConfig, backend: str) -> str:
@@ -282,7 +283,7 @@ class ModelRunner:
             * config.block_size
             * mc.num_kv_heads
             * mc.head_dim
-            * torch.finfo(self.dtype).bits
+            * torch.finfo(self.kv_dtype).bits
             // 8
         )
         budget = config.kv_cache_memory_bytes

@@ -7,6 +7,7 @@ import inspect
 import json
 import logging
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -274,3 +275,21 @@ def transformers_log(caplog):
     finally:
         library_logger.removeHandler(caplog.handler)
         transformers.logging.set_verbosity(verbosity)
+
+
+class OracleProposer:
+    """Drafts the plain engine's own continuation of each prompt (told apart by its first token),
+    wrong from a random point on: every acceptance length happens, and a stop or max_tokens
+    falls inside accepted runs."""
+
+    def __init__(self, references: dict[int, list[int]], k: int, seed: int) -> None:
+        self.references = references  # first prompt token -> prompt + plain output
+        self.k = k
+        self.rng = random.Random(seed)
+
+    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+        truth = self.references[token_ids[0]][len(token_ids) :]
+        num = min(self.k, max_drafts)
+        right = self.rng.randint(0, num)
+        wrong = [self.rng.randint(3, 9) for _ in range(num - right)]
+        return (truth[:right] + wrong)[:num]

@@ -56,6 +56,7 @@ def _help(capsys, *command: str) -> str:
 SAMPLING_DEFAULTS = {
     "--model": "the embedded SmolLM2-135M-Instruct",
     "--dtype": "auto",
+    "--kv-cache-dtype": "auto",
     "--max-tokens": "256",
     "--temperature": "0.7",
     "--top-p": "0.95",

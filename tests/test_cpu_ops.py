@@ -344,6 +344,51 @@ def test_fp32_rows_verifying_drafts_give_the_bits_of_plain_decodes(window, softc
 
 
 @needs_ops
+@pytest.mark.parametrize(
+    ("lens", "rows", "kv_heads", "group", "dim", "window", "softcap", "threads"),
+    [
+        ([37, 5, 130], [1, 1, 1], 3, 3, 64, None, None, 2),
+        ([45, 9], [5, 3], 2, 4, 80, 9, None, 2),  # drafts; 80 dims: a 16-dim value tile
+        ([300, 17], [1, 2], 2, 1, 128, None, 5.0, 1),
+        ([61], [4], 1, 8, 64, None, None, 4),
+    ],
+)
+def test_fp16_caches_give_the_bits_of_fp32_caches_holding_their_values(
+    lens, rows, kv_heads, group, dim, window, softcap, threads
+):
+    """fp32 decode attention over fp16 caches: the new k/v are written rounded to nearest even
+    (torch's `.half()`), and every output is the bits of the same step over fp32 caches that
+    hold the same values (fp16 values convert exactly as they are read)."""
+    bs = 4
+    *_, cache, meta = _decode_step(lens, bs, kv_heads, group, dim, True, 5, dtype=torch.float32)
+    tables = meta.block_tables_cpu
+    gen = torch.Generator().manual_seed(7)
+    total = sum(rows)
+    q = torch.randn(total, kv_heads * group, dim, generator=gen) * 3
+    k, v = (torch.randn(total, kv_heads, dim, generator=gen) * 3 for _ in range(2))
+    half = tuple(c.half() for c in cache)
+    wide = tuple(c.float() for c in half)
+    args = (
+        torch.from_numpy(np.ascontiguousarray(tables)),
+        torch.tensor(lens, dtype=torch.int32),
+        bs,
+        torch.empty(threads, max(rows) * group * max(lens)),
+    )
+    starts = torch.tensor([0, *np.cumsum(rows)], dtype=torch.int32)
+    kw = dict(window=window, softcap=softcap, query_start=starts)
+    got = cpu_ops.decode_attention(q, k, v, half, *args, **kw)
+    want = cpu_ops.decode_attention(q, k.half().float(), v.half().float(), wide, *args, **kw)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert all(torch.equal(h.float(), w) for h, w in zip(half, wide, strict=True))
+    slots = [
+        int(tables[i, p // bs]) * bs + p % bs
+        for i, n in enumerate(lens)
+        for p in range(n - rows[i], n)
+    ]
+    assert torch.equal(half[0][:, slots], k.half().transpose(0, 1))  # the new rows, written
+
+
+@needs_ops
 def test_decode_attention_takes_every_step_of_decodes_only():
     """Any number of sequences and keys; a shared prefix only where the prefix kernel runs too;
     never a step with a prefill chunk."""
@@ -429,9 +474,11 @@ def test_the_c_kernels_refuse_tensors_they_would_misread():
     fp16_cache = tuple(c.half() for c in cache)
     fp32_cache = tuple(c.float() for c in cache)
     for args, match in [
-        ((q, k, v, fp16_cache, *good[4:]), "caches must be bf16 or fp32"),
-        ((q, k, v, fp32_cache, *good[4:]), "q must be torch.float32"),
-        ((q.float(), *good[1:]), "q must be torch.bfloat16"),
+        ((q, k, v, fp16_cache, *good[4:]), "bfloat16 queries cannot read a torch.float16"),
+        ((q, k, v, fp32_cache, *good[4:]), "bfloat16 queries cannot read a torch.float32"),
+        ((q.float(), *good[1:]), "float32 queries cannot read a torch.bfloat16"),
+        ((q.float(), k, v, fp16_cache, *good[4:]), "k must be torch.float32"),
+        ((q, k, v, tuple(c.double() for c in cache), *good[4:]), "bf16, fp16 or fp32"),
         ((q, k, v, cache, tables.long(), *good[5:]), "block_tables must be torch.int32"),
         ((q, k, v, cache, tables, lens[:1], *good[6:]), "seq_lens must have shape"),
         ((q, k, v, (cache[0], cache[1][:, :-4]), *good[4:]), "one shape"),

@@ -53,14 +53,27 @@ def generate_counting(
     ],
     ids=["llama", "mistral-window", "phi4-mini", "qwen2-biases"],
 )
-@pytest.mark.parametrize("dtype", [BF16, FP32])
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype"),
+    [
+        pytest.param("bfloat16", "auto", marks=needs_bf16, id="bf16"),
+        pytest.param("float32", "auto", marks=needs_ops, id="fp32"),
+        pytest.param("float32", "float16", marks=needs_ops, id="fp32-fp16-cache"),
+    ],
+)
 def test_fused_steps_give_the_modules_bits(
-    tmp_path, default_model_path, monkeypatch, architecture, overrides, dtype
+    tmp_path, default_model_path, monkeypatch, architecture, overrides, dtype, kv_cache_dtype
 ):
     if dtype == "bfloat16" and architecture == "Qwen2ForCausalLM":
         pytest.skip("the bf16 fused step takes no biases")
     path = make_tiny_model(tmp_path, default_model_path, architecture, **overrides)
-    llm = LLM(model=str(path), dtype=dtype, enable_prefix_caching=False, cpu_gemm_max_rows=64)
+    llm = LLM(
+        model=str(path),
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        enable_prefix_caching=False,
+        cpu_gemm_max_rows=64,
+    )
     model = llm.engine.runner.model
     assert model.fused_decode is not None
     fused, steps = generate_counting(llm, monkeypatch, [20, 12, 16])

@@ -5,10 +5,9 @@ distribution (rejection sampling); rejected drafts leave no block held and no bl
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from conftest import OracleProposer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -144,24 +143,6 @@ def test_lookup_bounds_default_as_vllms():
 
 
 # ---- who drafts --------------------------------------------------------------------------------
-class OracleProposer:
-    """Drafts the plain engine's own continuation of each prompt (told apart by its first token),
-    wrong from a random point on: every acceptance length happens, and a stop or max_tokens
-    falls inside accepted runs."""
-
-    def __init__(self, references: dict[int, list[int]], k: int, seed: int) -> None:
-        self.references = references  # first prompt token -> prompt + plain output
-        self.k = k
-        self.rng = random.Random(seed)
-
-    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
-        truth = self.references[token_ids[0]][len(token_ids) :]
-        num = min(self.k, max_drafts)
-        right = self.rng.randint(0, num)
-        wrong = [self.rng.randint(3, 9) for _ in range(num - right)]
-        return (truth[:right] + wrong)[:num]
-
-
 def _references(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[int, list[int]]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)

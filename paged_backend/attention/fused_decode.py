@@ -195,6 +195,7 @@ class FusedDecode:
                 query_start=starts.data_ptr(),
                 num_seqs=len(plan.seq_lens),
                 act=act.data_ptr(),
+                kv_half=int(kv_caches[0][0].dtype == torch.float16),
             )
         else:
             cascade = self._cascade(plan, backend, kv_caches, block_size)

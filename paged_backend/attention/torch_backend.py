@@ -191,6 +191,8 @@ class TorchAttention:
         prep = meta.prepared[window]
         if isinstance(prep, CDecodePlan):
             return self._c_decode(q, k, v, kv_cache, meta.block_size, prep, softcap)
+        if k.dtype != kv_cache[0].dtype:  # fp16 caches of an fp32 model: every path attends
+            k, v = k.to(kv_cache[0].dtype), v.to(kv_cache[0].dtype)  # the values they hold
         if self.c_decode or self.c_prefix:  # bf16 caches, the C ops loaded
             cpu_ops.store_kv(k, v, kv_cache, meta.slot_mapping)
         else:

@@ -184,12 +184,14 @@ def _require(ok: bool, what: str) -> None:
 
 
 def _check_cache(kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int, int]:
-    """(kv_heads, slots, dim) of head-major bf16 or fp32 caches [kv_heads, slots, dim] whose
-    slots are contiguous within a head and whose K and V heads lie the same stride apart."""
+    """(kv_heads, slots, dim) of head-major bf16, fp16 or fp32 caches [kv_heads, slots, dim]
+    whose slots are contiguous within a head and whose K and V heads lie the same stride apart."""
     k_cache, v_cache = kv_cache
     _require(
-        k_cache.dtype == v_cache.dtype and k_cache.dtype in _SUFFIX and k_cache.dim() == 3,
-        "the KV caches must be bf16 or fp32 [kv_heads, slots, dim]",
+        k_cache.dtype == v_cache.dtype
+        and k_cache.dtype in (*_SUFFIX, torch.float16)
+        and k_cache.dim() == 3,
+        "the KV caches must be bf16, fp16 or fp32 [kv_heads, slots, dim]",
     )
     _require(k_cache.shape == v_cache.shape, "the K and V caches must have one shape")
     dim = k_cache.shape[2]
@@ -225,13 +227,15 @@ def decode_attention(
     softcap: float | None = None,
     query_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Write each sequence's new k/v [S, kv_heads, dim] into the head-major bf16 or fp32 caches
-    [kv_heads, slots, dim] and attend its q [S, heads, dim] over its `seq_lens` (int32) tokens
-    through `block_tables` (int32 [S, width], contiguous): out [S, heads, dim] in the caches'
-    dtype. `scratch`: fp32 [threads, heads / kv_heads * max(seq_lens)], one row for each thread
-    to use. fp32 only: with `query_start` (int32 [S + 1]) a sequence has several rows, its last
-    tokens (q, k, v, out are then [rows, ...]), each attending causally; `scratch` rows then hold
-    the most rows a sequence has times that.
+    """Write each sequence's new k/v [S, kv_heads, dim] into the head-major caches [kv_heads,
+    slots, dim] and attend its q [S, heads, dim] over its `seq_lens` (int32) tokens through
+    `block_tables` (int32 [S, width], contiguous): out [S, heads, dim] in q's dtype, bf16 or
+    fp32. The caches hold q's dtype, or fp16 for fp32 q (k/v rounded to nearest even as they
+    are written; the scores and sums those of fp32 caches holding the same values). `scratch`:
+    fp32 [threads, heads / kv_heads * max(seq_lens)], one row for each thread to use. fp32
+    only: with `query_start` (int32 [S + 1]) a sequence has several rows, its last tokens (q,
+    k, v, out are then [rows, ...]), each attending causally; `scratch` rows then hold the most
+    rows a sequence has times that.
 
     `prefix` = (pos, length, out, lse) merges a shared prefix's attention (`prefix_attention`'s
     out [kv_heads, rows, dim] and lse; bf16 only): sequence s with pos[s] >= 0 (int32 [S])
@@ -244,8 +248,13 @@ def decode_attention(
     rows, num_heads = q.shape[:2]
     num_seqs = rows if query_start is None else len(query_start) - 1
     _require(num_heads % kv_heads == 0 and dim % 16 == 0, "heads must group over kv heads")
+    half = (q.dtype, k_cache.dtype) == (torch.float32, torch.float16)
+    _require(
+        q.dtype in _SUFFIX and (k_cache.dtype == q.dtype or half),
+        f"{q.dtype} queries cannot read a {k_cache.dtype} cache",
+    )
     for name, x, heads in (("q", q, num_heads), ("k", k, kv_heads), ("v", v, kv_heads)):
-        _check_rows(name, x, (rows, heads, dim), k_cache.dtype)
+        _check_rows(name, x, (rows, heads, dim), q.dtype)
     _check_index("block_tables", block_tables, (num_seqs, block_tables.shape[1]))
     _check_index("seq_lens", seq_lens, (num_seqs,))
     if query_start is not None:
@@ -296,7 +305,9 @@ def decode_attention(
         _require(prefix is None, "fp32 decode attention takes no shared prefix")
         if query_start is None:
             query_start = torch.arange(rows + 1, dtype=torch.int32)
-        load_library().decode_attention_f32(**args, query_start=query_start.data_ptr())
+        load_library().decode_attention_f32(
+            **args, query_start=query_start.data_ptr(), kv_half=int(half)
+        )
         return out
     pos, length, p_out, p_lse = prefix or (None, 0, None, None)
     if pos is not None:

@@ -3,7 +3,7 @@
 #define PAGED_BACKEND_COMMON_H
 #include <stdint.h>
 #include <string.h>
-#ifdef __F16C__
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -102,4 +102,37 @@ static inline float f16_to_f32(const void *p) {
     return f;
 #endif
 }
+
+/* fp32 to fp16 bits, rounding to nearest even as torch's `.half()` and F16C do (overflow to inf,
+ * subnormals kept; a nan becomes a quiet nan). */
+static inline uint16_t f32_to_f16(float value) {
+#ifdef __F16C__
+    return _cvtss_sh(value, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t f, sign, out;
+    memcpy(&f, &value, 4);
+    sign = (f >> 16) & 0x8000;
+    f &= 0x7fffffffu;
+    if (f >= 0x47800000u) { /* 2^16 and up, inf, nan */
+        out = f > 0x7f800000u ? 0x7e00 : 0x7c00;
+    } else if (f < 0x38800000u) { /* below 2^-14: adding 0.5 rounds the subnormal's bits */
+        float t;
+        memcpy(&t, &f, 4);
+        t += 0.5f;
+        memcpy(&out, &t, 4);
+        out -= 0x3f000000u;
+    } else { /* rebias the exponent, round the 13 dropped bits to even */
+        out = (f + ((uint32_t)(15 - 127) << 23) + 0xfff + ((f >> 13) & 1)) >> 13;
+    }
+    return (uint16_t)(sign | out);
+#endif
+}
+
+#ifdef __AVX2__
+/* 8 lanes of fp32 values, from fp32 or (converted exactly) from fp16. */
+static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load_f16(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+#endif
 #endif

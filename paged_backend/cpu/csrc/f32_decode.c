@@ -98,9 +98,32 @@ void silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t dim, int
 
 /* Decode attention's inner loops. Every result is one fixed sequence of operations on its inputs,
  * whatever the tile it falls in or the other rows of the step: a row's output is the same bits
- * alone, in a batch, or verifying drafts (it reads the same keys, those up to its own). */
+ * alone, in a batch, or verifying drafts (it reads the same keys, those up to its own). The
+ * caches hold fp32 or fp16 rows (`half`); fp16 values convert exactly as they are read, so an
+ * fp16 cache gives the bits of an fp32 cache holding the same values. */
 #define SCORE_KEYS 4 /* keys a score tile */
 #define VALUE_HEADS 3 /* query heads sharing each value row read */
+
+/* Row `row` of `dim` values of a cache of fp32 or fp16 rows. */
+static inline const void *cache_row(const void *cache, int half, int64_t row, int64_t dim) {
+    return (const char *)cache + row * dim * (half ? 2 : 4);
+}
+
+/* Write x[0..dim) at row `slot` of the cache, rounding to nearest even into an fp16 one. */
+static void store_row(void *cache, int half, int64_t slot, int64_t dim, const float *x) {
+    if (!half) {
+        memcpy((float *)cache + slot * dim, x, dim * sizeof(float));
+        return;
+    }
+    uint16_t *out = (uint16_t *)cache + slot * dim;
+    int64_t i = 0;
+#ifdef __AVX2__
+    for (; i + 8 <= dim; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < dim; i++) out[i] = f32_to_f16(x[i]);
+}
 
 #ifdef __AVX2__
 /* Lane i: the sum of vector i's lanes, ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)). */
@@ -109,16 +132,17 @@ static inline __m128 lane_sums4(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-/* Scores of NQ query vectors against SCORE_KEYS consecutive keys, 8 dims a step. */
-#define SCORE_TILE(NQ)                                                                             \
-    static void score_tile_##NQ(const float *const *q, const float *keys, int64_t dim, float *out, \
-                                int64_t out_stride) {                                              \
+/* Scores of NQ query vectors against SCORE_KEYS consecutive keys of type T, 8 dims a step. */
+#define SCORE_TILE(KIND, T, NQ)                                                                    \
+    static void KIND##_score_tile_##NQ(const float *const *q, const void *key_rows, int64_t dim,   \
+                                       float *out, int64_t out_stride) {                          \
+        const T *keys = (const T *)key_rows;                                                       \
         __m256 acc[NQ][SCORE_KEYS];                                                                \
         for (int m = 0; m < NQ; m++)                                                               \
             for (int a = 0; a < SCORE_KEYS; a++) acc[m][a] = _mm256_setzero_ps();                  \
         for (int64_t d = 0; d < dim; d += 8) {                                                     \
             __m256 kv[SCORE_KEYS];                                                                 \
-            for (int a = 0; a < SCORE_KEYS; a++) kv[a] = _mm256_loadu_ps(keys + a * dim + d);      \
+            for (int a = 0; a < SCORE_KEYS; a++) kv[a] = load_##KIND(keys + a * dim + d);          \
             for (int m = 0; m < NQ; m++) {                                                         \
                 __m256 qv = _mm256_loadu_ps(q[m] + d);                                            \
                 for (int a = 0; a < SCORE_KEYS; a++)                                               \
@@ -129,47 +153,54 @@ static inline __m128 lane_sums4(__m256 a, __m256 b, __m256 c, __m256 d) {
             _mm_storeu_ps(out + m * out_stride,                                                    \
                           lane_sums4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));                 \
     }
-SCORE_TILE(1)
-SCORE_TILE(2)
-SCORE_TILE(3)
+#define SCORE_TILES(KIND, T) SCORE_TILE(KIND, T, 1) SCORE_TILE(KIND, T, 2) SCORE_TILE(KIND, T, 3)
+SCORE_TILES(f32, float)
+SCORE_TILES(f16, uint16_t)
+typedef void (*score_tile_fn)(const float *const *, const void *, int64_t, float *, int64_t);
+static score_tile_fn const SCORE_TILE_FNS[2][3] = {
+    {f32_score_tile_1, f32_score_tile_2, f32_score_tile_3},
+    {f16_score_tile_1, f16_score_tile_2, f16_score_tile_3},
+};
 
-static float score_one(const float *q, const float *key, int64_t dim) {
+static float score_one(const float *q, const void *key, int half, int64_t dim) {
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < dim; d += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(key + d), acc);
+    for (int64_t d = 0; d < dim; d += 8) {
+        __m256 kd = half ? load_f16((const uint16_t *)key + d) : load_f32((const float *)key + d);
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), kd, acc);
+    }
     return _mm_cvtss_f32(lane_sums4(acc, acc, acc, acc));
 }
 #else
-static float score_one(const float *q, const float *key, int64_t dim) {
+static inline float cache_value(const void *row, int half, int64_t i) {
+    return half ? f16_to_f32((const uint16_t *)row + i) : ((const float *)row)[i];
+}
+
+static float score_one(const float *q, const void *key, int half, int64_t dim) {
     float lane[8] = {0};
     for (int64_t d = 0; d < dim; d += 8)
-        for (int l = 0; l < 8; l++) lane[l] = fmaf(q[d + l], key[d + l], lane[l]);
+        for (int l = 0; l < 8; l++) lane[l] = fmaf(q[d + l], cache_value(key, half, d + l), lane[l]);
     return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
 }
 #endif
 
 /* out[m * out_stride + j] = q[m] . key_j for `nq` query vectors and `count` consecutive keys
- * (`dim` apart), dim a multiple of 8. */
-static void key_scores(const float *const *q, int64_t nq, const float *keys, int64_t count,
-                       int64_t dim, float *out, int64_t out_stride) {
+ * (cache rows of `dim`), dim a multiple of 8. */
+static void key_scores(const float *const *q, int64_t nq, const void *keys, int half,
+                       int64_t count, int64_t dim, float *out, int64_t out_stride) {
     int64_t j = 0;
 #ifdef __AVX2__
     for (; j + SCORE_KEYS <= count; j += SCORE_KEYS)
         for (int64_t m = 0; m < nq;) {
             int64_t left = nq - m, take = left == 4 ? 2 : left < 3 ? left : 3; /* 4: 2 + 2 */
-            const float *kj = keys + j * dim;
-            float *o = out + m * out_stride + j;
-            if (take == 3) score_tile_3(q + m, kj, dim, o, out_stride);
-            else if (take == 2) score_tile_2(q + m, kj, dim, o, out_stride);
-            else score_tile_1(q + m, kj, dim, o, out_stride);
+            SCORE_TILE_FNS[half][take - 1](q + m, cache_row(keys, half, j, dim), dim,
+                                           out + m * out_stride + j, out_stride);
             m += take;
         }
 #endif
     for (; j < count; j++)
         for (int64_t m = 0; m < nq; m++)
-            out[m * out_stride + j] = score_one(q[m], keys + j * dim, dim);
+            out[m * out_stride + j] = score_one(q[m], cache_row(keys, half, j, dim), half, dim);
 }
-
 /* row[j] = exp(row[j] - top) for row[j] <= top (the compiler does not vectorise the scalar loop). */
 static void exp_shifted(float *row, int64_t n, float top) {
     int64_t j = 0;
@@ -210,20 +241,21 @@ static void softmax_row(float *row, int64_t n, float scale, float softcap) {
  * registers: each value row is read once for all the heads. Each output adds its keys in order,
  * one fma a key: the bits of the head taken alone. */
 #ifdef __AVX2__
-#define VALUE_TILE(NH, NV)                                                                         \
-    static void value_tile_##NH##_##NV(const float *p, int64_t p_stride, const float *vc,          \
-                                       const int32_t *table, int64_t first, int64_t n,            \
-                                       int64_t block_size, int64_t dim, int64_t d0, float *out) {  \
+#define VALUE_TILE(KIND, T, NH, NV)                                                                \
+    static void KIND##_value_tile_##NH##_##NV(const float *p, int64_t p_stride, const void *vc,    \
+                                              const int32_t *table, int64_t first, int64_t n,     \
+                                              int64_t block_size, int64_t dim, int64_t d0,        \
+                                              float *out) {                                        \
         __m256 acc[NH][NV];                                                                        \
         for (int m = 0; m < NH; m++)                                                               \
             for (int i = 0; i < NV; i++) acc[m][i] = _mm256_setzero_ps();                          \
         for (int64_t j = 0; j < n;) {                                                              \
             int64_t count = block_size - (first + j) % block_size;                                 \
             count = count < n - j ? count : n - j;                                                 \
-            const float *vr = vc + slot_of(table, first + j, block_size) * dim + d0;               \
+            const T *vr = (const T *)vc + slot_of(table, first + j, block_size) * dim + d0;        \
             for (int64_t e = 0; e < count; e++, vr += dim) {                                       \
                 __m256 v[NV];                                                                      \
-                for (int i = 0; i < NV; i++) v[i] = _mm256_loadu_ps(vr + 8 * i);                   \
+                for (int i = 0; i < NV; i++) v[i] = load_##KIND(vr + 8 * i);                       \
                 for (int m = 0; m < NH; m++) {                                                     \
                     __m256 w = _mm256_set1_ps(p[m * p_stride + j + e]);                            \
                     for (int i = 0; i < NV; i++) acc[m][i] = _mm256_fmadd_ps(w, v[i], acc[m][i]);  \
@@ -234,35 +266,39 @@ static void softmax_row(float *row, int64_t n, float scale, float softcap) {
         for (int m = 0; m < NH; m++)                                                               \
             for (int i = 0; i < NV; i++) _mm256_storeu_ps(out + m * dim + d0 + 8 * i, acc[m][i]);  \
     }
-VALUE_TILE(1, 4)
-VALUE_TILE(2, 4)
-VALUE_TILE(3, 4)
-VALUE_TILE(1, 2)
-VALUE_TILE(2, 2)
-VALUE_TILE(3, 2)
+#define VALUE_TILES(KIND, T)                                                                       \
+    VALUE_TILE(KIND, T, 1, 2) VALUE_TILE(KIND, T, 1, 4) VALUE_TILE(KIND, T, 2, 2)                  \
+    VALUE_TILE(KIND, T, 2, 4) VALUE_TILE(KIND, T, 3, 2) VALUE_TILE(KIND, T, 3, 4)
+VALUE_TILES(f32, float)
+VALUE_TILES(f16, uint16_t)
+typedef void (*value_tile_fn)(const float *, int64_t, const void *, const int32_t *, int64_t,
+                              int64_t, int64_t, int64_t, int64_t, float *);
+/* [half][heads - 1][32 dims left] */
+static value_tile_fn const VALUE_TILE_FNS[2][VALUE_HEADS][2] = {
+    {{f32_value_tile_1_2, f32_value_tile_1_4},
+     {f32_value_tile_2_2, f32_value_tile_2_4},
+     {f32_value_tile_3_2, f32_value_tile_3_4}},
+    {{f16_value_tile_1_2, f16_value_tile_1_4},
+     {f16_value_tile_2_2, f16_value_tile_2_4},
+     {f16_value_tile_3_2, f16_value_tile_3_4}},
+};
 #endif
 
-static void weighted_values(const float *p, int64_t p_stride, int64_t heads, const float *vc,
-                            const int32_t *table, int64_t first, int64_t n, int64_t block_size,
-                            int64_t dim, float *out) {
+static void weighted_values(const float *p, int64_t p_stride, int64_t heads, const void *vc,
+                            int half, const int32_t *table, int64_t first, int64_t n,
+                            int64_t block_size, int64_t dim, float *out) {
 #ifdef __AVX2__
-    for (int64_t d0 = 0; d0 < dim; d0 += 32) {
-        int wide = dim - d0 >= 32;
-        switch (heads * 2 + wide) {
-        case 2 + 1: value_tile_1_4(p, p_stride, vc, table, first, n, block_size, dim, d0, out); break;
-        case 4 + 1: value_tile_2_4(p, p_stride, vc, table, first, n, block_size, dim, d0, out); break;
-        case 6 + 1: value_tile_3_4(p, p_stride, vc, table, first, n, block_size, dim, d0, out); break;
-        case 2: value_tile_1_2(p, p_stride, vc, table, first, n, block_size, dim, d0, out); break;
-        case 4: value_tile_2_2(p, p_stride, vc, table, first, n, block_size, dim, d0, out); break;
-        default: value_tile_3_2(p, p_stride, vc, table, first, n, block_size, dim, d0, out); break;
-        }
-    }
+    for (int64_t d0 = 0; d0 < dim; d0 += 32)
+        VALUE_TILE_FNS[half][heads - 1][dim - d0 >= 32](p, p_stride, vc, table, first, n,
+                                                        block_size, dim, d0, out);
 #else
     for (int64_t m = 0; m < heads; m++)
         for (int64_t d = 0; d < dim; d++) {
             float acc = 0.0f;
-            for (int64_t j = 0; j < n; j++)
-                acc = fmaf(p[m * p_stride + j], vc[slot_of(table, first + j, block_size) * dim + d], acc);
+            for (int64_t j = 0; j < n; j++) {
+                const void *row = cache_row(vc, half, slot_of(table, first + j, block_size), dim);
+                acc = fmaf(p[m * p_stride + j], cache_value(row, half, d), acc);
+            }
             out[m * dim + d] = acc;
         }
 #endif
@@ -278,7 +314,8 @@ static inline int64_t window_first(int64_t pos, int64_t window) {
  * Write each row's new k/v (rows `k_stride`/`v_stride` apart, heads side by side) at its
  * position, then attend its q (heads side by side, rows `q_stride` apart) causally over the
  * sequence's tokens up to its own (the last `window` of them, where > 0) through `block_tables`,
- * into `out` [rows][heads][dim]. The caches are head-major [kv_heads][slots][dim].
+ * into `out` [rows][heads][dim]. The caches are head-major [kv_heads][slots][dim], of fp32 rows
+ * or, with `kv_half`, of fp16 rows (the new k/v rounded to nearest even as they are written).
  *
  * The work splits over threads by (sequence, kv head, chunk of the sequence's rows): the chunk's
  * query heads of the kv head meet its keys a block at a time (`key_scores`, tiles of 4 keys by
@@ -287,23 +324,24 @@ static inline int64_t window_first(int64_t pos, int64_t window) {
  * row of `scores_stride` >= group * the most rows a sequence has * context for each thread).
  * `softcap` > 0 caps the scaled scores (tanh(s / cap) * cap, Gemma 2). */
 void decode_attention_f32(const float *q, const float *k, const float *v, int64_t q_stride,
-                          int64_t k_stride, int64_t v_stride, float *k_cache, float *v_cache,
-                          int64_t cache_head_stride, const int32_t *block_tables,
+                          int64_t k_stride, int64_t v_stride, void *k_cache, void *v_cache,
+                          int kv_half, int64_t cache_head_stride, const int32_t *block_tables,
                           int64_t max_blocks, const int32_t *seq_lens, const int32_t *query_start,
                           int64_t block_size, int64_t num_seqs, int64_t num_heads,
                           int64_t num_kv_heads, int64_t dim, float scale, float *out,
                           float *scores, int64_t scores_stride, int threads, int64_t window,
                           float softcap) {
     int64_t group = num_heads / num_kv_heads, total_rows = query_start[num_seqs];
+    int64_t head_rows = cache_head_stride / dim; /* a kv head's slots */
     if (total_rows <= 0) return;
     for (int64_t s = 0; s < num_seqs; s++)
         for (int64_t t = query_start[s]; t < query_start[s + 1]; t++) {
             int64_t pos = seq_lens[s] - (query_start[s + 1] - t);
             int64_t slot = slot_of(block_tables + s * max_blocks, pos, block_size);
             for (int64_t h = 0; h < num_kv_heads; h++) {
-                int64_t at = h * cache_head_stride + slot * dim;
-                memcpy(k_cache + at, k + t * k_stride + h * dim, dim * sizeof(float));
-                memcpy(v_cache + at, v + t * v_stride + h * dim, dim * sizeof(float));
+                int64_t at = h * head_rows + slot;
+                store_row(k_cache, kv_half, at, dim, k + t * k_stride + h * dim);
+                store_row(v_cache, kv_half, at, dim, v + t * v_stride + h * dim);
             }
         }
     /* A unit: one kv head of a sequence over a chunk of its rows, which meet each key and value
@@ -328,7 +366,8 @@ void decode_attention_f32(const float *q, const float *k, const float *v, int64_
         int64_t first = window_first(pos0, window);
         int64_t n = pos0 + rows - first; /* keys any row of the chunk sees */
         const int32_t *table = block_tables + s * max_blocks;
-        const float *kc = k_cache + h * cache_head_stride, *vc = v_cache + h * cache_head_stride;
+        const void *kc = cache_row(k_cache, kv_half, h * head_rows, dim);
+        const void *vc = cache_row(v_cache, kv_half, h * head_rows, dim);
         const float *qs[nq];
         for (int64_t i = 0; i < nq; i++)
             qs[i] = q + (t0 + i / group) * q_stride + (head + i % group) * dim;
@@ -337,7 +376,7 @@ void decode_attention_f32(const float *q, const float *k, const float *v, int64_
             int64_t slot = slot_of(table, first + j, block_size);
             int64_t count = block_size - (first + j) % block_size;
             count = count < n - j ? count : n - j;
-            key_scores(qs, nq, kc + slot * dim, count, dim, sc + j, n);
+            key_scores(qs, nq, cache_row(kc, kv_half, slot, dim), kv_half, count, dim, sc + j, n);
             j += count;
         }
         for (int64_t r = 0; r < rows; r++) { /* each row over its own keys */
@@ -346,7 +385,7 @@ void decode_attention_f32(const float *q, const float *k, const float *v, int64_
             for (int64_t m = 0; m < group; m++) softmax_row(p + m * n, pos + 1 - from, scale, softcap);
             for (int64_t m = 0; m < group; m += VALUE_HEADS)
                 weighted_values(p + m * n, n, group - m < VALUE_HEADS ? group - m : VALUE_HEADS, vc,
-                                table, from, pos + 1 - from, block_size, dim,
+                                kv_half, table, from, pos + 1 - from, block_size, dim,
                                 out + ((t0 + r) * num_heads + head + m) * dim);
         }
     }
@@ -396,7 +435,7 @@ static void fused_linear(const int64_t *d, const float *x, int64_t rows, int64_t
 #define LAYER_WORDS (2 + 4 * LINEAR_WORDS)
 void decode_layers_f32(float *x, float *residual, int64_t rows, int64_t hidden, const float *cos,
                        const float *sin, int64_t num_layers, const int64_t *weights,
-                       const int64_t *k_caches, const int64_t *v_caches,
+                       const int64_t *k_caches, const int64_t *v_caches, int kv_half,
                        int64_t cache_head_stride, const int64_t *windows,
                        const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
                        const int32_t *query_start, int64_t num_seqs, int64_t block_size,
@@ -426,7 +465,7 @@ void decode_layers_f32(float *x, float *residual, int64_t rows, int64_t hidden, 
         rotary_f32(qkv, cos, sin, rows, num_heads + num_kv_heads, head_dim, rot_dim, qkv_width,
                    threads);
         decode_attention_f32(qkv, qkv + q_size, qkv + q_size + kv_size, qkv_width, qkv_width,
-                             qkv_width, (float *)k_caches[l], (float *)v_caches[l],
+                             qkv_width, (void *)k_caches[l], (void *)v_caches[l], kv_half,
                              cache_head_stride, block_tables, max_blocks, seq_lens, query_start,
                              block_size, num_seqs, num_heads, num_kv_heads, head_dim, scale, attn,
                              scores, scores_stride, threads, windows[l], 0.0f);

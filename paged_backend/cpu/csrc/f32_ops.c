@@ -47,10 +47,6 @@ static inline float lanes_sum(__m256 v) {
 
 /* y[b, a] = x[b] . w[a] for NW weight rows and NX input rows; k a multiple of 8 here. KIND: the
  * weights' type, f32 or f16 (`load_f32`, `load_f16`). */
-static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
-static inline __m256 load_f16(const uint16_t *p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-}
 #define TILE(KIND, WT, NW, NX)                                                                     \
     static void KIND##_tile_##NW##_##NX(const float *x, int64_t xs, const WT *w, int64_t k,        \
                                         float *y, int64_t ys) {                                    \
