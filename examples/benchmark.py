@@ -580,6 +580,7 @@ def measure_ours(ours: Ours, args, name: str) -> dict:
             "packed_weights": native and getattr(model.cpu_head, "packed", None) is not None,
             "block_size": engine.config.block_size,
             "quantization": args.quantization,
+            "kv_cache_dtype": str(engine.runner.kv_dtype),
             "cpu_kernels": native and model.layers[0].input_layernorm.norm is cpu_ops.rms_norm,
         },
         "flops": flops,
@@ -619,6 +620,7 @@ ENGINES = {
         num_threads=args.threads,
         pack_weights=False if args.no_pack_weights else None,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         cpu_kernels=False if args.no_cpu_kernels else None,
     ),
     "hf_sequential": lambda args, job: TransformersSequential(_hf_model(args, job)),
@@ -744,6 +746,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--quantization", default=None, help="int4: our 4-bit copy for steps of 1-4 tokens"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float16", "float32"],
+        help="ours' KV cache (auto: float16 for quantized weights in float32, as llama.cpp)",
     )
     parser.add_argument(
         "--no-cpu-kernels",
@@ -892,7 +900,8 @@ def print_table(results: dict, workloads: list[str]) -> None:
     print(
         f"dtype {c['dtype']} ({c['model_impl']} modules, packed weights {c['packed_weights']}, "
         f"block size {c['block_size']}, "
-        f"quantization {c['quantization']}, C ops {c['cpu_kernels']}; "
+        f"quantization {c['quantization']}, KV cache {c['kv_cache_dtype']}, "
+        f"C ops {c['cpu_kernels']}; "
         f"transformers {c['hf_dtype']}), "
         f"{c['threads']} threads, "
         f"bf16 matmul peak {c['matmul_peak_gflops']:.0f} GFLOP/s, "

@@ -87,8 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "float16"],
-        help="the KV cache's (auto: the model's; float16: half the memory of a float32 model's)",
+        choices=["auto", "float16", "float32"],
+        help="the KV cache's (auto: the model's, float16 for quantized weights on CPU; float16: "
+        "half the memory of a float32 model's)",
     )
     common.add_argument(
         "--max-tokens", type=int, default=256, help="most tokens to generate per reply"

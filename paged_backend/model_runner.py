@@ -14,7 +14,7 @@ from paged_backend.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from paged_backend.cpu import kernel_choice
 from paged_backend.cpu.linear import GemmRows, can_pack, quantize_linears_int4
 from paged_backend.cpu.memory import advise_huge_pages, huge_page_tokens, resident_bytes
-from paged_backend.cpu.quant import QuantWeight
+from paged_backend.cpu.quant import QuantLinear, QuantWeight
 from paged_backend.gguf import ARCHITECTURES as GGUF_ARCHITECTURES
 from paged_backend.int4_checkpoint import int4_scheme, load_int4_checkpoint
 from paged_backend.model_loader import (
@@ -53,7 +53,6 @@ class ModelRunner:
     ) -> None:
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
-        self.kv_dtype = config.resolve_kv_cache_dtype(self.dtype)
         self.bf16_cpu = self.device.type == "cpu" and self.dtype == torch.bfloat16
         # the dtypes the C elementwise ops and decode attention run (`cpu.ops`)
         self.c_ops_dtype = self.device.type == "cpu" and self.dtype in (
@@ -97,6 +96,8 @@ class ModelRunner:
                 config, model_config, model_path, gguf, max_model_len, ops, bf16_kernels
             )
         self.model = model.eval().requires_grad_(False)
+        quantized = any(isinstance(m, QuantLinear) for m in model.modules())
+        self.kv_dtype = config.resolve_kv_cache_dtype(self.dtype, self.device, quantized)
         self.num_blocks = self._num_blocks(config, max_model_len)
         mc = model_config
         self.kv_caches = self.backend.allocate_kv_cache(

@@ -171,7 +171,8 @@ def test_k_quant_greedy_tokens_start_as_the_dequantized_weights_do(k_quant_check
     the same first greedy tokens (they differ by the int8 activations only; random weights
     leave near-ties, so a later token may flip), on the family's own modules."""
     _, gguf = k_quant_checkpoint
-    quantized = LLM(model=str(gguf), dtype="float32", num_kv_blocks=64)
+    # fp32 K/V for both (a quantized model's default is fp16): the weights' difference alone
+    quantized = LLM(model=str(gguf), dtype="float32", kv_cache_dtype="float32", num_kv_blocks=64)
     dequantized = LLM(model=str(gguf), dtype="float32", quantization="none", num_kv_blocks=64)
     assert quantized.engine.model_config.impl == "native"
     runs = [llm.generate(PROMPTS, GREEDY, use_tqdm=False) for llm in (quantized, dequantized)]

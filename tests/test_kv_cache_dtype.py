@@ -1,6 +1,7 @@
-"""`kv_cache_dtype="float16"`: an fp32 model's K/V kept in fp16 on CPU. A token holds half the
-bytes; every path (prefill, decode, drafts, prefix hits) attends the values the cache holds, so
-a prefix-cache hit gives a miss's tokens and drafting keeps greedy output unchanged."""
+"""`kv_cache_dtype="float16"` (the default for quantized weights in float32 on CPU): an fp32
+model's K/V kept in fp16. A token holds half the bytes; every path (prefill, decode, drafts,
+prefix hits) attends the values the cache holds, so a prefix-cache hit gives a miss's tokens
+and drafting keeps greedy output unchanged."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch
 from conftest import OracleProposer
 
 from paged_backend import LLM, SamplingParams, cpu
+from paged_backend.cpu.quant import QuantLinear
+from paged_backend.gguf.random_checkpoint import write_checkpoint
 
 SHARED = [1, *range(300, 360)]  # a 61-token prefix: prefilled past the C kernel's 33 rows
 PROMPTS = [[*SHARED, 7, 8, 9], [*SHARED, 11, 400, 12, 13], [*SHARED, 5]]
@@ -68,6 +71,28 @@ def test_a_token_holds_half_the_bytes(tiny_model):
     assert sizes["float16"] == sizes["auto"]
 
 
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "quantized", "want"),
+    [
+        ("auto", True, torch.float16),  # llama.cpp's cache type for the files it runs
+        ("float32", True, torch.float32),
+        ("auto", False, torch.float32),  # the model's dtype
+    ],
+)
+def test_auto_keeps_quantized_models_k_v_in_fp16(tmp_path, kv_cache_dtype, quantized, want):
+    gguf = write_checkpoint("tiny", tmp_path, ("q4_0",))[0]
+    llm = LLM(
+        model=str(gguf),
+        dtype="float32",
+        kv_cache_dtype=kv_cache_dtype,
+        quantization=None if quantized else "none",
+        num_kv_blocks=16,
+    )
+    model = llm.engine.runner.model
+    assert any(isinstance(m, QuantLinear) for m in model.modules()) == quantized
+    assert llm.engine.runner.kv_caches[0][0].dtype == want
+
+
 def test_fp16_cache_tracks_the_fp32_cache(llm_fp32):
     """On the real model, fp16 rounding of K/V moves log-probabilities by little and greedy
     tokens rarely."""
@@ -110,8 +135,9 @@ def test_drafting_keeps_greedy_output(tiny_model, one_thread):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be 'auto' or 'float16', got 'fp8'"),
-        ({"kv_cache_dtype": "float16", "dtype": "bfloat16"}, "float32 models on CPU"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be 'auto', 'float16' or 'float32'"),
+        ({"kv_cache_dtype": "float16", "dtype": "bfloat16"}, "'float16' is for float32 models"),
+        ({"kv_cache_dtype": "float32", "dtype": "bfloat16"}, "'float32' is for float32 models"),
     ],
 )
 def test_bad_kv_cache_dtypes_are_refused(kwargs, match):
