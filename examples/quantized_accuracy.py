@@ -8,6 +8,7 @@ activations to int8. Every position of a sequence is scored in one forward pass.
 
     python examples/quantized_accuracy.py [--model FILE.gguf | DIR] [--quantization gguf|int8]
                                           [--tokens 2000] [--dtype float32] [--llama-cpp]
+                                          [--kv-cache-dtype auto|float16|float32]
 
 `--llama-cpp` scores llama-cpp-python on the same GGUF file too (its own kernels, which also
 quantize activations), against the same reference: how far a quantized file's own runtime lands.
@@ -103,11 +104,21 @@ def main() -> None:
     parser.add_argument("--quantization", choices=("gguf", "int8"), default="gguf")
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float16", "float32"],
+        help="the quantized engine's (auto: float16 for quantized weights in float32)",
+    )
     parser.add_argument("--llama-cpp", action="store_true", help="score llama-cpp-python too")
     args = parser.parse_args()
     common = dict(model=args.model, dtype=args.dtype, num_kv_blocks=2 * CHUNK, max_model_len=4096)
     reference = LLM(quantization="none", **common)
-    quantized = LLM(quantization=None if args.quantization == "gguf" else "int8", **common)
+    quantized = LLM(
+        quantization=None if args.quantization == "gguf" else "int8",
+        kv_cache_dtype=args.kv_cache_dtype,
+        **common,
+    )
     scorers = {
         "reference": partial(all_logits, reference),
         args.quantization: partial(all_logits, quantized),
