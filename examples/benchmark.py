@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 
 from paged_backend import EngineConfig, LLMEngine, SamplingParams
+from paged_backend.config import KV_CACHE_DTYPES
 from paged_backend.cpu import ops as cpu_ops
 from paged_backend.cpu.features import cpu_description
 from paged_backend.cpu.linear import CpuLinear, can_pack
@@ -750,7 +751,7 @@ def main() -> None:
     parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "float16", "float32"],
+        choices=KV_CACHE_DTYPES,
         help="ours' KV cache (auto: float16 for quantized weights in float32, as llama.cpp)",
     )
     parser.add_argument(

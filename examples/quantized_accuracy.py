@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from paged_backend import LLM, SamplingParams
+from paged_backend.config import KV_CACHE_DTYPES
 from paged_backend.cpu.features import cpu_description
 from paged_backend.default_model import default_model_file
 from paged_backend.request import Request
@@ -107,7 +108,7 @@ def main() -> None:
     parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "float16", "float32"],
+        choices=KV_CACHE_DTYPES,
         help="the quantized engine's (auto: float16 for quantized weights in float32)",
     )
     parser.add_argument("--llama-cpp", action="store_true", help="score llama-cpp-python too")

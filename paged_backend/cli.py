@@ -10,7 +10,7 @@ import secrets
 import sys
 from pathlib import Path
 
-from paged_backend.config import EngineConfig, SpeculativeConfig
+from paged_backend.config import KV_CACHE_DTYPES, EngineConfig, SpeculativeConfig
 from paged_backend.default_model import download_default_model
 from paged_backend.engine import LLMEngine
 from paged_backend.errors import EngineError
@@ -87,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "float16", "float32"],
+        choices=KV_CACHE_DTYPES,
         help="the KV cache's (auto: the model's, float16 for quantized weights on CPU; float16: "
         "half the memory of a float32 model's)",
     )

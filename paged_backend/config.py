@@ -14,6 +14,7 @@ from paged_backend.cpu.ops import GEMM_MAX_ROWS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODEL_IMPLS = ("auto", "native", "transformers")
+KV_CACHE_DTYPES = ("auto", "float16", "float32")  # `EngineConfig.kv_cache_dtype`
 MAX_SPECULATIVE_TOKENS = 32  # more drafts than this only add rejected rows to a step
 # Steps with more running sequences than this do not draft (`disable_by_batch_size`). A drafting
 # sequence adds its drafts as rows; where a step of more rows costs nearly as much more, a
@@ -171,7 +172,7 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
-        if self.kv_cache_dtype not in ("auto", "float16", "float32"):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 "kv_cache_dtype must be 'auto', 'float16' or 'float32', "
                 f"got {self.kv_cache_dtype!r}"

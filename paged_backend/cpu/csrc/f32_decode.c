@@ -201,13 +201,14 @@ static void key_scores(const float *const *q, int64_t nq, const void *keys, int 
         for (int64_t m = 0; m < nq; m++)
             out[m * out_stride + j] = score_one(q[m], cache_row(keys, half, j, dim), half, dim);
 }
+
 /* row[j] = exp(row[j] - top) for row[j] <= top (the compiler does not vectorise the scalar loop). */
 static void exp_shifted(float *row, int64_t n, float top) {
     int64_t j = 0;
 #ifdef __AVX2__
     for (; j + 8 <= n; j += 8)
         _mm256_storeu_ps(row + j, exp_clamped8(_mm256_sub_ps(_mm256_loadu_ps(row + j),
-                                                                 _mm256_set1_ps(top))));
+                                                             _mm256_set1_ps(top))));
 #endif
     for (; j < n; j++) row[j] = exp_nonpositive(row[j] - top);
 }
