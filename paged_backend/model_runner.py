@@ -72,8 +72,7 @@ class ModelRunner:
             c_decode=self.c_ops and model_config.head_dim % 16 == 0,
             c_prefix=bf16_kernels and model_config.head_dim % 64 == 0,
             windows=model_config.layer_windows or (None,),
-            # fp32's decode kernel also takes a sequence's drafts (and any chunk that short)
-            c_rows=1 + MAX_SPECULATIVE_TOKENS if self.dtype == torch.float32 else 1,
+            c_rows=self._c_rows(config),
         )
         self.model_config = model_config
         self.gemm_rows = None
@@ -118,6 +117,16 @@ class ModelRunner:
         if self.device.type == "cpu":
             tokens = HUGE_PAGES_A_REGION * huge_page_tokens(mc.head_dim, self.kv_dtype)
             self.huge_pages_from_blocks = -(-tokens // config.block_size)
+
+    def _c_rows(self, config: EngineConfig) -> int:
+        """The most rows a sequence may have in a step the C decode kernel runs: a decode and
+        its drafts being verified. fp32's kernel reads a sequence's keys once for all its rows,
+        so it takes any chunk that short too; bf16's reads them again for each row, so only the
+        drafts (a chunk of a few rows over a long context runs faster in the prefill kernel)."""
+        if self.dtype == torch.float32:
+            return 1 + MAX_SPECULATIVE_TOKENS
+        spec = config.speculative_config
+        return 1 + (spec.num_speculative_tokens if spec else 0)
 
     def _ops(self, config: EngineConfig, backend: str) -> str:
         """Who runs the layers' elementwise ops (`paged_backend.models.llama.make_ops`): fused

@@ -107,6 +107,53 @@ def test_a_shared_prefix_runs_fused_with_the_modules_bits(
     assert outputs[0] == outputs[1]
 
 
+class ReplayProposer:
+    """Drafts the continuation a plain run gave (`outputs`: prompt + tokens, found by prefix),
+    its last draft wrong: each drafting step accepts some drafts and rejects one."""
+
+    def __init__(self, outputs: list[list[int]]) -> None:
+        self.outputs = outputs
+
+    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+        for full in self.outputs:
+            if full[: len(token_ids)] == token_ids:
+                truth = full[len(token_ids) :][: min(4, max_drafts)]
+                return [*truth[:-1], 3] if truth else []
+        return []
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_steps_verifying_drafts_run_fused_with_the_modules_bits(
+    tmp_path, default_model_path, monkeypatch, dtype
+):
+    """Each sequence's token and its drafts (up to 5 rows a sequence; beside a shared prefix,
+    which bf16's fused step attends by cascade): fused, with the unfused engine's bits, which
+    are plain decoding's tokens."""
+    path = make_tiny_model(tmp_path, default_model_path, head_dim=64)  # the C prefix kernel's
+    shared = list(range(100, 140))
+    prompts = [[*shared, 7, 8 + i, 9] for i in range(3)] + PROMPTS[:1]
+    max_tokens = [12, 16, 20, 40]
+    args = dict(model=str(path), dtype=dtype, cpu_gemm_max_rows=64)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 8}
+    plain, _ = generate_counting(LLM(**args), monkeypatch, max_tokens, prompts)
+    replay = ReplayProposer([p + tokens for p, (tokens, _) in zip(prompts, plain, strict=True)])
+    outputs = []
+    for fuse in (True, False):  # two engines: the prefix cache shares the prefix's blocks
+        llm = LLM(**args, speculative_config=spec)
+        llm.engine.scheduler.proposer = replay
+        if not fuse:
+            llm.engine.runner.model.fused_decode = None
+        out, steps = generate_counting(llm, monkeypatch, max_tokens, prompts)
+        drafting = [rows for rows, _ in steps if rows > 4]  # more rows than sequences
+        assert bool(drafting) == fuse
+        if dtype == "bfloat16" and fuse:
+            assert any(cascade for rows, cascade in steps if rows > 4)
+        assert llm.stats()["spec_num_accepted_tokens"] > 0
+        outputs.append(out)
+    assert outputs[0] == outputs[1]
+    assert [tokens for tokens, _ in outputs[0]] == [tokens for tokens, _ in plain]
+
+
 @pytest.mark.parametrize("dtype", [BF16, FP32])
 def test_steps_beyond_the_gemm_rows_run_the_modules(tiny_model, monkeypatch, dtype):
     llm = LLM(model=str(tiny_model), dtype=dtype, cpu_gemm_max_rows=2)

@@ -3,11 +3,13 @@ for bf16 models on AVX512-BF16, `decode_layers_f32` in `csrc/f32_decode.c` for f
 
 At one row a step of the default model runs ~270 ops (norms, four linears, rotary, attention and
 SiLU per layer), each a Python call of 10-20 us: ~5 ms of overhead beside ~8 ms of weight reads.
-Steps of decodes only, whose linears all run the C GEMM (bf16) or the C fp32 linear, call the
-same C ops in the same order from C instead, with the same arguments: the outputs are the same
-bits. A shared prefix's cascade runs as `TorchAttention` runs it (its packed K/V copies come from
-the backend, kept across steps; bf16 only: fp32 steps with one run the modules). Everything else
-(prefill chunks, q/k norms, bf16 biases, steps too large for the C linears) runs the modules.
+Steps of decodes only (with their drafts being verified: up to 1 + `num_speculative_tokens` rows
+a sequence), whose linears all run the C GEMM (bf16) or the C fp32 linear, call the same C ops
+in the same order from C instead, with the same arguments: the outputs are the same bits. A
+shared prefix's cascade runs as `TorchAttention` runs it (its packed K/V copies come from the
+backend, kept across steps; bf16 only: fp32 steps with one run the modules). Everything else
+(longer prefill chunks, q/k norms, bf16 biases, steps too large for the C linears) runs the
+modules.
 """
 
 from __future__ import annotations
@@ -154,6 +156,9 @@ class FusedDecode:
             rows * (self.hidden + qkv_width + q_size + 3 * self.intermediate), dtype=x.dtype
         )
         residual = torch.empty_like(x)
+        starts = plan.query_start
+        if starts is None:
+            starts = torch.arange(rows + 1, dtype=torch.int32)
         cos = cos.reshape(rows, -1).contiguous()
         sin = sin.reshape(rows, -1).contiguous()
         args = dict(
@@ -184,16 +189,13 @@ class FusedDecode:
             scores=plan.scratch.data_ptr(),
             scores_stride=plan.scratch.shape[1],
             threads=plan.scratch.shape[0],
+            query_start=starts.data_ptr(),
+            num_seqs=len(plan.seq_lens),
         )
         if self.f32:
-            starts = plan.query_start
-            if starts is None:
-                starts = torch.arange(rows + 1, dtype=torch.int32)
             act = torch.empty(rows * self.act_per_row)
             cpu.load_library().decode_layers_f32(
                 **args,
-                query_start=starts.data_ptr(),
-                num_seqs=len(plan.seq_lens),
                 act=act.data_ptr(),
                 kv_half=int(kv_caches[0][0].dtype == torch.float16),
             )

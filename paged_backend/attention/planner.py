@@ -58,10 +58,10 @@ class CDecodePlan:
     scratch: torch.Tensor  # fp32 scores of one kv head's queries over the longest context, a
     # row for each thread
     shared: SharedPrefix | None
-    prefix_pos: torch.Tensor | None  # int32 [S]: each sequence's row in `shared.rows`, or -1
+    prefix_pos: torch.Tensor | None  # int32 [rows]: each row's position in `shared.rows`, or -1
     window: int | None
     query_start: torch.Tensor | None = None  # int32 [S + 1] where a sequence has several rows
-    # (fp32's kernel: drafts being verified, short chunks); None: one row each
+    # (drafts being verified, short chunks); None: one row each
 
 
 @dataclass
@@ -147,7 +147,10 @@ def plan_step(
             torch.tensor(meta.seq_lens, dtype=torch.int32),
             torch.empty(torch.get_num_threads(), group * most_rows * max(meta.seq_lens)),
             shared,
-            torch.tensor([row_pos.get(i, [-1])[0] for i in range(nd)], dtype=torch.int32)
+            torch.tensor(
+                [p for i, n in enumerate(np.diff(qsl)) for p in row_pos.get(i, [-1] * n)],
+                dtype=torch.int32,
+            )
             if shared
             else None,
             window,

@@ -110,7 +110,7 @@ class TorchAttention:
         """For bf16 or fp32 caches, C kernels (`paged_backend.cpu.ops`): with `c_prefix`, a
         shared prefix is attended by `prefix_attention`; with `c_decode`, steps of decodes only
         run `decode_attention` (those with a shared prefix only with `c_prefix` too), and steps
-        of up to `c_rows` rows a sequence (fp32: drafts being verified). `windows`: the layers'
+        of up to `c_rows` rows a sequence (drafts being verified). `windows`: the layers'
         windows (None: global), one step plan each."""
         self.group = num_heads // num_kv_heads
         self.windows = tuple(dict.fromkeys(windows)) or (None,)

@@ -232,15 +232,16 @@ def decode_attention(
     `block_tables` (int32 [S, width], contiguous): out [S, heads, dim] in q's dtype, bf16 or
     fp32. The caches hold q's dtype, or fp16 for fp32 q (k/v rounded to nearest even as they
     are written; the scores and sums those of fp32 caches holding the same values). `scratch`:
-    fp32 [threads, heads / kv_heads * max(seq_lens)], one row for each thread to use. fp32
-    only: with `query_start` (int32 [S + 1]) a sequence has several rows, its last tokens (q,
-    k, v, out are then [rows, ...]), each attending causally; `scratch` rows then hold the most
-    rows a sequence has times that.
+    fp32 [threads, heads / kv_heads * max(seq_lens)], one row for each thread to use. With
+    `query_start` (int32 [S + 1]) a sequence has several rows, its last tokens (q, k, v, out
+    are then [rows, ...]: a decode and its drafts), each attending causally; `scratch` rows
+    then hold the most rows a sequence has times that. (fp32's kernel reads a sequence's keys
+    once for all its rows; bf16's reads them for each row.)
 
     `prefix` = (pos, length, out, lse) merges a shared prefix's attention (`prefix_attention`'s
-    out [kv_heads, rows, dim] and lse; bf16 only): sequence s with pos[s] >= 0 (int32 [S])
-    attends itself only from token `length` on and takes the prefix's result at rows
-    pos[s] * group + g. With a `window` (and no prefix), each new token sees its last `window`
+    out [kv_heads, prefix rows, dim] and lse; bf16 only): row t with pos[t] >= 0 (int32
+    [rows]) attends itself only from token `length` on and takes the prefix's result at rows
+    pos[t] * group + g. With a `window` (and no prefix), each new token sees its last `window`
     positions only. With a `softcap`, a scaled score s becomes tanh(s / softcap) * softcap
     (Gemma 2)."""
     k_cache, v_cache = kv_cache
@@ -258,7 +259,6 @@ def decode_attention(
     _check_index("block_tables", block_tables, (num_seqs, block_tables.shape[1]))
     _check_index("seq_lens", seq_lens, (num_seqs,))
     if query_start is not None:
-        _require(q.dtype == torch.float32, "several rows a sequence: fp32 only")
         _check_index("query_start", query_start, (num_seqs + 1,))
         counts = query_start.diff()
         _require(
@@ -311,13 +311,14 @@ def decode_attention(
         return out
     pos, length, p_out, p_lse = prefix or (None, 0, None, None)
     if pos is not None:
-        _check_index("prefix positions", pos, (num_seqs,))
+        _check_index("prefix positions", pos, (rows,))
         _require(
             all(t.dtype == torch.float32 and t.is_contiguous() for t in (p_out, p_lse)),
             "the prefix's out and lse must be contiguous fp32",
         )
     load_library().decode_attention_bf16(
         **args,
+        query_start=None if query_start is None else query_start.data_ptr(),
         prefix_pos=None if pos is None else pos.data_ptr(),
         prefix_len=length,
         prefix_out=None if p_out is None else p_out.data_ptr(),

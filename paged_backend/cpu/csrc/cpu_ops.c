@@ -347,93 +347,106 @@ static inline void sum_lanes16(const float *x, int64_t n, float *part) {
     for (; t < n; t++) part[t & 15] += x[t];
 }
 
-/* The first key sequence s attends over in a decode step: 0, or past a shared prefix (cascade),
- * or its window's first. */
-static inline int64_t first_key(int64_t s, const int32_t *seq_lens, const int32_t *prefix_pos,
+/* The first key row t attends over in a decode step (`lens`: each row's tokens): 0, or past a
+ * shared prefix (cascade), or its window's first. */
+static inline int64_t first_key(int64_t t, const int32_t *lens, const int32_t *prefix_pos,
                                 int64_t prefix_len, int64_t window) {
-    int64_t first = prefix_pos && prefix_pos[s] >= 0 ? prefix_len : 0;
-    if (window > 0 && seq_lens[s] - window > first) first = seq_lens[s] - window;
+    int64_t first = prefix_pos && prefix_pos[t] >= 0 ? prefix_len : 0;
+    if (window > 0 && lens[t] - window > first) first = lens[t] - window;
     return first;
 }
 
-/* A decode thread's work on one of sequence s's kv heads: the keys it reads, plus a fixed cost of
- * ~16 keys a pair. */
-static inline int64_t pair_work(int64_t s, const int32_t *seq_lens, const int32_t *prefix_pos,
+/* A decode thread's work on one of row t's kv heads: the keys it reads, plus a fixed cost of ~16
+ * keys a pair. */
+static inline int64_t pair_work(int64_t t, const int32_t *lens, const int32_t *prefix_pos,
                                 int64_t prefix_len, int64_t window) {
-    return seq_lens[s] - first_key(s, seq_lens, prefix_pos, prefix_len, window) + 16;
+    return lens[t] - first_key(t, lens, prefix_pos, prefix_len, window) + 16;
 }
 
-/* One decode step of paged attention: write every sequence's new token's k/v into the
- * head-major caches [kv_heads, slots, dim] (slot = block * block_size + offset), then, after a
- * barrier, attend each sequence's query heads over its `seq_lens[s]` tokens. All writes come
- * before any read because a sequence may read a slot that another one writes in this step (a
- * request admitted on a prefix-cache hit of the block whose last token another decodes now);
- * writing per pair would let a pair on one thread read that slot before another thread wrote
- * it (fp32 scores and softmax, exact two-pass), out in
- * bf16 [seqs, heads, dim]. Query heads h * group .. h * group + group - 1 read kv head h. `dim` is
- * a multiple of 16. Each token's heads are packed in q, k and v, whose rows are `q_stride`,
- * `k_stride`, `v_stride` apart (views into the fused qkv output); `scores` holds group * max len
- * floats, `scores_stride` apart, for each of `threads` threads, which share the (sequence, kv
- * head) pairs.
+/* One decode step of paged attention: write each row's new k/v into the head-major caches
+ * [kv_heads, slots, dim] (slot = block * block_size + offset), then, after a barrier, attend each
+ * row's query heads over its tokens. Sequence s has the rows query_start[s] .. query_start[s + 1]
+ * - 1, its last tokens, the last at position seq_lens[s] - 1 (NULL: one row a sequence); a
+ * sequence's rows (its token and the drafts being verified) each attend causally, as a one-row
+ * sequence ending at its own position would, and each reads its keys itself. All writes come
+ * before any read because a row may read a slot that another one writes in this step (a later
+ * draft of its sequence, or a request admitted on a prefix-cache hit of the block whose last
+ * token another decodes now); writing per pair would let a pair on one thread read that slot
+ * before another thread wrote it (fp32 scores and softmax, exact two-pass), out in bf16 [rows,
+ * heads, dim]. Query heads h * group .. h * group + group - 1 read kv head h. `dim` is a multiple
+ * of 16. Each token's heads are packed in q, k and v, whose rows are `q_stride`, `k_stride`,
+ * `v_stride` apart (views into the fused qkv output); `scores` holds group * max len floats,
+ * `scores_stride` apart, for each of `threads` threads, which share the (row, kv head) pairs.
  *
- * Cascade: where `prefix_pos` is given and prefix_pos[s] >= 0, sequence s attends only to its
+ * Cascade: where `prefix_pos` is given and prefix_pos[t] >= 0, row t attends only to its
  * tokens from `prefix_len` on and merges, by log-sum-exp, the result of its query row over the
  * first `prefix_len` (a shared prefix): `prefix_out` [kv_heads][prefix_rows][dim] and
- * `prefix_lse` [kv_heads][prefix_rows] (fp32), at rows prefix_pos[s] * group + g.
+ * `prefix_lse` [kv_heads][prefix_rows] (fp32), at rows prefix_pos[t] * group + g.
  *
- * With `window` > 0 (sliding-window layers, no cascade) the new token sees its last `window`
- * positions only; the table's entries before them are not read. With `softcap` > 0 (Gemma 2) a
- * scaled score s becomes tanh(s / softcap) * softcap. */
+ * With `window` > 0 (sliding-window layers, no cascade) a row sees its last `window` positions
+ * only; the table's entries before them are not read. With `softcap` > 0 (Gemma 2) a scaled
+ * score s becomes tanh(s / softcap) * softcap. */
 void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t q_stride,
                            int64_t k_stride, int64_t v_stride,
                            bf16 *k_cache, bf16 *v_cache, int64_t cache_head_stride,
                            const int32_t *block_tables, int64_t max_blocks,
-                           const int32_t *seq_lens, int64_t block_size, int64_t num_seqs,
+                           const int32_t *seq_lens, const int32_t *query_start,
+                           int64_t block_size, int64_t num_seqs,
                            int64_t num_heads, int64_t num_kv_heads, int64_t dim, float scale,
                            bf16 *out, float *scores, int64_t scores_stride, int threads,
                            const int32_t *prefix_pos, int64_t prefix_len, const float *prefix_out,
                            const float *prefix_lse, int64_t prefix_rows, int64_t window,
                            float softcap) {
-    int64_t group = num_heads / num_kv_heads, pairs = num_seqs * num_kv_heads;
-    int64_t work = 0; /* over all (sequence, kv head) pairs */
-    for (int64_t s = 0; s < num_seqs; s++)
-        work += pair_work(s, seq_lens, prefix_pos, prefix_len, window) * num_kv_heads;
+    int64_t rows = query_start ? query_start[num_seqs] : num_seqs;
+    if (rows <= 0) return;
+    int32_t lens[rows]; /* each row's tokens: its position + 1 */
+    const int32_t *tables[rows];
+    for (int64_t s = 0; s < num_seqs; s++) {
+        int64_t a = query_start ? query_start[s] : s, b = query_start ? query_start[s + 1] : s + 1;
+        for (int64_t t = a; t < b; t++) {
+            lens[t] = seq_lens[s] - (int32_t)(b - 1 - t);
+            tables[t] = block_tables + s * max_blocks;
+        }
+    }
+    int64_t group = num_heads / num_kv_heads, pairs = rows * num_kv_heads;
+    int64_t work = 0; /* over all (row, kv head) pairs */
+    for (int64_t t = 0; t < rows; t++)
+        work += pair_work(t, lens, prefix_pos, prefix_len, window) * num_kv_heads;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for /* ends in a barrier: every write lands before the first read below */
         for (int64_t p = 0; p < pairs; p++) {
-            int64_t s = p / num_kv_heads, h = p % num_kv_heads;
-            int64_t at = h * cache_head_stride +
-                         slot_of(block_tables + s * max_blocks, seq_lens[s] - 1, block_size) * dim;
-            memcpy(k_cache + at, k + s * k_stride + h * dim, dim * sizeof(bf16));
-            memcpy(v_cache + at, v + s * v_stride + h * dim, dim * sizeof(bf16));
+            int64_t t = p / num_kv_heads, h = p % num_kv_heads;
+            int64_t at = h * cache_head_stride + slot_of(tables[t], lens[t] - 1, block_size) * dim;
+            memcpy(k_cache + at, k + t * k_stride + h * dim, dim * sizeof(bf16));
+            memcpy(v_cache + at, v + t * v_stride + h * dim, dim * sizeof(bf16));
         }
         /* Each thread takes a run of pairs with an equal share of the keys, in order, so that it
          * knows the pair it reads next and fetches its keys during this one's arithmetic. */
         int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
         int64_t lo = work * me / parts, hi = work * (me + 1) / parts, done = 0, p0 = pairs, p1 = pairs;
         for (int64_t p = 0; p < pairs; p++) {
-            int64_t s = p / num_kv_heads;
+            int64_t t = p / num_kv_heads;
             if (done >= lo && p0 == pairs) p0 = p;
             if (done >= hi) { p1 = p; break; }
-            done += pair_work(s, seq_lens, prefix_pos, prefix_len, window);
+            done += pair_work(t, lens, prefix_pos, prefix_len, window);
         }
         for (int64_t p = p0; p < p1; p++) {
-            int64_t s = p / num_kv_heads, h = p % num_kv_heads;
+            int64_t s = p / num_kv_heads, h = p % num_kv_heads; /* s: the row */
             float acc[group * dim], total[group], top[group];
             float *sc = scores + me * scores_stride;
-            const int32_t *table = block_tables + s * max_blocks;
-            int64_t len = seq_lens[s];
+            const int32_t *table = tables[s];
+            int64_t len = lens[s];
             int cascade = prefix_pos && prefix_pos[s] >= 0;
-            int64_t first = first_key(s, seq_lens, prefix_pos, prefix_len, window);
+            int64_t first = first_key(s, lens, prefix_pos, prefix_len, window);
             int64_t n = len - first;
             next_keys next = {0};
             if (p + 1 < p1) {
                 int64_t ns = (p + 1) / num_kv_heads;
                 next.k = k_cache + (p + 1) % num_kv_heads * cache_head_stride;
-                next.table = block_tables + ns * max_blocks;
-                next.first = first_key(ns, seq_lens, prefix_pos, prefix_len, window);
-                next.n = seq_lens[ns] - next.first;
+                next.table = tables[ns];
+                next.first = first_key(ns, lens, prefix_pos, prefix_len, window);
+                next.n = lens[ns] - next.first;
             }
             bf16 *kc = k_cache + h * cache_head_stride, *vc = v_cache + h * cache_head_stride;
             const bf16 *qh = q + s * q_stride + h * group * dim;
@@ -777,21 +790,23 @@ void prefill_attention_bf16(const bf16 *q, int64_t q_stride, int64_t tokens, int
  * the last layer's output; `residual` ends with the residual stream before it. `weights` holds,
  * per layer, the addresses of: input norm, qkv (packed for gemm_bf16), o, post-attention norm,
  * gate_up, down. `k_caches`/`v_caches`/`windows` (0: global): per layer. `scale`: attention's.
- * `work` holds rows * (hidden + q + 2 kv + q + 3 * intermediate) bf16 values.
+ * `work` holds rows * (hidden + q + 2 kv + q + 3 * intermediate) bf16 values. The rows of
+ * `num_seqs` sequences as `decode_attention_bf16` takes them (`query_start` NULL: one each).
  *
  * Cascade (a shared prefix, as `TorchAttention` runs it): where `prefix_k[l]` is not 0, layer l
  * attends the `num_shared` rows `shared_rows` over its packed prefix (`pack_prefix_bf16`,
  * `prefix_len` tokens; `prefix_k`/`prefix_v` hold the packs' addresses) with
- * prefix_attention_bf16, and the decode kernel merges that result (`prefix_pos`). `prefix_work`
- * holds kv_heads * rows4 * dim bf16 queries, then kv_heads * rows4 * (dim + 1) floats of output
- * and log-sum-exp, then threads * 6 * padded(prefix_len) floats (rows4: num_shared * group
- * rounded up to 4). */
+ * prefix_attention_bf16, and the decode kernel merges that result (`prefix_pos`, by row).
+ * `prefix_work` holds kv_heads * rows4 * dim bf16 queries, then kv_heads * rows4 * (dim + 1)
+ * floats of output and log-sum-exp, then threads * 6 * padded(prefix_len) floats (rows4:
+ * num_shared * group rounded up to 4). */
 void decode_layers_bf16(bf16 *x, bf16 *residual, int64_t rows, int64_t hidden, const bf16 *cos,
                         const bf16 *sin, int64_t num_layers, const int64_t *weights,
                         const int64_t *k_caches, const int64_t *v_caches,
                         int64_t cache_head_stride, const int64_t *windows,
                         const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
-                        int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
+                        const int32_t *query_start, int64_t num_seqs, int64_t block_size,
+                        int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t rot_dim, int64_t intermediate, float eps,
                         float scale, bf16 *work, float *scores, int64_t scores_stride,
                         int threads, const int64_t *prefix_k, const int64_t *prefix_v,
@@ -832,9 +847,9 @@ void decode_layers_bf16(bf16 *x, bf16 *residual, int64_t rows, int64_t hidden, c
         }
         decode_attention_bf16(qkv, qkv + q_size, qkv + q_size + kv_size, qkv_width, qkv_width,
                               qkv_width, (bf16 *)k_caches[l], (bf16 *)v_caches[l],
-                              cache_head_stride, block_tables, max_blocks, seq_lens, block_size,
-                              rows, num_heads, num_kv_heads, head_dim, scale, attn, scores,
-                              scores_stride, threads, cascade ? prefix_pos : NULL,
+                              cache_head_stride, block_tables, max_blocks, seq_lens, query_start,
+                              block_size, num_seqs, num_heads, num_kv_heads, head_dim, scale, attn,
+                              scores, scores_stride, threads, cascade ? prefix_pos : NULL,
                               cascade ? prefix_len : 0, p_out, p_lse, rows4, windows[l], 0.0f);
         gemm_bf16(attn, rows, q_size, (const bf16 *)w[2], hidden, q_size, x, 1, threads);
         rms_norm_bf16(x, residual, (const bf16 *)w[3], h, residual, rows, hidden, hidden, eps,

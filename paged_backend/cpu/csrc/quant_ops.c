@@ -60,8 +60,6 @@ static int64_t block_bytes(int type) {
     }
 }
 
-static int64_t block_weights(int type) { return type >= Q4_K ? 256 : 32; }
-
 static inline void set_pair(group_scales *s, int g32, float a, float b) {
     s->a[2 * g32] = s->a[2 * g32 + 1] = a;
     s->b[2 * g32] = s->b[2 * g32 + 1] = b;
