@@ -207,7 +207,7 @@ class ModelRunner:
             from paged_backend.gguf.quantize import quantize_linears_q8_0_
 
             quantize_linears_q8_0_(model)
-            return model.to(self.dtype)
+            return self._blocks_model(config, model, ops)
         # From the full-precision weights: a Q4 grid survives only until the cast.
         int4 = quantize_linears_int4(model.layers) if config.quantization == "int4" else None
         model.to(self.dtype)

@@ -122,14 +122,26 @@ class ReplayProposer:
         return []
 
 
-@pytest.mark.parametrize("dtype", [BF16, FP32])
+@pytest.mark.parametrize(
+    ("dtype", "gguf"),
+    [
+        pytest.param("bfloat16", False, marks=needs_bf16, id="bf16"),
+        pytest.param("float32", False, marks=needs_ops, id="fp32"),
+        pytest.param("bfloat16", True, marks=needs_ops, id="bf16-q4_k_m"),
+        pytest.param("float32", True, marks=needs_ops, id="fp32-q4_k_m"),
+    ],
+)
 def test_steps_verifying_drafts_run_fused_with_the_modules_bits(
-    tmp_path, default_model_path, monkeypatch, dtype
+    tmp_path, default_model_path, monkeypatch, dtype, gguf
 ):
     """Each sequence's token and its drafts (up to 5 rows a sequence; beside a shared prefix,
-    which bf16's fused step attends by cascade): fused, with the unfused engine's bits, which
-    are plain decoding's tokens."""
-    path = make_tiny_model(tmp_path, default_model_path, head_dim=64)  # the C prefix kernel's
+    which bf16's fused step attends by cascade where the prefix kernel builds): fused, with the
+    unfused engine's bits, which are plain decoding's tokens; over float weights and GGUF
+    blocks."""
+    if gguf:
+        path = write_checkpoint("tiny", tmp_path, ("q4_k_m",))[0]
+    else:
+        path = make_tiny_model(tmp_path, default_model_path, head_dim=64)  # the prefix kernel's
     shared = list(range(100, 140))
     prompts = [[*shared, 7, 8 + i, 9] for i in range(3)] + PROMPTS[:1]
     max_tokens = [12, 16, 20, 40]
@@ -146,7 +158,7 @@ def test_steps_verifying_drafts_run_fused_with_the_modules_bits(
         out, steps = generate_counting(llm, monkeypatch, max_tokens, prompts)
         drafting = [rows for rows, _ in steps if rows > 4]  # more rows than sequences
         assert bool(drafting) == fuse
-        if dtype == "bfloat16" and fuse:
+        if dtype == "bfloat16" and fuse and cpu.has_bf16_kernels() and not gguf:
             assert any(cascade for rows, cascade in steps if rows > 4)
         assert llm.stats()["spec_num_accepted_tokens"] > 0
         outputs.append(out)
@@ -208,16 +220,38 @@ def test_fp32_steps_with_a_shared_prefix_run_the_modules(tmp_path, default_model
 
 
 @needs_ops
-@pytest.mark.parametrize("shape", ["tiny", "tiny-qwen2", "default"])
-def test_gguf_blocks_run_fused_with_the_modules_bits(tmp_path, monkeypatch, shape):
-    """fp32 steps over a GGUF file's blocks (Q4_K and Q6_K parts of one projection, Qwen2's
-    biases; the default model's Q4_1) run in one call with the modules' bits."""
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [
+        ("tiny", "float32"),
+        ("tiny-qwen2", "float32"),
+        ("default", "float32"),
+        ("tiny", "bfloat16"),
+        ("default", "bfloat16"),
+        ("tiny-qwen2", "bfloat16"),  # biases: bf16's fused step takes none
+        ("int8", "float32"),
+        ("int8", "bfloat16"),
+    ],
+)
+def test_gguf_blocks_run_fused_with_the_modules_bits(
+    tmp_path, default_model_path, monkeypatch, shape, dtype
+):
+    """Steps over a GGUF file's blocks (Q4_K and Q6_K parts of one projection, Qwen2's biases;
+    the default model's Q4_1; `quantization="int8"`'s Q8_0 of a model with an untied head) run
+    in one call with the modules' bits: fp32's, and bf16's (a bf16 CPU's dtype; any build, as no
+    C GEMM copy is needed) without biases."""
+    args = {}
     if shape == "default":
         path = default_model_file()
+    elif shape == "int8":
+        path, args = make_tiny_model(tmp_path, default_model_path), {"quantization": "int8"}
     else:
         path = write_checkpoint(shape, tmp_path, ("q4_k_m",))[0]
-    llm = LLM(model=str(path), dtype="float32", enable_prefix_caching=False, num_kv_blocks=64)
+    llm = LLM(model=str(path), dtype=dtype, enable_prefix_caching=False, num_kv_blocks=64, **args)
     model = llm.engine.runner.model
+    if dtype == "bfloat16" and shape == "tiny-qwen2":
+        assert model.fused_decode is None
+        return
     assert model.fused_decode is not None
     assert isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
     fused, steps = generate_counting(llm, monkeypatch, [20, 12, 16])

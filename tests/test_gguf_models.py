@@ -200,6 +200,23 @@ def test_int8_linears_are_q8_0_blocks_of_the_float_weights(llm_fp32):
     assert_all_blocks_free(int8.engine)
 
 
+def test_int8_runs_an_untied_head_as_q8_0_blocks(tiny_model):
+    """A model whose head is its own weight (not the embedding's): the head's Q8_0 blocks give
+    the logits (`cpu_head`), close to the float head's, and requests run."""
+    full = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=64).engine.runner.model
+    assert full.lm_head is not None  # the tiny model's head is untied
+    llm = LLM(model=str(tiny_model), dtype="float32", quantization="int8", num_kv_blocks=64)
+    int8 = llm.engine.runner.model
+    assert int8.lm_head is None and isinstance(int8.cpu_head, QuantLinear)
+    assert [w.format for w in int8.cpu_head.weights] == ["Q8_0"]
+    x = torch.randn(3, full.config.hidden_size)
+    assert F.cosine_similarity(int8.logits(x), full.logits(x), dim=-1).min() > 0.999
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = llm.generate([[1, 5, 17, 923]], params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 6
+    assert_all_blocks_free(llm.engine)
+
+
 def test_int8_is_refused_where_it_cannot_run(tiny_model):
     with pytest.raises(ValueError, match="quantization"):
         LLM(model=str(tiny_model), quantization="int8", model_impl="transformers")

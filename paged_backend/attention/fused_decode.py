@@ -1,11 +1,12 @@
 """A decode step through every layer in one C call (`decode_layers_bf16` in `csrc/cpu_ops.c`
-for bf16 models on AVX512-BF16, `decode_layers_f32` in `csrc/f32_decode.c` for fp32 ones).
+for bf16 models, `decode_layers_f32` in `csrc/f32_decode.c` for fp32 ones).
 
 At one row a step of the default model runs ~270 ops (norms, four linears, rotary, attention and
 SiLU per layer), each a Python call of 10-20 us: ~5 ms of overhead beside ~8 ms of weight reads.
 Steps of decodes only (with their drafts being verified: up to 1 + `num_speculative_tokens` rows
-a sequence), whose linears all run the C GEMM (bf16) or the C fp32 linear, call the same C ops
-in the same order from C instead, with the same arguments: the outputs are the same bits. A
+a sequence), whose linears all run in C (GGUF blocks, the C fp32 linear, or bf16's C GEMM on
+AVX512-BF16), call the same C ops in the same order from C instead, with the same arguments: the
+outputs are the same bits. A
 shared prefix's cascade runs as `TorchAttention` runs it (its packed K/V copies come from the
 backend, kept across steps; bf16 only: fp32 steps with one run the modules). Everything else
 (longer prefill chunks, q/k norms, bf16 biases, steps too large for the C linears) runs the
@@ -61,8 +62,8 @@ class FusedDecode:
             ],
             dtype=torch.int64,
         )
-        # floats a row of `decode_layers_f32`'s quantized activations takes (a byte a level of
-        # the widest input's row, a float scale a 32, an int16 level sum a 16)
+        # floats a row of the fused step's quantized activations takes (a byte a level of the
+        # widest input's row, a float scale a 32, an int16 level sum a 16)
         widest = max(self.hidden, config.num_heads * self.head_dim, self.intermediate)
         self.act_per_row = activation_stride(widest) * 5 // 16
         windows = [layer.self_attn.window or 0 for layer in model.layers]
@@ -75,53 +76,53 @@ class FusedDecode:
         return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
     def _rows(self, linear: nn.Module) -> int:
-        if not self.f32:
-            return linear.gemm_rows
-        return QUANT_MAX_ROWS if isinstance(linear, QuantLinear) else linear.c_rows
+        if isinstance(linear, QuantLinear):
+            return QUANT_MAX_ROWS
+        return linear.c_rows if self.f32 else linear.gemm_rows
 
     def _pointers(self, linear: nn.Module) -> list[int]:
-        """bf16: the GEMM copy's address. fp32: the linear's descriptor for `fused_linear` in
-        `csrc/f32_decode.c` (parts, bias, each part's type, address, outputs and row bytes; type
-        0 an fp32 weight, else its GGUF block type)."""
-        if not self.f32:
-            return [linear.gemm.data_ptr()]
+        """The linear's descriptor for `fused_linear` in `csrc/f32_decode.c`: parts, bias, each
+        part's type, address, outputs and row bytes; type 0 a float weight (fp32: the weight;
+        bf16: the C GEMM's packed copy), else its GGUF block type."""
         if isinstance(linear, QuantLinear):
             parts = [
                 (w.type_id, w.data.data_ptr(), w.out_features, w.data.stride(0))
                 for w in linear.weights
             ]
-        else:
+        elif self.f32:
             weight = linear.weight
             parts = [(0, weight.data_ptr(), weight.shape[0], weight.stride(0) * 4)]
+        else:
+            parts = [(0, linear.gemm.data_ptr(), linear.gemm.shape[0] * 16, 0)]
         words = [len(parts), 0 if linear.bias is None else linear.bias.data_ptr()]
         for part in parts + [(0, 0, 0, 0)] * (MAX_PARTS - len(parts)):
             words.extend(part)
         return words
 
     @staticmethod
-    def _f32_fits(linear: nn.Module) -> bool:
-        """Whether the fp32 step can run this linear: quantized weights of up to `MAX_PARTS`
-        parts, or an fp32 weight the C fp32 linear serves."""
+    def _fits(linear: nn.Module, f32: bool) -> bool:
+        """Whether the fused step can run this linear: quantized weights of up to `MAX_PARTS`
+        parts, an fp32 weight the C fp32 linear serves, or a bf16 one with a C GEMM copy
+        (AVX512-BF16); biases in fp32 only."""
+        if linear.bias is not None and not f32:
+            return False
         if isinstance(linear, QuantLinear):
             return len(linear.weights) <= MAX_PARTS
-        return bool(getattr(linear, "c_rows", 0))
+        if f32:
+            return bool(getattr(linear, "c_rows", 0))
+        return getattr(linear, "gemm", None) is not None
 
     @classmethod
     def build(cls, model: nn.Module) -> FusedDecode | None:
         """For a model on the C ops whose attention has no q/k norms and whose layer linears all
         run in C: an fp32 model's on the C fp32 linear or on GGUF blocks (biases too), a bf16
-        one's with C GEMM copies and no biases (AVX512-BF16); else None."""
+        one's on C GEMM copies (AVX512-BF16) or GGUF blocks, without biases; else None."""
         f32 = model.norm.weight.dtype == torch.float32
-        if not (f32 or cpu.has_bf16_kernels()):
-            return None
         for layer in model.layers:
             if layer.self_attn.q_norm is not None:
                 return None
-            for linear in cls._linears(layer):
-                if f32 and not cls._f32_fits(linear):
-                    return None
-                if not f32 and (getattr(linear, "gemm", None) is None or linear.bias is not None):
-                    return None
+            if not all(cls._fits(linear, f32) for linear in cls._linears(layer)):
+                return None
         return cls(model, f32)
 
     def plan(self, meta: AttentionMetadata, rows: int) -> CDecodePlan | None:
@@ -156,6 +157,7 @@ class FusedDecode:
             rows * (self.hidden + qkv_width + q_size + 3 * self.intermediate), dtype=x.dtype
         )
         residual = torch.empty_like(x)
+        act = torch.empty(rows * self.act_per_row)
         starts = plan.query_start
         if starts is None:
             starts = torch.arange(rows + 1, dtype=torch.int32)
@@ -191,13 +193,11 @@ class FusedDecode:
             threads=plan.scratch.shape[0],
             query_start=starts.data_ptr(),
             num_seqs=len(plan.seq_lens),
+            act=act.data_ptr(),
         )
         if self.f32:
-            act = torch.empty(rows * self.act_per_row)
             cpu.load_library().decode_layers_f32(
-                **args,
-                act=act.data_ptr(),
-                kv_half=int(kv_caches[0][0].dtype == torch.float16),
+                **args, kv_half=int(kv_caches[0][0].dtype == torch.float16)
             )
         else:
             cascade = self._cascade(plan, backend, kv_caches, block_size)

@@ -140,8 +140,9 @@ _K_PACKERS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 def quantize_linears_q8_0_(model: nn.Module) -> None:
     """`quantization="int8"`: every `nn.Linear` below `model` whose inputs are a multiple of 32
-    as a Q8_0 `QuantLinear` of its weight (half the bytes of bf16 for each step to read), and a
-    tied head as Q8_0 blocks of the embedding table, which stays as it is for lookups."""
+    as a Q8_0 `QuantLinear` of its weight (half the bytes of bf16 for each step to read), and the
+    head as Q8_0 blocks in `cpu_head`: an untied one's weight, a tied one's the embedding
+    table's, which stays as it is for lookups."""
 
     def q8_0(weight: torch.Tensor) -> QuantWeight:
         blocks = quantize(weight.detach().float().numpy(), "Q8_0")
@@ -152,5 +153,8 @@ def quantize_linears_q8_0_(model: nn.Module) -> None:
             parent, _, attr = name.rpartition(".")
             linear = QuantLinear([q8_0(child.weight)], child.bias)
             setattr(model.get_submodule(parent), attr, linear)
-    if getattr(model, "lm_head", False) is None:
+    head = getattr(model, "lm_head", False)
+    if head is None:
         model.cpu_head = QuantLinear([q8_0(model.embed_tokens.weight)])
+    elif isinstance(head, QuantLinear):  # the model's head runs `cpu_head` where it has one
+        model.cpu_head, model.lm_head = head, None

@@ -25,6 +25,14 @@ static inline int omp_get_num_threads(void) { return 1; }
  * from L2 (a 32-row Q4_K product ran ~1.3x slower). */
 static inline int64_t act_stride(int64_t k) { return (k + 255) / 256 * 256 + 256; }
 
+/* The fused decode steps' weights (`decode_layers_f32`, `decode_layers_bf16`): a layer linear's
+ * descriptor (`fused_linear`) and a layer's words: the input norm's address, the qkv
+ * projection's descriptor, o's, the post-attention norm's address, then gate_up's and down's. */
+#define LINEAR_WORDS 14
+#define LAYER_WORDS (2 + 4 * LINEAR_WORDS)
+void fused_linear(const int64_t *d, const void *x, int bf16_io, int64_t rows, int64_t k, void *y,
+                  int64_t n_total, float *act, int64_t max_k, int threads);
+
 /* The cache slot of token `key` through a block table: block * block_size + offset, without a
  * division where block_size is a power of two (decode attention asks once per key it reads). */
 static inline int64_t slot_of(const int32_t *table, int64_t key, int64_t block_size) {

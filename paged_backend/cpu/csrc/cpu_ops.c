@@ -784,46 +784,64 @@ void prefill_attention_bf16(const bf16 *q, int64_t q_stride, int64_t tokens, int
         }
 }
 
+#else
+int has_bf16_kernels(void) { return 0; }
+#endif
+
 /* One decode step of a Llama-family decoder (no biases, no q/k norms) through all its layers:
  * the same ops in the same order as the modules run them (`paged_backend.fused_decode`), so the
  * same bits, without a Python call per op. `x` [rows][hidden] holds the embeddings and ends with
- * the last layer's output; `residual` ends with the residual stream before it. `weights` holds,
- * per layer, the addresses of: input norm, qkv (packed for gemm_bf16), o, post-attention norm,
- * gate_up, down. `k_caches`/`v_caches`/`windows` (0: global): per layer. `scale`: attention's.
- * `work` holds rows * (hidden + q + 2 kv + q + 3 * intermediate) bf16 values. The rows of
- * `num_seqs` sequences as `decode_attention_bf16` takes them (`query_start` NULL: one each).
+ * the last layer's output; `residual` ends with the residual stream before it. `weights`:
+ * LAYER_WORDS words a layer (common.h), each linear's descriptor for `fused_linear`: the C GEMM's
+ * packed copy (AVX512-BF16 builds) or GGUF blocks, on activations quantized into `act` (rows *
+ * kp * 5 / 16 floats, kp: `act_stride` of the widest input). `k_caches`/`v_caches`/`windows`
+ * (0: global): per layer. `scale`: attention's. `work` holds rows * (hidden + q + 2 kv + q + 3 *
+ * intermediate) bf16 values. The rows of `num_seqs` sequences as `decode_attention_bf16` takes
+ * them (`query_start` NULL: one each).
  *
- * Cascade (a shared prefix, as `TorchAttention` runs it): where `prefix_k[l]` is not 0, layer l
- * attends the `num_shared` rows `shared_rows` over its packed prefix (`pack_prefix_bf16`,
- * `prefix_len` tokens; `prefix_k`/`prefix_v` hold the packs' addresses) with
- * prefix_attention_bf16, and the decode kernel merges that result (`prefix_pos`, by row).
- * `prefix_work` holds kv_heads * rows4 * dim bf16 queries, then kv_heads * rows4 * (dim + 1)
- * floats of output and log-sum-exp, then threads * 6 * padded(prefix_len) floats (rows4:
- * num_shared * group rounded up to 4). */
+ * Cascade (a shared prefix, as `TorchAttention` runs it; AVX512-BF16 builds, which have the
+ * prefix kernel): where `prefix_k[l]` is not 0, layer l attends the `num_shared` rows
+ * `shared_rows` over its packed prefix (`pack_prefix_bf16`, `prefix_len` tokens;
+ * `prefix_k`/`prefix_v` hold the packs' addresses) with prefix_attention_bf16, and the decode
+ * kernel merges that result (`prefix_pos`, by row). `prefix_work` holds kv_heads * rows4 * dim
+ * bf16 queries, then kv_heads * rows4 * (dim + 1) floats of output and log-sum-exp, then threads
+ * * 6 * padded(prefix_len) floats (rows4: num_shared * group rounded up to 4). */
 void decode_layers_bf16(bf16 *x, bf16 *residual, int64_t rows, int64_t hidden, const bf16 *cos,
                         const bf16 *sin, int64_t num_layers, const int64_t *weights,
                         const int64_t *k_caches, const int64_t *v_caches,
                         int64_t cache_head_stride, const int64_t *windows,
                         const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
                         const int32_t *query_start, int64_t num_seqs, int64_t block_size,
-                        int64_t num_heads, int64_t num_kv_heads,
-                        int64_t head_dim, int64_t rot_dim, int64_t intermediate, float eps,
-                        float scale, bf16 *work, float *scores, int64_t scores_stride,
-                        int threads, const int64_t *prefix_k, const int64_t *prefix_v,
-                        int64_t prefix_len, const int64_t *shared_rows, int64_t num_shared,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                        int64_t rot_dim, int64_t intermediate, float eps, float scale, bf16 *work,
+                        float *act, float *scores, int64_t scores_stride, int threads,
+                        const int64_t *prefix_k, const int64_t *prefix_v, int64_t prefix_len,
+                        const int64_t *shared_rows, int64_t num_shared,
                         const int32_t *prefix_pos, void *prefix_work) {
     int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     int64_t qkv_width = q_size + 2 * kv_size, group = num_heads / num_kv_heads;
+    int64_t max_k = hidden > q_size ? hidden : q_size;
+    max_k = max_k > intermediate ? max_k : intermediate;
     bf16 *h = work, *qkv = h + rows * hidden, *attn = qkv + rows * qkv_width;
-    bf16 *gate_up = attn + rows * q_size, *act = gate_up + rows * 2 * intermediate;
+    bf16 *gate_up = attn + rows * q_size, *mlp = gate_up + rows * 2 * intermediate;
     int64_t rows4 = (num_shared * group + 3) / 4 * 4;
+    float *p_out = NULL, *p_lse = NULL;
+#ifdef __AVX512BF16__
     bf16 *q_rows = prefix_work; /* [kv_heads][rows4][dim], each kv head's shared queries */
-    float *p_out = (float *)(q_rows + num_kv_heads * rows4 * head_dim);
-    float *p_lse = p_out + num_kv_heads * rows4 * head_dim;
+    p_out = (float *)(q_rows + num_kv_heads * rows4 * head_dim);
+    p_lse = p_out + num_kv_heads * rows4 * head_dim;
     float *p_scratch = p_lse + num_kv_heads * rows4;
     if (num_shared) memset(q_rows, 0, num_kv_heads * rows4 * head_dim * sizeof(bf16));
+#else
+    (void)prefix_v, (void)shared_rows, (void)prefix_work;
+    num_shared = 0; /* no prefix kernel: the engine plans no cascade for this build */
+#endif
     for (int64_t l = 0; l < num_layers; l++) {
-        const int64_t *w = weights + 6 * l;
+        const int64_t *w = weights + LAYER_WORDS * l;
+        const int64_t *qkv_proj = w + 1, *o_proj = qkv_proj + LINEAR_WORDS;
+        const bf16 *post_norm = (const bf16 *)o_proj[LINEAR_WORDS];
+        const int64_t *gate_up_proj = o_proj + LINEAR_WORDS + 1;
+        const int64_t *down_proj = gate_up_proj + LINEAR_WORDS;
         if (l == 0) {
             rms_norm_bf16(x, NULL, (const bf16 *)w[0], h, NULL, rows, hidden, hidden, eps, threads);
             memcpy(residual, x, rows * hidden * sizeof(bf16));
@@ -831,10 +849,11 @@ void decode_layers_bf16(bf16 *x, bf16 *residual, int64_t rows, int64_t hidden, c
             rms_norm_bf16(x, residual, (const bf16 *)w[0], h, residual, rows, hidden, hidden, eps,
                           threads);
         }
-        gemm_bf16(h, rows, hidden, (const bf16 *)w[1], qkv_width, hidden, qkv, 1, threads);
+        fused_linear(qkv_proj, h, 1, rows, hidden, qkv, qkv_width, act, max_k, threads);
         rotary_bf16(qkv, cos, sin, rows, num_heads + num_kv_heads, head_dim, rot_dim, qkv_width,
                     threads);
         int cascade = num_shared && prefix_k[l];
+#ifdef __AVX512BF16__
         if (cascade) {
             for (int64_t kh = 0; kh < num_kv_heads; kh++)
                 for (int64_t m = 0; m < num_shared; m++)
@@ -845,22 +864,18 @@ void decode_layers_bf16(bf16 *x, bf16 *residual, int64_t rows, int64_t hidden, c
                                   (const bf16 *)prefix_v[l], prefix_len, scale, p_out, p_lse,
                                   p_scratch, threads, 0, 0, 0, 0.0f);
         }
+#endif
         decode_attention_bf16(qkv, qkv + q_size, qkv + q_size + kv_size, qkv_width, qkv_width,
                               qkv_width, (bf16 *)k_caches[l], (bf16 *)v_caches[l],
                               cache_head_stride, block_tables, max_blocks, seq_lens, query_start,
                               block_size, num_seqs, num_heads, num_kv_heads, head_dim, scale, attn,
                               scores, scores_stride, threads, cascade ? prefix_pos : NULL,
                               cascade ? prefix_len : 0, p_out, p_lse, rows4, windows[l], 0.0f);
-        gemm_bf16(attn, rows, q_size, (const bf16 *)w[2], hidden, q_size, x, 1, threads);
-        rms_norm_bf16(x, residual, (const bf16 *)w[3], h, residual, rows, hidden, hidden, eps,
-                      threads);
-        gemm_bf16(h, rows, hidden, (const bf16 *)w[4], 2 * intermediate, hidden, gate_up, 1,
-                  threads);
-        silu_and_mul_bf16(gate_up, act, rows, intermediate, threads);
-        gemm_bf16(act, rows, intermediate, (const bf16 *)w[5], hidden, intermediate, x, 1,
-                  threads);
+        fused_linear(o_proj, attn, 1, rows, q_size, x, hidden, act, max_k, threads);
+        rms_norm_bf16(x, residual, post_norm, h, residual, rows, hidden, hidden, eps, threads);
+        fused_linear(gate_up_proj, h, 1, rows, hidden, gate_up, 2 * intermediate, act, max_k,
+                     threads);
+        silu_and_mul_bf16(gate_up, mlp, rows, intermediate, threads);
+        fused_linear(down_proj, mlp, 1, rows, intermediate, x, hidden, act, max_k, threads);
     }
 }
-#else
-int has_bf16_kernels(void) { return 0; }
-#endif

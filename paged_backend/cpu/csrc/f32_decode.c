@@ -22,6 +22,10 @@ void quantize_activations(const void *x, int x_bf16, int64_t rows, int64_t k, in
 void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
                   const int8_t *xq, const float *xd, const int16_t *bsum,
                   int64_t rows, void *out, int out_bf16, int64_t out_stride, int threads);
+#ifdef __AVX512BF16__
+void gemm_bf16(const uint16_t *x, int64_t rows, int64_t x_stride, const uint16_t *wp, int64_t n,
+               int64_t k, void *out, int out_bf16, int threads);
+#endif
 
 /* out = h * rsqrt(mean(h^2) + eps) * weight per row, h = x, or with `residual`: h = x + residual,
  * also written to `new_residual` (which may be `residual`). */
@@ -392,37 +396,45 @@ void decode_attention_f32(const float *q, const float *k, const float *v, int64_
     }
 }
 
-/* A layer linear of the fused step, from its descriptor of LINEAR_WORDS words: the number of
+/* A layer linear of the fused steps, from its descriptor of LINEAR_WORDS words: the number of
  * parts (weights side by side in the output: a fused qkv or gate/up projection), the bias address
- * (0: none), then each part's (type, address, outputs, row bytes): type 0 an fp32 weight [n][k]
- * for `linear_f32`, else a GGUF block type for `quant_matmul`, on activations quantized into
- * `act` (for the part's block size, once for consecutive parts that share it). */
-#define LINEAR_WORDS 14
-static void fused_linear(const int64_t *d, const float *x, int64_t rows, int64_t k, float *y,
-                         int64_t n_total, float *act, int64_t max_k, int threads) {
-    int64_t kp = act_stride(max_k), block = 0, column = 0;
+ * (0: none; fp32 only), then each part's (type, address, outputs, row bytes): type 0 a float
+ * weight, else a GGUF block type for `quant_matmul`, on activations quantized into `act` (for the
+ * part's block size, once for consecutive parts that share it). x [rows][k] and y [rows][n_total]
+ * are fp32 (`decode_layers_f32`; type 0: an fp32 weight [n][k] for `linear_f32`) or, with
+ * `bf16_io`, bf16 (`decode_layers_bf16`; type 0: the one part, the packed copy `gemm_bf16`
+ * reads, which only AVX512-BF16 builds make), each output rounded once as the modules' are. */
+void fused_linear(const int64_t *d, const void *x, int bf16_io, int64_t rows, int64_t k, void *y,
+                  int64_t n_total, float *act, int64_t max_k, int threads) {
+    int64_t kp = act_stride(max_k), block = 0, column = 0, elem = bf16_io ? 2 : 4;
     float *xd = act;
     int16_t *bsum = (int16_t *)(xd + rows * kp / 32);
     int8_t *xq = (int8_t *)(bsum + rows * kp / 16);
     for (int64_t p = 0; p < d[0]; p++) {
         const int64_t *part = d + 2 + 4 * p;
         int type = (int)part[0];
-        if (type == 0) {
-            linear_f32(x, rows, k, (const float *)part[1], part[2], k, y + column, n_total, threads);
+        void *out = (char *)y + column * elem;
+        if (type == 0 && !bf16_io) {
+            linear_f32(x, rows, k, (const float *)part[1], part[2], k, out, n_total, threads);
+        } else if (type == 0) {
+#ifdef __AVX512BF16__
+            gemm_bf16(x, rows, k, (const uint16_t *)part[1], part[2], k, out, 1, threads);
+#endif
         } else {
             int64_t need = type >= 12 ? 256 : 32; /* the K-quants' super-blocks (Q4_K = 12 on) */
             if (block != need)
-                quantize_activations(x, 0, rows, k, k, need, xq, xd, bsum, threads);
+                quantize_activations(x, bf16_io, rows, k, k, need, xq, xd, bsum, threads);
             block = need;
             quant_matmul(type, (const uint8_t *)part[1], part[2], k, part[3], xq, xd, bsum,
-                         rows, y + column, 0, n_total, threads);
+                         rows, out, bf16_io, n_total, threads);
         }
         column += part[2];
     }
     const float *bias = (const float *)d[1];
+    float *yf = y;
     if (bias)
         for (int64_t r = 0; r < rows; r++)
-            for (int64_t i = 0; i < n_total; i++) y[r * n_total + i] += bias[i];
+            for (int64_t i = 0; i < n_total; i++) yf[r * n_total + i] += bias[i];
 }
 
 /* A decode step through all `num_layers` layers of a Llama-style model in one call, as the layer
@@ -433,7 +445,6 @@ static void fused_linear(const int64_t *d, const float *x, int64_t rows, int64_t
  * intermediate) floats; `act`: rows * kp * 5 / 16 floats (kp: `act_stride` of the widest input)
  * for quantized activations. The rows of `num_seqs` sequences as `decode_attention_f32`
  * takes them; `windows`: each layer's (0: global). */
-#define LAYER_WORDS (2 + 4 * LINEAR_WORDS)
 void decode_layers_f32(float *x, float *residual, int64_t rows, int64_t hidden, const float *cos,
                        const float *sin, int64_t num_layers, const int64_t *weights,
                        const int64_t *k_caches, const int64_t *v_caches, int kv_half,
@@ -462,7 +473,7 @@ void decode_layers_f32(float *x, float *residual, int64_t rows, int64_t hidden, 
             rms_norm_f32(x, residual, (const float *)w[0], h, residual, rows, hidden, hidden, eps,
                          threads);
         }
-        fused_linear(qkv_proj, h, rows, hidden, qkv, qkv_width, act, max_k, threads);
+        fused_linear(qkv_proj, h, 0, rows, hidden, qkv, qkv_width, act, max_k, threads);
         rotary_f32(qkv, cos, sin, rows, num_heads + num_kv_heads, head_dim, rot_dim, qkv_width,
                    threads);
         decode_attention_f32(qkv, qkv + q_size, qkv + q_size + kv_size, qkv_width, qkv_width,
@@ -470,11 +481,11 @@ void decode_layers_f32(float *x, float *residual, int64_t rows, int64_t hidden, 
                              cache_head_stride, block_tables, max_blocks, seq_lens, query_start,
                              block_size, num_seqs, num_heads, num_kv_heads, head_dim, scale, attn,
                              scores, scores_stride, threads, windows[l], 0.0f);
-        fused_linear(o_proj, attn, rows, q_size, x, hidden, act, max_k, threads);
+        fused_linear(o_proj, attn, 0, rows, q_size, x, hidden, act, max_k, threads);
         rms_norm_f32(x, residual, post_norm, h, residual, rows, hidden, hidden, eps, threads);
-        fused_linear(gate_up_proj, h, rows, hidden, gate_up, 2 * intermediate, act, max_k,
+        fused_linear(gate_up_proj, h, 0, rows, hidden, gate_up, 2 * intermediate, act, max_k,
                      threads);
         silu_and_mul_f32(gate_up, mlp, rows, intermediate, threads);
-        fused_linear(down_proj, mlp, rows, intermediate, x, hidden, act, max_k, threads);
+        fused_linear(down_proj, mlp, 0, rows, intermediate, x, hidden, act, max_k, threads);
     }
 }
