@@ -15,6 +15,7 @@ from paged_backend import LLM, SamplingParams, cpu
 from paged_backend.cpu import ops as cpu_ops
 from paged_backend.model_loader import resolve_model_path
 from paged_backend.models.config import ModelConfig
+from paged_backend.models.llama import ROPE_CHUNK, RotaryEmbedding, rope_inv_freq
 
 PROMPTS = [
     "The capital of France is",
@@ -220,6 +221,29 @@ def test_non_gguf_file_is_refused(tmp_path):
     file.write_bytes(b"not a model")
     with pytest.raises(ValueError, match=re.escape(str(file))):
         resolve_model_path(file)
+
+
+def test_rotary_tables_grow_as_positions_are_reached(tiny_model):
+    """The cos/sin rows are computed for the positions a step reaches, in the same chunks
+    whatever the order (so the same values), and equal the whole table's."""
+    config = ModelConfig.from_dir(tiny_model, "native")
+    whole = RotaryEmbedding(config, 9000)
+    whole.reserve(9000)
+    assert whole.capacity == 9000
+    grown = RotaryEmbedding(config, 9000)
+    assert grown.capacity == ROPE_CHUNK  # a short model's start
+    cos, sin = grown(torch.tensor([3, 5000, 17]))
+    assert grown.capacity == 8192  # doubled until position 5000 fits
+    assert torch.equal(cos[:, 0], whole.cos[[3, 5000, 17]])
+    assert torch.equal(sin[:, 0], whole.sin[[3, 5000, 17]])
+    stepwise = RotaryEmbedding(config, 9000)
+    for position in (2500, 4500, 8999):
+        stepwise(torch.tensor([position]))
+    assert stepwise.capacity == 9000
+    assert torch.equal(stepwise.cos, whole.cos) and torch.equal(stepwise.sin, whole.sin)
+    positions = torch.arange(9000, dtype=torch.float32)
+    freqs = torch.outer(positions, rope_inv_freq(config))
+    torch.testing.assert_close(whole.cos, torch.cat((freqs, freqs), -1).cos(), atol=1e-6, rtol=0)
 
 
 def test_unsupported_rope_scaling_is_named(tmp_path, tiny_model):

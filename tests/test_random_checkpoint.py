@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, quant_shape_to_byte_shape
+from gguf import GGMLQuantizationType, GGUFReader, TokenType, quant_shape_to_byte_shape
 from gguf.quants import dequantize
 from safetensors.torch import load_file
 
@@ -251,6 +251,23 @@ def test_the_tokenizer_is_the_default_model_s(tiny):
     }
     assert ours == default
     assert len(ours["tokenizer.ggml.tokens"][0]) == 49152
+
+
+def test_a_larger_vocabulary_pads_the_tokens_with_unused_ones():
+    """Gemma 3's 262,144 rows: the default tokenizer's tokens, then `<unused{i}>` ones of type
+    UNUSED (llama.cpp sizes the vocabulary by the token list); the other keys unchanged."""
+    assert rc.SHAPES["gemma-3-270m"].vocab == 262144
+    fields = rc.tokenizer_fields(default_model_file())
+    padded = {key: value for key, value, _ in rc.padded_tokenizer(fields, 262144)}
+    default = {key: value for key, value, _ in fields}
+    tokens, types = padded["tokenizer.ggml.tokens"], padded["tokenizer.ggml.token_type"]
+    assert len(tokens) == len(types) == 262144
+    assert tokens[:49152] == default["tokenizer.ggml.tokens"]
+    assert tokens[49152] == "<unused0>" and tokens[-1] == f"<unused{262144 - 49152 - 1}>"
+    assert set(types[49152:]) == {int(TokenType.UNUSED)}
+    rest = padded.keys() - {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type"}
+    assert {key: padded[key] for key in rest} == {key: default[key] for key in rest}
+    assert {k: v for k, v, _ in rc.padded_tokenizer(fields, 49152)} == default
 
 
 @pytest.mark.parametrize(

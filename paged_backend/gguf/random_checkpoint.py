@@ -15,10 +15,11 @@ too), rounded to bfloat16:
   hyperparameter keys (arch `llama` for Llama and Mistral, `qwen2`, `qwen3`, `gemma2`, `gemma3`),
   Q and K rows permuted for `llama`, llama3 rope scaling as a `rope_freqs.weight` tensor, Gemma's
   norms as 1 + weight, and the default model's tokenizer (`tokenizer.*` keys copied from its GGUF
-  file, vocabulary 49152 for every shape). Real Gemma files hold a SentencePiece vocabulary,
-  and transformers' GGUF loader reads a `gemma2`/`gemma3` file's tokenizer as one: the Gemma
-  shapes' text tokenizes otherwise than through their bf16 copy (spaces come out unknown), so
-  compare them with their copy by weights and config, and generations within one file.
+  file; its 49,152 tokens, then unused ones up to a larger vocabulary: Gemma 3's 262,144). Real
+  Gemma files hold a SentencePiece vocabulary, and transformers' GGUF loader reads a
+  `gemma2`/`gemma3` file's tokenizer as one: the Gemma shapes' text tokenizes otherwise than
+  through their bf16 copy (spaces come out unknown), so compare them with their copy by weights
+  and config, and generations within one file.
 
 Tensor types: Q4_K_M follows llama.cpp's `llama_tensor_get_type`: Q4_K, Q6_K for `attn_v` and
 `ffn_down` on the layers `use_more_bits` picks and for the output (the token embeddings where
@@ -92,7 +93,8 @@ GEMMA3_LOCAL_ROPE_THETA = 10000.0  # its sliding layers' base; GGUF files do not
 
 @dataclass(frozen=True)
 class Shape:
-    """A model's real dimensions (the vocabulary is the default tokenizer's)."""
+    """A model's real dimensions (its vocabulary's size; the tokens are the default
+    tokenizer's, then unused ones)."""
 
     architecture: str  # transformers' class, a key of GGUF_ARCHS
     hidden: int
@@ -143,6 +145,15 @@ SHAPES = {
     "qwen2.5-0.5b": Shape("Qwen2ForCausalLM", 896, 24, 14, 2, 4864, 32768, 1e6, 1e-6),
     "llama-3.2-1b": Shape("LlamaForCausalLM", 2048, 16, 32, 8, 8192, **_LLAMA_3_2),
     "llama-3.2-3b": Shape("LlamaForCausalLM", 3072, 28, 24, 8, 8192, **_LLAMA_3_2),
+    # Gemma 3 270M: most of its weights are the 262,144-token embedding (tied), and 640 inputs
+    # are not whole K-quant super-blocks (a Q4_K_M file falls back to Q5_0 and Q8_0).
+    "gemma-3-270m": Shape(
+        "Gemma3ForCausalLM",
+        *(640, 18, 4, 1, 2048, 32768, 1e6, 1e-6),
+        vocab=262144,
+        key_length=256,
+        sliding_window=512,
+    ),
     # For tests: every row length a multiple of 256 (K-quants), one of each family; the llama
     # one untied (an `output.weight`) with Llama 3.2's rope, the qwen2 one tied with biases.
     "tiny": Shape("LlamaForCausalLM", 256, 2, 4, 2, 512, **_LLAMA_3_2, tied=False),
@@ -419,10 +430,25 @@ def _metadata(writer: gguf.GGUFWriter, shape: Shape, fmt: str, name: str, tokeni
     if shape.gemma:
         writer.add_sliding_window(shape.sliding_window)
     writer.add_file_type(GGUF_FORMATS[fmt][1])
-    for key, value, types in tokenizer:
+    for key, value, types in padded_tokenizer(tokenizer, shape.vocab):
         sub_type = types[-1] if types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, types[0], sub_type=sub_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def padded_tokenizer(tokenizer: tuple, vocab: int) -> tuple:
+    """The `tokenizer.*` keys with `<unused{i}>` tokens (type UNUSED) after the real ones, up to
+    `vocab`: llama.cpp takes the vocabulary's size from the token list."""
+    tokens = dict((key, value) for key, value, _ in tokenizer)["tokenizer.ggml.tokens"]
+    extra = range(vocab - len(tokens))
+    padding = {
+        "tokenizer.ggml.tokens": [f"<unused{i}>" for i in extra],
+        "tokenizer.ggml.token_type": [int(gguf.TokenType.UNUSED)] * len(extra),
+    }
+    return tuple(
+        (key, value + padding[key] if key in padding else value, types)
+        for key, value, types in tokenizer
+    )
 
 
 @contextmanager

@@ -132,32 +132,71 @@ def rope_inv_freq(config: ModelConfig, long: bool = False) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+ROPE_CHUNK = 2048  # positions the rotary tables start with; they double from there
+
+
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables of the rotated dims, a row for every position, computed once; a step
-    indexes them by each token's row (`rows`).
+    """cos/sin tables of the rotated dims, a row for every position; a step indexes them by each
+    token's row (`rows`). Rows are computed as positions are first reached, in chunks of
+    `ROPE_CHUNK` * 2^k rows (the same chunks, so the same values, in whatever order a process
+    reaches them), up to `max_len`: computed at once, a Gemma 3 270M's two tables of 32,768
+    positions by 256 dims took 128 MB, half its Q4_K_M file.
 
     LongRoPE, as transformers runs it (its factors picked per forward call by the sequence
     length, scaled by the attention factor): rows below the original length take the short
     factors, later ones the long factors, so a sequence whose prompt fits switches for the tokens
     past that length only, its earlier keys staying as they were cached. A sequence whose prompt
     is longer (`ModelConfig.long_rope`) takes the long factors from its first token: its
-    positions before the original length read the extra rows after `max_len`."""
+    positions before the original length read extra rows after `max_len` (these tables are
+    computed whole at the start, so that those rows stay where `rows` puts them)."""
 
     def __init__(self, config: ModelConfig, max_len: int) -> None:
         super().__init__()
         self.max_len = max_len
         self.long_from = config.long_rope_from
-        positions = torch.arange(max_len, dtype=torch.float32)
-        freqs = torch.outer(positions, rope_inv_freq(config))
-        scale = 1.0
+        self.inv_freq = rope_inv_freq(config)
+        self.long_inv_freq = None
+        self.scale = 1.0
         if self.long_from is not None:
-            long = torch.outer(positions, rope_inv_freq(config, long=True))
-            past = (positions >= self.long_from)[:, None]
-            freqs = torch.cat((torch.where(past, long, freqs), long[: self.long_from]))
-            scale = config.rope_scaling["attention_factor"]
-        emb = torch.cat((freqs, freqs), dim=-1)
+            self.long_inv_freq = rope_inv_freq(config, long=True)
+            self.scale = config.rope_scaling["attention_factor"]
         # Plain attributes, not buffers: `model.to(bf16)` must not round the tables.
-        self.cos, self.sin = emb.cos() * scale, emb.sin() * scale
+        self.computed = self._tables(0, 0)  # rows of positions 0 .. capacity - 1
+        self.extra = None if self.long_from is None else self._tables(0, self.long_from, True)
+        self.cos, self.sin = self.computed
+        self.reserve(ROPE_CHUNK if self.extra is None else max_len)
+
+    @property
+    def capacity(self) -> int:
+        return self.computed[0].shape[0]
+
+    def _tables(self, start: int, stop: int, long: bool = False):
+        """(cos, sin) of positions start .. stop - 1: LongRoPE's long factors from `long_from`
+        on, or for all of them (`long`)."""
+        positions = torch.arange(start, stop, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = torch.outer(positions, self.long_inv_freq if long else self.inv_freq)
+        if self.long_from is not None and not long:
+            past = (positions >= self.long_from)[:, None]
+            freqs = torch.where(past, torch.outer(positions, self.long_inv_freq), freqs)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.scale, emb.sin() * self.scale
+
+    def reserve(self, positions: int) -> None:
+        """Compute the rows of positions up to `positions` (at most `max_len`) if not yet."""
+        wanted = min(positions, self.max_len)
+        if wanted <= self.capacity:
+            return
+        parts = [self.computed]
+        capacity = self.capacity
+        while capacity < wanted:
+            grown = min(self.max_len, max(ROPE_CHUNK, 2 * capacity))
+            parts.append(self._tables(capacity, grown))
+            capacity = grown
+        self.computed = tuple(torch.cat(tables) for tables in zip(*parts, strict=True))
+        if self.extra is None:
+            self.cos, self.sin = self.computed
+        else:
+            self.cos, self.sin = (torch.cat(t) for t in zip(self.computed, self.extra, strict=True))
 
     def rows(self, positions: np.ndarray, long: np.ndarray) -> np.ndarray:
         """The table rows of tokens at `positions`, `long` where their sequence runs LongRoPE's
@@ -167,6 +206,8 @@ class RotaryEmbedding(nn.Module):
         return np.where(long & (positions < self.long_from), positions + self.max_len, positions)
 
     def forward(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if rows.numel() and int(rows.max()) >= self.capacity:  # positions not reached yet
+            self.reserve(int(rows.max()) + 1)
         # [T, 1, rotary_dim] so they broadcast over heads.
         return self.cos[rows].unsqueeze(1), self.sin[rows].unsqueeze(1)
 
