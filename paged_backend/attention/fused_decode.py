@@ -6,11 +6,10 @@ SiLU per layer), each a Python call of 10-20 us: ~5 ms of overhead beside ~8 ms 
 Steps of decodes only (with their drafts being verified: up to 1 + `num_speculative_tokens` rows
 a sequence), whose linears all run in C (GGUF blocks, the C fp32 linear, or bf16's C GEMM on
 AVX512-BF16), call the same C ops in the same order from C instead, with the same arguments: the
-outputs are the same bits. A
-shared prefix's cascade runs as `TorchAttention` runs it (its packed K/V copies come from the
-backend, kept across steps; bf16 only: fp32 steps with one run the modules). Everything else
-(longer prefill chunks, q/k norms, bf16 biases, steps too large for the C linears) runs the
-modules.
+outputs are the same bits. A shared prefix's cascade runs as `TorchAttention` runs it (its
+packed K/V copies come from the backend, kept across steps; bf16 on AVX512-BF16 only: other
+steps with one run the modules). Everything else (longer prefill chunks, q/k norms, bf16
+biases, steps too large for the C linears) runs the modules.
 """
 
 from __future__ import annotations
