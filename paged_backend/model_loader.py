@@ -172,8 +172,9 @@ def _write_gguf_dir(path: Path, target: Path, weights: bool) -> None:
     into `target`, with its weights dequantized to fp32 safetensors where `weights`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from paged_backend.gguf.weights import apply_config_fixes, read_metadata
+    from paged_backend.gguf.weights import apply_config_fixes, read_gguf_faster, read_metadata
 
+    read_gguf_faster()
     what = "converting" if weights else "reading the configuration and tokenizer of"
     notice(f"{what} {path.name} once into {target}" + (" (under a minute)" if weights else ""))
     target.parent.mkdir(mode=0o700, exist_ok=True)

@@ -70,6 +70,33 @@ def test_silu_and_mul_gives_the_torch_values(rows, dim):
 
 
 @needs_ops
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 9, 250])
+def test_gemma_ops_give_the_torch_values(rows, dtype):
+    """Gemma's pieces on the C ops: norms times (1 + weight) (with the residual add, and on
+    each q/k head), and GeGLU with gelu as g * sigmoid(z), vector lanes and a scalar tail."""
+    torch.manual_seed(rows)
+    x, residual = (torch.randn(rows, 576) * 3).to(dtype), (torch.randn(rows, 576) * 5).to(dtype)
+    weight = (torch.randn(576) * 0.5).to(dtype)  # offsets from 1, some below -1
+    got, got_sum = cpu_ops.gemma_rms_norm(x, weight, 1e-6, residual)
+    want, want_sum = cpu_ops.torch_rms_norm(x, weight, 1e-6, residual, offset=1.0)
+    assert torch.equal(got_sum, want_sum)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # bf16: equal but for ~1 ulp
+    heads = (torch.randn(rows, 12 * 64 + 7) * 2).to(dtype)[:, 7:].view(rows, 12, 64)  # strided
+    head_weight = (torch.randn(64) * 0.5).to(dtype)
+    torch.testing.assert_close(
+        cpu_ops.gemma_head_norm(heads, head_weight, 1e-6),
+        cpu_ops.torch_rms_norm(heads, head_weight, 1e-6, offset=1.0),
+    )
+    gate_up = (torch.randn(rows, 2 * 1540) * 4).to(dtype)  # 1540: a scalar tail after the lanes
+    got, want = cpu_ops.gelu_tanh_and_mul(gate_up), cpu_ops.torch_gelu_tanh_and_mul(gate_up)
+    # torch's 0.5 g (1 + tanh(u)) is 0 once tanh(u) rounds to -1 (g < ~-4.5), where g * sigmoid(2u)
+    # keeps the tiny true value: hence the absolute tolerance; else within two bf16 steps (a step
+    # of the rounded gelu, times up, rounded again)
+    torch.testing.assert_close(got, want, rtol=2**-7 if dtype == BF16 else 1e-5, atol=1e-5)
+
+
+@needs_ops
 @pytest.mark.parametrize("rotary_dim", [64, 48], ids=["full", "partial"])
 @pytest.mark.parametrize("tokens", [1, 5, 100])
 def test_rotary_gives_the_torch_values_in_place(tokens, rotary_dim):
@@ -874,17 +901,17 @@ def test_the_library_is_called_by_the_c_parameter_names():
     """Each exported C function's parameters are read from its definition, and a call must name
     each of them: a missing, misspelt or extra name raises before C runs."""
     protos = library.prototypes(library.SOURCES[0].read_text())
-    _, params = protos["silu_and_mul_bf16"]
-    assert [name for name, _ in params] == ["x", "out", "rows", "dim", "threads"]
+    _, params = protos["act_and_mul_bf16"]
+    assert [name for name, _ in params] == ["x", "out", "rows", "dim", "gelu", "threads"]
     assert protos["has_bf16_kernels"][1] == ()
     if not cpu.available():
         pytest.skip("no C compiler")
     lib = cpu.load_library()
     x = torch.randn(2, 32).to(BF16)
     out = torch.empty(2, 16, dtype=BF16)
-    args = dict(x=x.data_ptr(), out=out.data_ptr(), rows=2, dim=16, threads=1)
+    args = dict(x=x.data_ptr(), out=out.data_ptr(), rows=2, dim=16, gelu=0, threads=1)
     for bad in ({**args, "extra": 1}, {k: v for k, v in args.items() if k != "dim"}):
-        with pytest.raises(TypeError, match="silu_and_mul_bf16"):
-            lib.silu_and_mul_bf16(**bad)
-    lib.silu_and_mul_bf16(**dict(reversed(args.items())))  # any order of names
+        with pytest.raises(TypeError, match="act_and_mul_bf16"):
+            lib.act_and_mul_bf16(**bad)
+    lib.act_and_mul_bf16(**dict(reversed(args.items())))  # any order of names
     assert torch.equal(out, cpu_ops.torch_silu_and_mul(x))

@@ -14,8 +14,8 @@ from conftest import REAL_CACHE
 
 from paged_backend import cpu
 from paged_backend.cpu import library
-from paged_backend.default_model import default_model_file
 from paged_backend.file_cache import cache_dir
+from paged_backend.gguf.random_checkpoint import write_checkpoint
 
 
 def test_created_owner_only(tmp_path, monkeypatch):
@@ -67,9 +67,10 @@ def test_two_processes_building_the_c_ops_at_once(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_converting_one_gguf_at_once(tmp_path):
+    gguf = write_checkpoint("tiny", tmp_path, ("q4_0",))[0]  # small: the lock is what is tested
     code = (
         "from paged_backend.model_loader import convert_gguf; from pathlib import Path; "
-        f"print(convert_gguf(Path({str(default_model_file())!r})))"
+        f"print(convert_gguf(Path({str(gguf)!r})))"
     )
     runs = _twice_at_once(code, tmp_path / "cache")
     assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]

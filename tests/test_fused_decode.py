@@ -1,7 +1,8 @@
 """The fused decode step (`paged_backend.attention.fused_decode`): steps of decodes only run
 every layer in one C call and give the same bits as the modules (tokens and log-probabilities),
-with global and sliding-window layers, in bf16 (AVX512-BF16) and fp32 (any CPU with a compiler);
-other steps, and models it does not fit, run the modules."""
+with global and sliding-window layers, q/k norms (Qwen3, Gemma 3), Gemma's sandwich norms, GeGLU,
+soft-caps and local rope tables, in bf16 (AVX512-BF16, or GGUF blocks on any CPU) and fp32 (any
+CPU with a compiler); other steps, and models it does not fit, run the modules."""
 
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ def generate_counting(
     fused = []
     real = FusedDecode.__call__
 
-    def counting(self, x, cos, sin, kv_caches, plan, *args):
+    def counting(self, x, rope, local, kv_caches, plan, *args):
         fused.append((x.shape[0], plan.shared is not None))
-        return real(self, x, cos, sin, kv_caches, plan, *args)
+        return real(self, x, rope, local, kv_caches, plan, *args)
 
     monkeypatch.setattr(FusedDecode, "__call__", counting)
     params = [
@@ -50,8 +51,24 @@ def generate_counting(
         # Phi-4-mini: a partial rotary, and LongRoPE tables past the original length (16).
         ("Phi3ForCausalLM", {"partial_rotary_factor": 0.75, "pad_token_id": 0, **longrope(12)}),
         ("Qwen2ForCausalLM", {}),  # q/k/v biases: fp32 only
+        ("Qwen3ForCausalLM", {}),  # q/k norms
+        # GeGLU, sandwich norms, soft-capped scores and logits, a query scale, windows
+        (
+            "Gemma2ForCausalLM",
+            {"sliding_window": 6, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 1.0},
+        ),
+        # q/k norms (offsets from 1), local rope tables for the sliding layers
+        (
+            "Gemma3ForCausalLM",
+            {
+                "sliding_window": 6,
+                "sliding_window_pattern": 2,
+                "rope_local_base_freq": 100.0,
+                "num_key_value_heads": 1,
+            },
+        ),
     ],
-    ids=["llama", "mistral-window", "phi4-mini", "qwen2-biases"],
+    ids=["llama", "mistral-window", "phi4-mini", "qwen2-biases", "qwen3", "gemma2", "gemma3"],
 )
 @pytest.mark.parametrize(
     ("dtype", "kv_cache_dtype"),
@@ -66,7 +83,9 @@ def test_fused_steps_give_the_modules_bits(
 ):
     if dtype == "bfloat16" and architecture == "Qwen2ForCausalLM":
         pytest.skip("the bf16 fused step takes no biases")
-    path = make_tiny_model(tmp_path, default_model_path, architecture, **overrides)
+    path = make_tiny_model(
+        tmp_path, default_model_path, architecture, vector_noise=0.3, **overrides
+    )
     llm = LLM(
         model=str(path),
         dtype=dtype,
@@ -181,10 +200,9 @@ def test_steps_beyond_the_gemm_rows_run_the_modules(tiny_model, monkeypatch, dty
         *[
             pytest.param(arch, args, dtype, marks=needs_bf16 if dtype == "bfloat16" else needs_ops)
             for arch, args in [
-                ("Qwen3ForCausalLM", {"head_dim": 16}),  # q/k norms
                 ("LlamaForCausalLM", {"cpu_kernels": False}),  # torch ops
+                ("Gemma3ForCausalLM", {"cpu_kernels": False}),
                 ("LlamaForCausalLM", {"cpu_gemm_max_rows": 0}),  # torch / oneDNN linears only
-                ("Gemma2ForCausalLM", {}),  # GeGLU, sandwich norms
             ]
             for dtype in ("bfloat16", "float32")
         ],
@@ -193,10 +211,8 @@ def test_steps_beyond_the_gemm_rows_run_the_modules(tiny_model, monkeypatch, dty
 def test_models_it_does_not_fit_run_the_modules(
     tmp_path, default_model_path, architecture, engine_args, dtype
 ):
-    config = {k: v for k, v in engine_args.items() if k == "head_dim"}
-    path = make_tiny_model(tmp_path, default_model_path, architecture, **config)
-    args = {k: v for k, v in engine_args.items() if k != "head_dim"}
-    llm = LLM(model=str(path), dtype=dtype, num_kv_blocks=32, **args)
+    path = make_tiny_model(tmp_path, default_model_path, architecture)
+    llm = LLM(model=str(path), dtype=dtype, num_kv_blocks=32, **engine_args)
     assert llm.engine.runner.model.fused_decode is None
 
 
@@ -229,6 +245,9 @@ def test_fp32_steps_with_a_shared_prefix_run_the_modules(tmp_path, default_model
         ("tiny", "bfloat16"),
         ("default", "bfloat16"),
         ("tiny-qwen2", "bfloat16"),  # biases: bf16's fused step takes none
+        ("tiny-gemma3", "float32"),
+        ("tiny-gemma3", "bfloat16"),
+        ("tiny-qwen3", "bfloat16"),
         ("int8", "float32"),
         ("int8", "bfloat16"),
     ],
@@ -237,9 +256,9 @@ def test_gguf_blocks_run_fused_with_the_modules_bits(
     tmp_path, default_model_path, monkeypatch, shape, dtype
 ):
     """Steps over a GGUF file's blocks (Q4_K and Q6_K parts of one projection, Qwen2's biases;
-    the default model's Q4_1; `quantization="int8"`'s Q8_0 of a model with an untied head) run
-    in one call with the modules' bits: fp32's, and bf16's (a bf16 CPU's dtype; any build, as no
-    C GEMM copy is needed) without biases."""
+    Gemma 3's and Qwen3's layers; the default model's Q4_1; `quantization="int8"`'s Q8_0 of a
+    model with an untied head) run in one call with the modules' bits: fp32's, and bf16's (a
+    bf16 CPU's dtype; any build, as no C GEMM copy is needed) without biases."""
     args = {}
     if shape == "default":
         path = default_model_file()

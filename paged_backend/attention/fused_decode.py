@@ -1,5 +1,5 @@
-"""A decode step through every layer in one C call (`decode_layers_bf16` in `csrc/cpu_ops.c`
-for bf16 models, `decode_layers_f32` in `csrc/f32_decode.c` for fp32 ones).
+"""A decode step through every layer in one C call (`decode_layers` in `csrc/decode_layers.c`,
+on the fp32 or the bf16 C ops).
 
 At one row a step of the default model runs ~270 ops (norms, four linears, rotary, attention and
 SiLU per layer), each a Python call of 10-20 us: ~5 ms of overhead beside ~8 ms of weight reads.
@@ -8,8 +8,10 @@ a sequence), whose linears all run in C (GGUF blocks, the C fp32 linear, or bf16
 AVX512-BF16), call the same C ops in the same order from C instead, with the same arguments: the
 outputs are the same bits. A shared prefix's cascade runs as `TorchAttention` runs it (its
 packed K/V copies come from the backend, kept across steps; bf16 on AVX512-BF16 only: other
-steps with one run the modules). Everything else (longer prefill chunks, q/k norms, bf16
-biases, steps too large for the C linears) runs the modules.
+steps with one run the modules). Everything else (longer prefill chunks, bf16
+biases, steps too large for the C linears, torch's elementwise ops) runs the modules. Llama's
+layers and those of the families built on them take it (Qwen3's q/k norms, Gemma's sandwich
+norms, GeGLU and local rope tables), where each elementwise op is a C op the step knows.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ if TYPE_CHECKING:
 
 MAX_PARTS = 3  # weights side by side in one fp32 linear descriptor (q, k, v)
 QUANT_MAX_ROWS = 64  # steps of up to this many rows run fused through quantized linears
+# The C ops the step runs, and its arguments for them: each norm's weight offset, GeGLU or not.
+NORM_OFFSETS = {cpu_ops.rms_norm: 0.0, cpu_ops.gemma_rms_norm: 1.0}
+HEAD_NORM_OFFSETS = {cpu_ops.head_norm: 0.0, cpu_ops.gemma_head_norm: 1.0}
+GELU = {cpu_ops.silu_and_mul: False, cpu_ops.gelu_tanh_and_mul: True}
 
 
 class FusedDecode:
@@ -47,20 +53,13 @@ class FusedDecode:
         self.eps = config.rms_norm_eps
         linears = [self._linears(layer) for layer in model.layers]
         self.max_rows = min(self._rows(lin) for layer in linears for lin in layer)
-        self.weights = torch.tensor(
-            [
-                [
-                    layer.input_layernorm.weight.data_ptr(),
-                    *self._pointers(qkv),
-                    *self._pointers(o),
-                    layer.post_attention_layernorm.weight.data_ptr(),
-                    *self._pointers(gate_up),
-                    *self._pointers(down),
-                ]
-                for layer, (qkv, o, gate_up, down) in zip(model.layers, linears, strict=True)
-            ],
-            dtype=torch.int64,
-        )
+        words = [self._layer_words(*pair) for pair in zip(model.layers, linears, strict=True)]
+        self.weights = torch.tensor(words, dtype=torch.int64)
+        first = model.layers[0]
+        self.norm_offset = NORM_OFFSETS[first.input_layernorm.norm]
+        self.gelu = GELU[first.mlp.act_and_mul]
+        attn = first.self_attn
+        self.q_scale, self.softcap = attn.q_scale, attn.softcap or 0.0
         # floats a row of the fused step's quantized activations takes (a byte a level of the
         # widest input's row, a float scale a 32, an int16 level sum a 16)
         widest = max(self.hidden, config.num_heads * self.head_dim, self.intermediate)
@@ -68,6 +67,27 @@ class FusedDecode:
         windows = [layer.self_attn.window or 0 for layer in model.layers]
         self.windows = torch.tensor(windows, dtype=torch.int64)
         self.caches: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    def _layer_words(self, layer: nn.Module, linears: tuple) -> list[int]:
+        """A layer's words for `decode_layers` (`LAYER_WORDS` in `csrc/decode_layers.c`)."""
+
+        def address(norm: nn.Module | None) -> int:
+            return 0 if norm is None else norm.weight.data_ptr()
+
+        qkv, o, gate_up, down = linears
+        attn_out, mlp_in, mlp_out = layer.sublayer_norms()
+        return [
+            address(layer.input_layernorm),
+            address(layer.self_attn.q_norm),
+            address(layer.self_attn.k_norm),
+            *self._pointers(qkv),
+            *self._pointers(o),
+            address(attn_out),
+            address(mlp_in),
+            *self._pointers(gate_up),
+            *self._pointers(down),
+            address(mlp_out),
+        ]
 
     @staticmethod
     def _linears(layer: nn.Module) -> tuple:
@@ -113,14 +133,23 @@ class FusedDecode:
 
     @classmethod
     def build(cls, model: nn.Module) -> FusedDecode | None:
-        """For a model on the C ops whose attention has no q/k norms and whose layer linears all
-        run in C: an fp32 model's on the C fp32 linear or on GGUF blocks (biases too), a bf16
-        one's on C GEMM copies (AVX512-BF16) or GGUF blocks, without biases; else None."""
+        """For a model whose elementwise ops are the C ones the step knows (`NORM_OFFSETS`,
+        `HEAD_NORM_OFFSETS`, `GELU`) and whose layer linears all run in C: an fp32 model's on
+        the C fp32 linear or on GGUF blocks (biases too), a bf16 one's on C GEMM copies
+        (AVX512-BF16) or GGUF blocks, without biases; else None."""
         f32 = model.norm.weight.dtype == torch.float32
         for layer in model.layers:
-            if layer.self_attn.q_norm is not None:
-                return None
-            if not all(cls._fits(linear, f32) for linear in cls._linears(layer)):
+            norms = [layer.input_layernorm, *filter(None, layer.sublayer_norms())]
+            offsets = [NORM_OFFSETS.get(norm.norm) for norm in norms]
+            attn = layer.self_attn
+            for head in filter(None, (attn.q_norm, attn.k_norm)):
+                offsets.append(HEAD_NORM_OFFSETS.get(head.norm))
+            if (
+                None in offsets
+                or len(set(offsets)) != 1
+                or layer.mlp.act_and_mul not in GELU
+                or not all(cls._fits(linear, f32) for linear in cls._linears(layer))
+            ):
                 return None
         return cls(model, f32)
 
@@ -139,15 +168,16 @@ class FusedDecode:
     def __call__(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        local: tuple[torch.Tensor, torch.Tensor],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         plan: CDecodePlan,
         backend: TorchAttention,
-        block_size: int,
+        meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's output, the residual stream before it) for embeddings `x`
-        [rows, hidden] (the model's dtype, contiguous, overwritten) and the rows' cos/sin."""
+        [rows, hidden] (the model's dtype, contiguous, overwritten), and the rows' cos/sin
+        tables: `rope`, and `local` for the sliding-window layers."""
         rows = x.shape[0]
         k_ptrs, v_ptrs = self._cache_pointers(kv_caches)
         q_size = self.num_heads * self.head_dim
@@ -160,54 +190,56 @@ class FusedDecode:
         starts = plan.query_start
         if starts is None:
             starts = torch.arange(rows + 1, dtype=torch.int32)
-        cos = cos.reshape(rows, -1).contiguous()
-        sin = sin.reshape(rows, -1).contiguous()
-        args = dict(
+        cos, sin, local_cos, local_sin = (t.reshape(rows, -1).contiguous() for t in rope + local)
+        cascade, _alive = self._cascade(plan, backend, kv_caches, meta.block_size)
+        cpu.load_library().decode_layers(
             x=x.data_ptr(),
             residual=residual.data_ptr(),
+            bf16_io=int(not self.f32),
             rows=rows,
             hidden=self.hidden,
             cos=cos.data_ptr(),
             sin=sin.data_ptr(),
+            local_cos=local_cos.data_ptr(),
+            local_sin=local_sin.data_ptr(),
             num_layers=len(self.layers),
             weights=self.weights.data_ptr(),
             k_caches=k_ptrs.data_ptr(),
             v_caches=v_ptrs.data_ptr(),
+            kv_half=int(kv_caches[0][0].dtype == torch.float16),
             cache_head_stride=kv_caches[0][0].stride(0),
             windows=self.windows.data_ptr(),
             block_tables=plan.block_tables.data_ptr(),
             max_blocks=plan.block_tables.shape[1],
             seq_lens=plan.seq_lens.data_ptr(),
-            block_size=block_size,
+            query_start=starts.data_ptr(),
+            num_seqs=len(plan.seq_lens),
+            block_size=meta.block_size,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             rot_dim=self.rotary_dim,
             intermediate=self.intermediate,
             eps=self.eps,
+            norm_offset=self.norm_offset,
+            gelu=int(self.gelu),
+            q_scale=self.q_scale,
             scale=self.head_dim**-0.5,
+            softcap=self.softcap,
             work=work.data_ptr(),
+            act=act.data_ptr(),
             scores=plan.scratch.data_ptr(),
             scores_stride=plan.scratch.shape[1],
             threads=plan.scratch.shape[0],
-            query_start=starts.data_ptr(),
-            num_seqs=len(plan.seq_lens),
-            act=act.data_ptr(),
+            **cascade,
         )
-        if self.f32:
-            cpu.load_library().decode_layers_f32(
-                **args, kv_half=int(kv_caches[0][0].dtype == torch.float16)
-            )
-        else:
-            cascade = self._cascade(plan, backend, kv_caches, block_size)
-            cpu.load_library().decode_layers_bf16(**args, **cascade[0])
         return x, residual
 
     def _cascade(
         self, plan: CDecodePlan, backend, kv_caches, block_size: int
     ) -> tuple[dict, tuple]:
-        """The cascade's arguments for `decode_layers_bf16` (and the tensors they point into,
-        kept alive by the caller): each global layer's packed prefix from the backend's kept
+        """The cascade's arguments for `decode_layers` (and the tensors they point into, kept
+        alive by the caller): each global layer's packed prefix from the backend's kept
         copies, the shared rows, and work space; nothing without a shared prefix."""
         shared = plan.shared
         if shared is None:

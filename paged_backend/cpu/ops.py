@@ -1,9 +1,9 @@
 """Typed wrappers of the C ops for bf16 and fp32 models on CPU (`csrc/cpu_ops.c` for bf16,
 `csrc/f32_decode.c` and `csrc/f32_ops.c` for fp32, built and bound by
-`paged_backend.cpu.library`): fused RMSNorm (with the residual add), rotary embedding and
-SiLU-and-mul, greedy argmax, KV-cache writes, decode attention over the paged cache, attention
-over packed keys (a shared prefix, or a prefill chunk's context) and a GEMM of a few rows. Each
-wrapper checks the dtypes, shapes and layouts its kernel assumes, then calls it by keyword.
+`paged_backend.cpu.library`): fused RMSNorm (with the residual add; Gemma's; per q/k head),
+rotary embedding and SiLU- or GeGLU-and-mul, greedy argmax, KV-cache writes, decode attention
+over the paged cache, attention over packed keys (a shared prefix, or a prefill chunk's
+context) and a GEMM of a few rows. Each wrapper checks the dtypes, shapes and layouts its kernel assumes, then calls it by keyword.
 
 At small batch a decode step is mostly per-op dispatch: torch runs `F.rms_norm` on bf16 as ~8
 ops and rotate-half rotary as 6; the C ops do each in one call, rounding to bf16 where those
@@ -29,12 +29,20 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def torch_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    offset: float = 0.0,
 ):
     """RMSNorm of x, or with `residual` of h = x + residual, returning (normed, h); `F.rms_norm`
-    is one fused op that accumulates in fp32."""
+    is one fused op that accumulates in fp32. With `offset` (1: Gemma, whose norm weights are
+    offsets from 1), h times (offset + weight) in fp32, rounded once to h's dtype."""
     h = x if residual is None else x + residual
-    normed = F.rms_norm(h, weight.shape, weight, eps)
+    if offset:
+        normed = F.rms_norm(h.float(), weight.shape, offset + weight.float(), eps).to(h.dtype)
+    else:
+        normed = F.rms_norm(h, weight.shape, weight, eps)
     return normed if residual is None else (normed, h)
 
 
@@ -50,13 +58,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    offset: float = 0.0,
 ):
     """`torch_rms_norm` in one call for bf16 or fp32 rows [T, hidden] (unit stride within a row;
     `residual` contiguous)."""
     rows, dim = x.shape
     if x.dtype not in _SUFFIX or x.stride(1) != 1 or weight.dtype != x.dtype:
-        return torch_rms_norm(x, weight, eps, residual)
+        return torch_rms_norm(x, weight, eps, residual, offset)
     out = torch.empty(rows, dim, dtype=x.dtype)
     if residual is not None:
         residual = residual.contiguous()  # kept alive across the call
@@ -71,9 +83,31 @@ def rms_norm(
         dim=dim,
         x_stride=x.stride(0),
         eps=eps,
+        offset=offset,
         threads=torch.get_num_threads(),
     )
     return out if residual is None else (out, new_residual)
+
+
+def gemma_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+):
+    """`rms_norm` times (1 + weight): Gemma stores its norm weights as offsets from 1."""
+    return rms_norm(x, weight, eps, residual, offset=1.0)
+
+
+def head_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: None = None, offset: float = 0.0
+):
+    """`rms_norm` of each head of x [T, heads, head_dim] (q/k norms: Qwen3, Gemma 3), called as
+    `RMSNorm` calls its norm (a head takes no residual)."""
+    assert residual is None
+    return rms_norm(x.reshape(-1, x.shape[-1]), weight, eps, offset=offset).view(x.shape)
+
+
+def gemma_head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: None = None):
+    """`head_norm` times (1 + weight), as `gemma_rms_norm`."""
+    return head_norm(x, weight, eps, residual, offset=1.0)
 
 
 def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -104,17 +138,38 @@ def torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def torch_gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU of fused rows [T, 2 * dim] (gate | up), transformers' `gelu_pytorch_tanh`."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def _act_and_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:
+    if x.dtype not in _SUFFIX or not x.is_contiguous():
+        return torch_gelu_tanh_and_mul(x) if gelu else torch_silu_and_mul(x)
+    rows, dim = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, dim, dtype=x.dtype)
+    getattr(load_library(), f"act_and_mul_{_SUFFIX[x.dtype]}")(
+        x=x.data_ptr(),
+        out=out.data_ptr(),
+        rows=rows,
+        dim=dim,
+        gelu=int(gelu),
+        threads=torch.get_num_threads(),
+    )
+    return out
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`torch_silu_and_mul` in one call for contiguous bf16 or fp32 rows [T, 2 * dim]
     (gate | up)."""
-    if x.dtype not in _SUFFIX or not x.is_contiguous():
-        return torch_silu_and_mul(x)
-    rows, dim = x.shape[0], x.shape[1] // 2
-    out = torch.empty(rows, dim, dtype=x.dtype)
-    getattr(load_library(), f"silu_and_mul_{_SUFFIX[x.dtype]}")(
-        x=x.data_ptr(), out=out.data_ptr(), rows=rows, dim=dim, threads=torch.get_num_threads()
-    )
-    return out
+    return _act_and_mul(x, gelu=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`torch_gelu_tanh_and_mul` in one call, as `silu_and_mul` (gelu as g * sigmoid(z), the
+    tanh approximation's identity: outputs agree with torch's to rounding)."""
+    return _act_and_mul(x, gelu=True)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 import re
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, gguf_reader
 from gguf.quants import dequantize as gguf_dequantize
 from torch import nn
 
@@ -119,8 +120,29 @@ def map_tensors(path: Path, table: list[dict]) -> list[MappedTensor]:
     return tensors
 
 
+class _PlainMapNumpy(types.ModuleType):
+    """numpy, but `memmap` gives a plain ndarray view of the mapping (the same pages, read as
+    lazily): GGUFReader slices its map once per metadata item, and a `np.memmap` slice costs a
+    subclass instance each (~1.5M for a 49k-token vocabulary's tokens and merges)."""
+
+    def __getattr__(self, name: str):
+        return getattr(np, name)
+
+    @staticmethod
+    def memmap(*args, **kwargs) -> np.ndarray:
+        return np.memmap(*args, **kwargs).view(np.ndarray)
+
+
+def read_gguf_faster() -> None:
+    """Make every `GGUFReader` (ours and transformers' GGUF loader) read through
+    `_PlainMapNumpy`: parsing a file's metadata ~2.6x faster (a tiny model's file: 4.3 -> 1.6 s,
+    three times at a GGUF file's first start), the same values. Idempotent."""
+    gguf_reader.np = _PlainMapNumpy("numpy")
+
+
 def read_metadata(path: Path) -> tuple[str, dict, list[dict]]:
     """(general.architecture, its `config_fixes`, the `tensor_table`) of GGUF file `path`."""
+    read_gguf_faster()
     reader = GGUFReader(path)
     arch = architecture(reader)
     return arch, config_fixes(reader, arch, path), tensor_table(reader)

@@ -51,7 +51,9 @@ def make_ops(kind: str) -> Ops:
     if kind == "torch":
         return Ops(torch_rms_norm, apply_rotary, torch_silu_and_mul)
     if kind == "cpu":
-        return Ops(cpu_ops.rms_norm, cpu_ops.rotary_embedding, cpu_ops.silu_and_mul)
+        return Ops(
+            cpu_ops.rms_norm, cpu_ops.rotary_embedding, cpu_ops.silu_and_mul, cpu_ops.head_norm
+        )
     from paged_backend.attention.triton import rms_norm, rotary_embedding, silu_and_mul
 
     return Ops(rms_norm, rotary_embedding, silu_and_mul)
@@ -299,28 +301,35 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(h), residual
 
+    def sublayer_norms(self) -> tuple[RMSNorm | None, RMSNorm, RMSNorm | None]:
+        """The norm of attention's output (None: none), the MLP's input norm (which adds the
+        residual), the norm of the MLP's output (None: none), for `FusedDecode`."""
+        return None, self.post_attention_layernorm, None
+
 
 class LlamaForCausalLM(nn.Module):
     """`ops` ("torch", "cpu" or "triton", see `make_ops`) picks who runs RMSNorm, rotary and
     SiLU-and-mul. A family built from these pieces (Gemma) sets its `layer_class` and
-    `family_ops`."""
+    `family_ops`, and may scale embeddings (`embed`), cap logits (`logits`) and give its
+    sliding-window layers their own rope tables (`local_rotary`)."""
 
     layer_class: type[DecoderLayer] = DecoderLayer
 
     @staticmethod
-    def family_ops(ops: Ops) -> Ops:
-        """The family's elementwise ops, from those of the chosen kind."""
-        return ops
+    def family_ops(kind: str) -> Ops:
+        """The family's elementwise ops of the chosen kind."""
+        return make_ops(kind)
 
     def __init__(self, config: ModelConfig, max_len: int, ops: str = "torch") -> None:
         super().__init__()
         self.config = config
-        ops = self.family_ops(make_ops(ops))
+        ops = self.family_ops(ops)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         windows = config.layer_windows or (None,) * config.num_layers
         self.layers = nn.ModuleList(self.layer_class(config, ops, w) for w in windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops.rms_norm)
         self.rotary = RotaryEmbedding(config, max_len)
+        self.local_rotary: RotaryEmbedding | None = None
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -351,13 +360,8 @@ class LlamaForCausalLM(nn.Module):
 
     def fuse_decode_(self) -> None:
         """Decode steps through every layer in one C call where `FusedDecode` fits (call once
-        the linears are final): it runs this class's layers (SiLU MLP, plain norms), on the C
-        ops."""
-        if (
-            type(self) is LlamaForCausalLM
-            and self.layers[0].input_layernorm.norm is cpu_ops.rms_norm
-        ):
-            self.fused_decode = FusedDecode.build(self)
+        the linears are final)."""
+        self.fused_decode = FusedDecode.build(self)
 
     def use_f32_linears_(self, rows: dict[tuple[int, int], int]) -> None:
         """Run steps of up to `rows[shape]` rows of each fp32 projection and of the output head
@@ -411,18 +415,28 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Logits (fp32) for the rows of `logits_indices` only: the rest are never sampled.
         `positions`: each token's row in the rotary tables (`RotaryEmbedding.rows`)."""
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        x = self.embed(input_ids)
+
+        def tables(rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+            cos, sin = rotary(positions)
+            return cos.to(x.dtype), sin.to(x.dtype)
+
+        rope = tables(self.rotary)
+        local = rope if self.local_rotary is None else tables(self.local_rotary)
         fused = self.fused_decode and self.fused_decode.plan(meta, x.shape[0])
         if fused:
-            x, residual = self.fused_decode(x, cos, sin, kv_caches, fused, backend, meta.block_size)
+            x, residual = self.fused_decode(x, rope, local, kv_caches, fused, backend, meta)
         else:
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                cos, sin = rope if layer.self_attn.window is None else local
                 x, residual = layer(x, residual, cos, sin, kv_cache, backend, meta)
         x, _ = self.norm(x[logits_indices], residual[logits_indices])
         return self.logits(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input rows of tokens `input_ids`."""
+        return self.embed_tokens(input_ids)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The output head on final hidden rows `x`, in fp32."""

@@ -1,6 +1,7 @@
 /* Helpers of more than one kernel file (included, not built on its own). */
 #ifndef PAGED_BACKEND_COMMON_H
 #define PAGED_BACKEND_COMMON_H
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX2__) || defined(__F16C__)
@@ -24,14 +25,6 @@ static inline int omp_get_num_threads(void) { return 1; }
  * that are multiples of 2048 (k = 2048, 8192) the rows of a chunk shared 8 ways and were read
  * from L2 (a 32-row Q4_K product ran ~1.3x slower). */
 static inline int64_t act_stride(int64_t k) { return (k + 255) / 256 * 256 + 256; }
-
-/* The fused decode steps' weights (`decode_layers_f32`, `decode_layers_bf16`): a layer linear's
- * descriptor (`fused_linear`) and a layer's words: the input norm's address, the qkv
- * projection's descriptor, o's, the post-attention norm's address, then gate_up's and down's. */
-#define LINEAR_WORDS 14
-#define LAYER_WORDS (2 + 4 * LINEAR_WORDS)
-void fused_linear(const int64_t *d, const void *x, int bf16_io, int64_t rows, int64_t k, void *y,
-                  int64_t n_total, float *act, int64_t max_k, int threads);
 
 /* The cache slot of token `key` through a block table: block * block_size + offset, without a
  * division where block_size is a power of two (decode attention asks once per key it reads). */
@@ -135,6 +128,65 @@ static inline uint16_t f32_to_f16(float value) {
     return (uint16_t)(sign | out);
 #endif
 }
+
+typedef uint16_t bf16;
+
+static inline float to_f32(bf16 h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline bf16 to_bf16(float f) { /* round to nearest even, as c10::BFloat16 */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float round_bf16(float f) { return to_f32(to_bf16(f)); }
+
+/* The kernels one file calls from another (`decode_layers` calls them all), declared once here
+ * where their definitions also see them, so that the compiler checks each against its calls. */
+void rms_norm_f32(const float *, const float *, const float *, float *, float *, int64_t, int64_t,
+                  int64_t, float, float, int);
+void rms_norm_bf16(const bf16 *, const bf16 *, const bf16 *, bf16 *, bf16 *, int64_t, int64_t,
+                   int64_t, float, float, int);
+void rotary_f32(float *, const float *, const float *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                int);
+void rotary_bf16(bf16 *, const bf16 *, const bf16 *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                 int);
+void act_and_mul_f32(const float *, float *, int64_t, int64_t, int, int);
+void act_and_mul_bf16(const bf16 *, bf16 *, int64_t, int64_t, int, int);
+void decode_attention_f32(const float *, const float *, const float *, int64_t, int64_t, int64_t,
+                          void *, void *, int, int64_t, const int32_t *, int64_t, const int32_t *,
+                          const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                          float *, float *, int64_t, int, int64_t, float);
+void decode_attention_bf16(const bf16 *, const bf16 *, const bf16 *, int64_t, int64_t, int64_t,
+                           bf16 *, bf16 *, int64_t, const int32_t *, int64_t, const int32_t *,
+                           const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                           bf16 *, float *, int64_t, int, const int32_t *, int64_t, const float *,
+                           const float *, int64_t, int64_t, float);
+void linear_f32(const float *, int64_t, int64_t, const float *, int64_t, int64_t, float *, int64_t,
+                int);
+void quantize_activations(const void *, int, int64_t, int64_t, int64_t, int64_t, int8_t *, float *,
+                          int16_t *, int);
+void quant_matmul(int, const uint8_t *, int64_t, int64_t, int64_t, const int8_t *, const float *,
+                  const int16_t *, int64_t, void *, int, int64_t, int);
+#ifdef __AVX512BF16__
+void gemm_bf16(const bf16 *, int64_t, int64_t, const bf16 *, int64_t, int64_t, void *, int, int);
+void prefix_attention_bf16(const bf16 *, int64_t, int64_t, int64_t, const bf16 *, const bf16 *,
+                           int64_t, float, float *, float *, float *, int, int64_t, int64_t,
+                           int64_t, float);
+#endif
+
+/* GeGLU's gelu (tanh approximation) as g * sigmoid(z): 0.5 (1 + tanh(u)) = sigmoid(2u), so
+ * z = 2 sqrt(2 / pi) (g + 0.044715 g^3). The vector kernels run these operations in this order
+ * (explicit fma: the same bits whatever the compiler contracts). */
+#define GELU_SCALE 1.5957691216057308f
+#define GELU_CUBIC 0.044715f
+static inline float gelu_arg(float g) { return GELU_SCALE * fmaf(GELU_CUBIC * g * g, g, g); }
 
 #ifdef __AVX2__
 /* 8 lanes of fp32 values, from fp32 or (converted exactly) from fp16. */

@@ -15,24 +15,6 @@
 #endif
 #include "common.h"
 
-typedef uint16_t bf16;
-
-static inline float to_f32(bf16 h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline bf16 to_bf16(float f) { /* round to nearest even, as c10::BFloat16 */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float round_bf16(float f) { return to_f32(to_bf16(f)); }
-
 /* The keys a decode thread reads next (its next sequence and kv head): `n` K rows from key
  * `first` through `table`, in the cache `k`. Their first lines are fetched while the current
  * pair's P.V computes, so that reading memory and arithmetic overlap. */
@@ -42,11 +24,12 @@ typedef struct {
     int64_t first, n;
 } next_keys;
 
-/* out = bf16(h * rsqrt(mean(h^2) + eps) * weight) per row (one rounding, as F.rms_norm), h = x,
- * or with `residual`: h = bf16(x + residual), also written to `new_residual`. */
+/* out = bf16(h * rsqrt(mean(h^2) + eps) * (offset + weight)) per row (one rounding, as
+ * F.rms_norm; `offset` 1 for Gemma's weights, stored as offsets from 1), h = x, or with
+ * `residual`: h = bf16(x + residual), also written to `new_residual`. `out` may be x. */
 void rms_norm_bf16(const bf16 *x, const bf16 *residual, const bf16 *weight, bf16 *out,
                    bf16 *new_residual, int64_t rows, int64_t dim, int64_t x_stride, float eps,
-                   int threads) {
+                   float offset, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         float h[dim];
@@ -67,7 +50,8 @@ void rms_norm_bf16(const bf16 *x, const bf16 *residual, const bf16 *weight, bf16
         float sum = 0.0f;
         for (int k = 0; k < 16; k++) sum += acc[k];
         float inv = 1.0f / sqrtf(sum / (float)dim + eps);
-        for (int64_t i = 0; i < dim; i++) out[r * dim + i] = to_bf16(h[i] * inv * to_f32(weight[i]));
+        for (int64_t i = 0; i < dim; i++)
+            out[r * dim + i] = to_bf16(h[i] * inv * (offset + to_f32(weight[i])));
     }
 }
 
@@ -178,9 +162,10 @@ static inline __m512 round_bf16x16(__m512 x) {
 }
 #endif
 
-/* out = bf16(bf16(silu(gate)) * up) for rows [gate | up] of 2 * dim (as F.silu then *); 16 lanes
- * at a time where AVX-512 is there (the same arithmetic in the same order: the same bits). */
-void silu_and_mul_bf16(const bf16 *x, bf16 *out, int64_t rows, int64_t dim, int threads) {
+/* out = bf16(bf16(act(gate)) * up) for rows [gate | up] of 2 * dim (as F.silu or F.gelu, then *),
+ * act(g) = g * sigmoid(z) with z = g (SiLU) or, with `gelu`, `gelu_arg(g)` (GeGLU); 16 lanes at
+ * a time where AVX-512 is there (the same arithmetic in the same order: the same bits). */
+void act_and_mul_bf16(const bf16 *x, bf16 *out, int64_t rows, int64_t dim, int gelu, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const bf16 *gate = x + r * 2 * dim, *up = gate + dim;
@@ -188,17 +173,20 @@ void silu_and_mul_bf16(const bf16 *x, bf16 *out, int64_t rows, int64_t dim, int 
 #ifdef __AVX512BF16__
         const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
         for (; i + 16 <= dim; i += 16) {
-            __m512 g = load_bf16x16(gate + i);
-            __m512 e = exp_clamped16(_mm512_or_ps(g, sign)); /* exp(-|g|) */
-            __mmask16 positive = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+            __m512 g = load_bf16x16(gate + i), z = g;
+            if (gelu)
+                z = _mm512_mul_ps(_mm512_set1_ps(GELU_SCALE),
+                                  _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(GELU_CUBIC), g), g), g, g));
+            __m512 e = exp_clamped16(_mm512_or_ps(z, sign)); /* exp(-|z|) */
+            __mmask16 positive = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_GE_OQ);
             __m512 sigmoid = _mm512_div_ps(_mm512_mask_blend_ps(positive, e, one), _mm512_add_ps(one, e));
             __m512 y = _mm512_mul_ps(round_bf16x16(_mm512_mul_ps(g, sigmoid)), load_bf16x16(up + i));
             _mm256_storeu_si256((__m256i *)(out + r * dim + i), _mm512_cvtepi32_epi16(bf16_bits16(y)));
         }
 #endif
         for (; i < dim; i++) {
-            float g = to_f32(gate[i]), e = exp_nonpositive(-fabsf(g));
-            float sigmoid = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+            float g = to_f32(gate[i]), z = gelu ? gelu_arg(g) : g, e = exp_nonpositive(-fabsf(z));
+            float sigmoid = (z >= 0.0f ? 1.0f : e) / (1.0f + e);
             out[r * dim + i] = to_bf16(round_bf16(g * sigmoid) * to_f32(up[i]));
         }
     }
@@ -787,95 +775,3 @@ void prefill_attention_bf16(const bf16 *q, int64_t q_stride, int64_t tokens, int
 #else
 int has_bf16_kernels(void) { return 0; }
 #endif
-
-/* One decode step of a Llama-family decoder (no biases, no q/k norms) through all its layers:
- * the same ops in the same order as the modules run them (`paged_backend.fused_decode`), so the
- * same bits, without a Python call per op. `x` [rows][hidden] holds the embeddings and ends with
- * the last layer's output; `residual` ends with the residual stream before it. `weights`:
- * LAYER_WORDS words a layer (common.h), each linear's descriptor for `fused_linear`: the C GEMM's
- * packed copy (AVX512-BF16 builds) or GGUF blocks, on activations quantized into `act` (rows *
- * kp * 5 / 16 floats, kp: `act_stride` of the widest input). `k_caches`/`v_caches`/`windows`
- * (0: global): per layer. `scale`: attention's. `work` holds rows * (hidden + q + 2 kv + q + 3 *
- * intermediate) bf16 values. The rows of `num_seqs` sequences as `decode_attention_bf16` takes
- * them (`query_start` NULL: one each).
- *
- * Cascade (a shared prefix, as `TorchAttention` runs it; AVX512-BF16 builds, which have the
- * prefix kernel): where `prefix_k[l]` is not 0, layer l attends the `num_shared` rows
- * `shared_rows` over its packed prefix (`pack_prefix_bf16`, `prefix_len` tokens;
- * `prefix_k`/`prefix_v` hold the packs' addresses) with prefix_attention_bf16, and the decode
- * kernel merges that result (`prefix_pos`, by row). `prefix_work` holds kv_heads * rows4 * dim
- * bf16 queries, then kv_heads * rows4 * (dim + 1) floats of output and log-sum-exp, then threads
- * * 6 * padded(prefix_len) floats (rows4: num_shared * group rounded up to 4). */
-void decode_layers_bf16(bf16 *x, bf16 *residual, int64_t rows, int64_t hidden, const bf16 *cos,
-                        const bf16 *sin, int64_t num_layers, const int64_t *weights,
-                        const int64_t *k_caches, const int64_t *v_caches,
-                        int64_t cache_head_stride, const int64_t *windows,
-                        const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
-                        const int32_t *query_start, int64_t num_seqs, int64_t block_size,
-                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                        int64_t rot_dim, int64_t intermediate, float eps, float scale, bf16 *work,
-                        float *act, float *scores, int64_t scores_stride, int threads,
-                        const int64_t *prefix_k, const int64_t *prefix_v, int64_t prefix_len,
-                        const int64_t *shared_rows, int64_t num_shared,
-                        const int32_t *prefix_pos, void *prefix_work) {
-    int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-    int64_t qkv_width = q_size + 2 * kv_size, group = num_heads / num_kv_heads;
-    int64_t max_k = hidden > q_size ? hidden : q_size;
-    max_k = max_k > intermediate ? max_k : intermediate;
-    bf16 *h = work, *qkv = h + rows * hidden, *attn = qkv + rows * qkv_width;
-    bf16 *gate_up = attn + rows * q_size, *mlp = gate_up + rows * 2 * intermediate;
-    int64_t rows4 = (num_shared * group + 3) / 4 * 4;
-    float *p_out = NULL, *p_lse = NULL;
-#ifdef __AVX512BF16__
-    bf16 *q_rows = prefix_work; /* [kv_heads][rows4][dim], each kv head's shared queries */
-    p_out = (float *)(q_rows + num_kv_heads * rows4 * head_dim);
-    p_lse = p_out + num_kv_heads * rows4 * head_dim;
-    float *p_scratch = p_lse + num_kv_heads * rows4;
-    if (num_shared) memset(q_rows, 0, num_kv_heads * rows4 * head_dim * sizeof(bf16));
-#else
-    (void)prefix_v, (void)shared_rows, (void)prefix_work;
-    num_shared = 0; /* no prefix kernel: the engine plans no cascade for this build */
-#endif
-    for (int64_t l = 0; l < num_layers; l++) {
-        const int64_t *w = weights + LAYER_WORDS * l;
-        const int64_t *qkv_proj = w + 1, *o_proj = qkv_proj + LINEAR_WORDS;
-        const bf16 *post_norm = (const bf16 *)o_proj[LINEAR_WORDS];
-        const int64_t *gate_up_proj = o_proj + LINEAR_WORDS + 1;
-        const int64_t *down_proj = gate_up_proj + LINEAR_WORDS;
-        if (l == 0) {
-            rms_norm_bf16(x, NULL, (const bf16 *)w[0], h, NULL, rows, hidden, hidden, eps, threads);
-            memcpy(residual, x, rows * hidden * sizeof(bf16));
-        } else {
-            rms_norm_bf16(x, residual, (const bf16 *)w[0], h, residual, rows, hidden, hidden, eps,
-                          threads);
-        }
-        fused_linear(qkv_proj, h, 1, rows, hidden, qkv, qkv_width, act, max_k, threads);
-        rotary_bf16(qkv, cos, sin, rows, num_heads + num_kv_heads, head_dim, rot_dim, qkv_width,
-                    threads);
-        int cascade = num_shared && prefix_k[l];
-#ifdef __AVX512BF16__
-        if (cascade) {
-            for (int64_t kh = 0; kh < num_kv_heads; kh++)
-                for (int64_t m = 0; m < num_shared; m++)
-                    memcpy(q_rows + (kh * rows4 + m * group) * head_dim,
-                           qkv + shared_rows[m] * qkv_width + kh * group * head_dim,
-                           group * head_dim * sizeof(bf16));
-            prefix_attention_bf16(q_rows, num_kv_heads, rows4, head_dim, (const bf16 *)prefix_k[l],
-                                  (const bf16 *)prefix_v[l], prefix_len, scale, p_out, p_lse,
-                                  p_scratch, threads, 0, 0, 0, 0.0f);
-        }
-#endif
-        decode_attention_bf16(qkv, qkv + q_size, qkv + q_size + kv_size, qkv_width, qkv_width,
-                              qkv_width, (bf16 *)k_caches[l], (bf16 *)v_caches[l],
-                              cache_head_stride, block_tables, max_blocks, seq_lens, query_start,
-                              block_size, num_seqs, num_heads, num_kv_heads, head_dim, scale, attn,
-                              scores, scores_stride, threads, cascade ? prefix_pos : NULL,
-                              cascade ? prefix_len : 0, p_out, p_lse, rows4, windows[l], 0.0f);
-        fused_linear(o_proj, attn, 1, rows, q_size, x, hidden, act, max_k, threads);
-        rms_norm_bf16(x, residual, post_norm, h, residual, rows, hidden, hidden, eps, threads);
-        fused_linear(gate_up_proj, h, 1, rows, hidden, gate_up, 2 * intermediate, act, max_k,
-                     threads);
-        silu_and_mul_bf16(gate_up, mlp, rows, intermediate, threads);
-        fused_linear(down_proj, mlp, 1, rows, intermediate, x, hidden, act, max_k, threads);
-    }
-}

@@ -1,5 +1,5 @@
-/* A decode step of an fp32 model in C: RMSNorm, rotary, SiLU-and-mul, decode attention over the
- * paged cache, and all of a step's layers in one call (`decode_layers_f32`, on `linear_f32`).
+/* The elementwise ops and decode attention of an fp32 model in C: RMSNorm, rotary, SiLU/GeGLU-and-
+ * mul, decode attention over the paged cache (`decode_layers` runs a step's layers on them).
  *
  * On CPUs without bf16 arithmetic (AVX2) models run in fp32, and at one row torch spends more of
  * a step on dispatch (~270 ops, 10-20 us each) and on gathering each layer's K/V blocks than on
@@ -15,23 +15,12 @@
 #include <immintrin.h>
 #endif
 
-void linear_f32(const float *x, int64_t rows, int64_t x_stride, const float *w, int64_t n,
-                int64_t k, float *y, int64_t y_stride, int threads);
-void quantize_activations(const void *x, int x_bf16, int64_t rows, int64_t k, int64_t x_stride,
-                          int64_t block, int8_t *xq, float *xd, int16_t *bsum, int threads);
-void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
-                  const int8_t *xq, const float *xd, const int16_t *bsum,
-                  int64_t rows, void *out, int out_bf16, int64_t out_stride, int threads);
-#ifdef __AVX512BF16__
-void gemm_bf16(const uint16_t *x, int64_t rows, int64_t x_stride, const uint16_t *wp, int64_t n,
-               int64_t k, void *out, int out_bf16, int threads);
-#endif
-
-/* out = h * rsqrt(mean(h^2) + eps) * weight per row, h = x, or with `residual`: h = x + residual,
- * also written to `new_residual` (which may be `residual`). */
+/* out = h * rsqrt(mean(h^2) + eps) * (offset + weight) per row (`offset` 1 for Gemma's weights,
+ * stored as offsets from 1), h = x, or with `residual`: h = x + residual, also written to
+ * `new_residual` (which may be `residual`). `out` may be x. */
 void rms_norm_f32(const float *x, const float *residual, const float *weight, float *out,
                   float *new_residual, int64_t rows, int64_t dim, int64_t x_stride, float eps,
-                  int threads) {
+                  float offset, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const float *h = x + r * x_stride;
@@ -48,7 +37,7 @@ void rms_norm_f32(const float *x, const float *residual, const float *weight, fl
         float total = 0.0f;
         for (int k = 0; k < 16; k++) total += acc[k];
         float inv = 1.0f / sqrtf(total / (float)dim + eps);
-        for (int64_t i = 0; i < dim; i++) out[r * dim + i] = h[i] * inv * weight[i];
+        for (int64_t i = 0; i < dim; i++) out[r * dim + i] = h[i] * inv * (offset + weight[i]);
     }
 }
 
@@ -75,9 +64,9 @@ void rotary_f32(float *x, const float *cos, const float *sin, int64_t tokens, in
 EXP_CLAMPED(exp_clamped8, 256) /* exp_nonpositive on 8 lanes, the same bits */
 #endif
 
-/* out = silu(gate) * up for rows [gate | up] of 2 * dim; sigmoid from exp(-|g|), which never
- * overflows. */
-void silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t dim, int threads) {
+/* out = act(gate) * up for rows [gate | up] of 2 * dim, act(g) = g * sigmoid(z) with z = g (SiLU)
+ * or, with `gelu`, `gelu_arg(g)` (GeGLU); sigmoid from exp(-|z|), which never overflows. */
+void act_and_mul_f32(const float *x, float *out, int64_t rows, int64_t dim, int gelu, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = x + r * 2 * dim, *up = gate + dim;
@@ -85,16 +74,20 @@ void silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t dim, int
 #ifdef __AVX2__
         const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
         for (; i + 8 <= dim; i += 8) { /* the scalar loop's operations, 8 lanes at a time */
-            __m256 g = _mm256_loadu_ps(gate + i), e = exp_clamped8(_mm256_or_ps(g, sign));
-            __m256 sum = _mm256_add_ps(one, e), nonneg = _mm256_cmp_ps(g, sign, _CMP_GE_OQ);
+            __m256 g = _mm256_loadu_ps(gate + i), z = g;
+            if (gelu)
+                z = _mm256_mul_ps(_mm256_set1_ps(GELU_SCALE),
+                                  _mm256_fmadd_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(GELU_CUBIC), g), g), g, g));
+            __m256 e = exp_clamped8(_mm256_or_ps(z, sign));
+            __m256 sum = _mm256_add_ps(one, e), nonneg = _mm256_cmp_ps(z, sign, _CMP_GE_OQ);
             __m256 sigmoid = _mm256_blendv_ps(_mm256_div_ps(e, sum), _mm256_div_ps(one, sum), nonneg);
             _mm256_storeu_ps(out + r * dim + i,
                              _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
         }
 #endif
         for (; i < dim; i++) {
-            float g = gate[i], e = exp_nonpositive(-fabsf(g));
-            float sigmoid = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+            float g = gate[i], z = gelu ? gelu_arg(g) : g, e = exp_nonpositive(-fabsf(z));
+            float sigmoid = z >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
             out[r * dim + i] = g * sigmoid * up[i];
         }
     }
@@ -393,99 +386,5 @@ void decode_attention_f32(const float *q, const float *k, const float *v, int64_
                                 kv_half, table, from, pos + 1 - from, block_size, dim,
                                 out + ((t0 + r) * num_heads + head + m) * dim);
         }
-    }
-}
-
-/* A layer linear of the fused steps, from its descriptor of LINEAR_WORDS words: the number of
- * parts (weights side by side in the output: a fused qkv or gate/up projection), the bias address
- * (0: none; fp32 only), then each part's (type, address, outputs, row bytes): type 0 a float
- * weight, else a GGUF block type for `quant_matmul`, on activations quantized into `act` (for the
- * part's block size, once for consecutive parts that share it). x [rows][k] and y [rows][n_total]
- * are fp32 (`decode_layers_f32`; type 0: an fp32 weight [n][k] for `linear_f32`) or, with
- * `bf16_io`, bf16 (`decode_layers_bf16`; type 0: the one part, the packed copy `gemm_bf16`
- * reads, which only AVX512-BF16 builds make), each output rounded once as the modules' are. */
-void fused_linear(const int64_t *d, const void *x, int bf16_io, int64_t rows, int64_t k, void *y,
-                  int64_t n_total, float *act, int64_t max_k, int threads) {
-    int64_t kp = act_stride(max_k), block = 0, column = 0, elem = bf16_io ? 2 : 4;
-    float *xd = act;
-    int16_t *bsum = (int16_t *)(xd + rows * kp / 32);
-    int8_t *xq = (int8_t *)(bsum + rows * kp / 16);
-    for (int64_t p = 0; p < d[0]; p++) {
-        const int64_t *part = d + 2 + 4 * p;
-        int type = (int)part[0];
-        void *out = (char *)y + column * elem;
-        if (type == 0 && !bf16_io) {
-            linear_f32(x, rows, k, (const float *)part[1], part[2], k, out, n_total, threads);
-        } else if (type == 0) {
-#ifdef __AVX512BF16__
-            gemm_bf16(x, rows, k, (const uint16_t *)part[1], part[2], k, out, 1, threads);
-#endif
-        } else {
-            int64_t need = type >= 12 ? 256 : 32; /* the K-quants' super-blocks (Q4_K = 12 on) */
-            if (block != need)
-                quantize_activations(x, bf16_io, rows, k, k, need, xq, xd, bsum, threads);
-            block = need;
-            quant_matmul(type, (const uint8_t *)part[1], part[2], k, part[3], xq, xd, bsum,
-                         rows, out, bf16_io, n_total, threads);
-        }
-        column += part[2];
-    }
-    const float *bias = (const float *)d[1];
-    float *yf = y;
-    if (bias)
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t i = 0; i < n_total; i++) yf[r * n_total + i] += bias[i];
-}
-
-/* A decode step through all `num_layers` layers of a Llama-style model in one call, as the layer
- * modules run it on these ops: x [rows, hidden] in, the last layer's output out, and `residual`
- * the residual stream before it. `weights`: LAYER_WORDS words a layer, the input norm's address,
- * the qkv projection's descriptor (`fused_linear`), o's, the post-attention norm's address, then
- * gate_up's and down's. `work`: rows * (hidden + qkv width + heads * head_dim + 3 *
- * intermediate) floats; `act`: rows * kp * 5 / 16 floats (kp: `act_stride` of the widest input)
- * for quantized activations. The rows of `num_seqs` sequences as `decode_attention_f32`
- * takes them; `windows`: each layer's (0: global). */
-void decode_layers_f32(float *x, float *residual, int64_t rows, int64_t hidden, const float *cos,
-                       const float *sin, int64_t num_layers, const int64_t *weights,
-                       const int64_t *k_caches, const int64_t *v_caches, int kv_half,
-                       int64_t cache_head_stride, const int64_t *windows,
-                       const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
-                       const int32_t *query_start, int64_t num_seqs, int64_t block_size,
-                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rot_dim,
-                       int64_t intermediate, float eps, float scale, float *work, float *act,
-                       float *scores, int64_t scores_stride, int threads) {
-    int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-    int64_t qkv_width = q_size + 2 * kv_size;
-    int64_t max_k = hidden > q_size ? hidden : q_size;
-    max_k = max_k > intermediate ? max_k : intermediate;
-    float *h = work, *qkv = h + rows * hidden, *attn = qkv + rows * qkv_width;
-    float *gate_up = attn + rows * q_size, *mlp = gate_up + rows * 2 * intermediate;
-    for (int64_t l = 0; l < num_layers; l++) {
-        const int64_t *w = weights + LAYER_WORDS * l;
-        const int64_t *qkv_proj = w + 1, *o_proj = qkv_proj + LINEAR_WORDS;
-        const float *post_norm = (const float *)o_proj[LINEAR_WORDS];
-        const int64_t *gate_up_proj = o_proj + LINEAR_WORDS + 1;
-        const int64_t *down_proj = gate_up_proj + LINEAR_WORDS;
-        if (l == 0) {
-            rms_norm_f32(x, NULL, (const float *)w[0], h, NULL, rows, hidden, hidden, eps, threads);
-            memcpy(residual, x, rows * hidden * sizeof(float));
-        } else {
-            rms_norm_f32(x, residual, (const float *)w[0], h, residual, rows, hidden, hidden, eps,
-                         threads);
-        }
-        fused_linear(qkv_proj, h, 0, rows, hidden, qkv, qkv_width, act, max_k, threads);
-        rotary_f32(qkv, cos, sin, rows, num_heads + num_kv_heads, head_dim, rot_dim, qkv_width,
-                   threads);
-        decode_attention_f32(qkv, qkv + q_size, qkv + q_size + kv_size, qkv_width, qkv_width,
-                             qkv_width, (void *)k_caches[l], (void *)v_caches[l], kv_half,
-                             cache_head_stride, block_tables, max_blocks, seq_lens, query_start,
-                             block_size, num_seqs, num_heads, num_kv_heads, head_dim, scale, attn,
-                             scores, scores_stride, threads, windows[l], 0.0f);
-        fused_linear(o_proj, attn, 0, rows, q_size, x, hidden, act, max_k, threads);
-        rms_norm_f32(x, residual, post_norm, h, residual, rows, hidden, hidden, eps, threads);
-        fused_linear(gate_up_proj, h, 0, rows, hidden, gate_up, 2 * intermediate, act, max_k,
-                     threads);
-        silu_and_mul_f32(gate_up, mlp, rows, intermediate, threads);
-        fused_linear(down_proj, mlp, 0, rows, intermediate, x, hidden, act, max_k, threads);
     }
 }
