@@ -3,7 +3,8 @@
 `paged_backend.cpu.library`): fused RMSNorm (with the residual add; Gemma's; per q/k head),
 rotary embedding and SiLU- or GeGLU-and-mul, greedy argmax, KV-cache writes, decode attention
 over the paged cache, attention over packed keys (a shared prefix, or a prefill chunk's
-context) and a GEMM of a few rows. Each wrapper checks the dtypes, shapes and layouts its kernel assumes, then calls it by keyword.
+context) and a GEMM of a few rows. Each wrapper checks the dtypes, shapes and layouts its
+kernel assumes, then calls it by keyword.
 
 At small batch a decode step is mostly per-op dispatch: torch runs `F.rms_norm` on bf16 as ~8
 ops and rotate-half rotary as 6; the C ops do each in one call, rounding to bf16 where those
