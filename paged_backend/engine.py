@@ -16,6 +16,7 @@ import torch
 from paged_backend import metrics
 from paged_backend.chat_template import apply_chat_template, check_chat_messages
 from paged_backend.config import EngineConfig
+from paged_backend.cpu.memory import release_freed_heap
 from paged_backend.detokenizer import IncrementalDetokenizer
 from paged_backend.kv_cache_manager import KVCacheManager
 from paged_backend.model_loader import model_name, resolve_model_path
@@ -157,6 +158,7 @@ class LLMEngine:
         self.num_accepted_tokens = 0
         self.num_drafting_steps = 0  # (sequence, step) pairs with drafts
         self.fault_hook: Callable[[str, list[str]], None] | None = None  # see _inject_fault
+        release_freed_heap()  # what loading freed: not the process's to keep
 
     def _proposer(self) -> NgramProposer | None:
         spec = self.config.speculative_config

@@ -29,6 +29,7 @@ from paged_backend.cpu.features import cpu_flags
 from paged_backend.cpu.memory import (
     advise_huge_pages,
     huge_page_tokens,
+    release_freed_heap,
     resident_bytes,
     zeros_on_huge_pages,
 )
@@ -895,6 +896,19 @@ def test_the_kv_cache_commits_memory_as_it_is_used():
     grown = _rss_mib() - before
     assert 32 <= grown < 96
     assert not cache[1].any() and cache.dtype == torch.bfloat16 and cache.is_contiguous()
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="no /proc")
+def test_freed_heap_memory_goes_back_to_the_system():
+    """What a load frees between what it keeps (here 200 MiB of 4 KiB buffers, every tenth
+    kept) stays resident until `release_freed_heap` (glibc) hands its pages back."""
+    buffers = [bytearray(4096) for _ in range(51200)]
+    kept = buffers[::10]
+    del buffers
+    before = _rss_mib()
+    release_freed_heap()
+    assert before - _rss_mib() > 100
+    assert len(kept) == 5120
 
 
 def test_the_library_is_called_by_the_c_parameter_names():
