@@ -100,7 +100,7 @@ class FusedDecode:
         return linear.c_rows if self.f32 else linear.gemm_rows
 
     def _pointers(self, linear: nn.Module) -> list[int]:
-        """The linear's descriptor for `fused_linear` in `csrc/f32_decode.c`: parts, bias, each
+        """The linear's descriptor for `fused_linear` in `csrc/decode_layers.c`: parts, bias, each
         part's type, address, outputs and row bytes; type 0 a float weight (fp32: the weight;
         bf16: the C GEMM's packed copy), else its GGUF block type."""
         if isinstance(linear, QuantLinear):

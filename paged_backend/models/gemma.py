@@ -36,7 +36,7 @@ from paged_backend.models.llama import (
     norm_residual,
 )
 
-gemma_rms_norm = partial(torch_rms_norm, offset=1.0)
+torch_gemma_rms_norm = partial(torch_rms_norm, offset=1.0)
 
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -80,18 +80,12 @@ class GemmaForCausalLM(LlamaForCausalLM):
     @staticmethod
     def family_ops(kind: str) -> Ops:
         if kind == "cpu":
-            return Ops(
-                cpu_ops.gemma_rms_norm,
-                cpu_ops.rotary_embedding,
-                cpu_ops.gelu_tanh_and_mul,
-                cpu_ops.gemma_head_norm,
-            )
-        return replace(
-            make_ops(kind),
-            rms_norm=gemma_rms_norm,
-            head_norm=gemma_rms_norm,
-            act_and_mul=torch_gelu_tanh_and_mul,
-        )
+            norm, head_norm = cpu_ops.gemma_rms_norm, cpu_ops.gemma_head_norm
+            act = cpu_ops.gelu_tanh_and_mul
+        else:
+            norm = head_norm = torch_gemma_rms_norm
+            act = torch_gelu_tanh_and_mul
+        return replace(make_ops(kind), rms_norm=norm, head_norm=head_norm, act_and_mul=act)
 
     def __init__(self, config: ModelConfig, max_len: int, ops: str = "torch") -> None:
         super().__init__(config, max_len, ops)
