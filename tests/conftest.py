@@ -37,6 +37,18 @@ def pytest_configure(config) -> None:
     os.environ["PAGED_BACKEND_CACHE"] = str(temp)
     os.environ["LLAMA_INDEX_CACHE_DIR"] = str(temp / "llama_index")
     config.stash[_TEMP_CACHE] = temp
+    _share_cores_among_workers()
+
+
+def _share_cores_among_workers() -> None:
+    """Under pytest-xdist (`-n N`), each worker and the processes it starts get their share of
+    the cores: N workers at every core's thread count each would oversubscribe the machine
+    (spinning OpenMP teams many times slower)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 def pytest_unconfigure(config) -> None:

@@ -100,6 +100,8 @@ def test_the_load_of_other_processes_is_measured():
     if alone > 0.5:
         pytest.skip(f"other processes load the machine already ({alone:.0%})")
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count())  # every CPU ours: the spinner's core counts
     try:
         time.sleep(0.3)
         before = kernel_choice._cpu_seconds()
@@ -107,7 +109,25 @@ def test_the_load_of_other_processes_is_measured():
         loaded = kernel_choice._others_share(before, kernel_choice._cpu_seconds())
     finally:
         spinner.kill()
+        torch.set_num_threads(threads)
     assert loaded > alone + 0.5 / os.cpu_count()
+
+
+@pytest.mark.parametrize(
+    ("threads", "others_cores", "share"),
+    [(4, 1.0, 0.25), (2, 2.0, 0.0), (2, 3.0, 0.5), (1, 2.5, 0.0), (1, 3.5, 0.5), (8, 2.0, 0.5)],
+)
+def test_only_load_on_the_cores_our_threads_need_counts(monkeypatch, threads, others_cores, share):
+    """On 4 CPUs, what other processes ran beyond the CPUs our threads leave them (a test
+    worker beside a one-thread engine) is the share that counts, of the CPUs we use."""
+    monkeypatch.setattr(kernel_choice.os, "cpu_count", lambda: 4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:  # 2 s: others ran others_cores * 2 CPU seconds, we ran 0.5
+        got = kernel_choice._others_share((0.0, 10.0, 1.0), (2.0, 10.5 + others_cores * 2, 1.5))
+    finally:
+        torch.set_num_threads(before)
+    assert got == pytest.approx(share)
 
 
 @needs_gemm

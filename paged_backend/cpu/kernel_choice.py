@@ -23,10 +23,10 @@ the whole batch-32 decode step with it (~45 against ~57 ms).
 The result is cached per CPU, thread count, torch, C-kernel build and rule under the cache dir,
 so later starts read it instead of timing (about a second). Timings taken while other processes
 load the machine mislead (a thread of either kernel waits for a core): when others used more
-than `_BUSY_SHARE` of the CPUs meanwhile, the choice serves this engine only and is timed again
-at the next start; a `notice` says so once a process (every engine start on a busy machine would
-repeat it). `EngineConfig.cpu_gemm_max_rows` forces a choice, and deleting `kernel_choice.json`
-in the cache dir times again.
+than `_BUSY_SHARE` of the CPUs this engine's threads needed meanwhile, the choice serves this
+engine only and is timed again at the next start; a `notice` says so once a process (every
+engine start on a busy machine would repeat it). `EngineConfig.cpu_gemm_max_rows` forces a
+choice, and deleting `kernel_choice.json` in the cache dir times again.
 """
 
 from __future__ import annotations
@@ -109,11 +109,15 @@ def _cpu_seconds() -> tuple[float, float, float] | None:
 
 
 def _others_share(before, after) -> float:
-    """The share of all CPUs other processes used between two `_cpu_seconds` readings."""
+    """The share of the CPUs this process's threads needed that other processes used between
+    two `_cpu_seconds` readings: what they ran on the CPUs left over (timing on 1 of 2 cores
+    beside a test worker on the other) does not count."""
     if before is None or after is None or after[0] <= before[0]:
         return 0.0
+    cpus = os.cpu_count() or 1
+    spare = max(cpus - torch.get_num_threads(), 0)
     others = (after[1] - before[1]) - (after[2] - before[2])
-    return max(others, 0.0) / ((after[0] - before[0]) * (os.cpu_count() or 1))
+    return max(others / (after[0] - before[0]) - spare, 0.0) / (cpus - spare)
 
 
 def _time_shape(n: int, k: int) -> int:
