@@ -23,6 +23,7 @@ from paged_backend.models.llama import param_shard
 
 # In a GGUF file's directory of configuration and tokenizer: the file its weights are read from.
 GGUF_WEIGHTS = "gguf_weights.json"
+CONVERTED_FROM = "paged_backend_source.json"  # in a `convert_gguf` directory: its GGUF file
 # What a model directory needs from a hub repository: no pickle weights, no GGUF variants.
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*"]
 
@@ -156,6 +157,16 @@ def gguf_weights_file(model_dir: Path) -> Path | None:
     return None if source is None else Path(source["gguf"])
 
 
+def converted_from(model_dir: Path) -> dict | None:
+    """For a `convert_gguf` directory whose GGUF file is still in place: `gguf_source` of that
+    file (its path, architecture and tensor table); None for other directories."""
+    marker = Path(model_dir) / CONVERTED_FROM
+    if not marker.is_file():
+        return None
+    path = Path(json.loads(marker.read_text())["gguf"])
+    return gguf_source(gguf_model_dir(path)) if path.is_file() else None
+
+
 def convert_gguf(path: Path) -> Path:
     """Dequantize a GGUF file through transformers' loader into a cached fp32 HF directory
     (once: concurrent first starts wait for one conversion)."""
@@ -198,7 +209,7 @@ def _write_gguf_dir(path: Path, target: Path, weights: bool) -> None:
             plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             plain.load_state_dict(model.state_dict())
             plain.save_pretrained(tmp)
-            (tmp / "paged_backend_source.json").write_text(json.dumps({"gguf": str(path)}))
+            (tmp / CONVERTED_FROM).write_text(json.dumps({"gguf": str(path)}))
         else:
             from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 

@@ -19,6 +19,7 @@ from paged_backend.gguf import ARCHITECTURES as GGUF_ARCHITECTURES
 from paged_backend.int4_checkpoint import int4_scheme, load_int4_checkpoint
 from paged_backend.model_loader import (
     convert_gguf,
+    converted_from,
     gguf_source,
     load_safetensors,
 )
@@ -218,7 +219,23 @@ class ModelRunner:
         elif self._c_f32_linears(config, ops):
             self.gemm_rows = self._gemm_rows(config, model, kernel_choice.f32_max_rows)
             model.use_f32_linears_(self.gemm_rows)
+            self._use_f32_blocks(model, gguf or converted_from(model_path))
         return model
+
+    @staticmethod
+    def _use_f32_blocks(model: LlamaForCausalLM, gguf: dict | None) -> None:
+        """Small steps of an fp32 model dequantized from GGUF file `gguf` (`gguf_source`) read
+        the blocks its weights came from, where their values are the weights' bits."""
+        if gguf is None:
+            return
+        from paged_backend.gguf.weights import exact_f32_blocks
+
+        blocks = exact_f32_blocks(model, Path(gguf["gguf"]), gguf["architecture"], gguf["tensors"])
+        keys = {
+            (parts[0].format, sum(p.out_features for p in parts), parts[0].in_features)
+            for parts in blocks.values()
+        }
+        model.use_f32_blocks_(blocks, kernel_choice.f32_block_max_rows(keys))
 
     def _blocks_model(self, config: EngineConfig, model, ops: str) -> LlamaForCausalLM:
         """A model whose linears hold quantized blocks, cast: its float linears left (a float

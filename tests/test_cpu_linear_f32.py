@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from paged_backend import LLM, SamplingParams, cpu
 from paged_backend.cpu import ops as cpu_ops
+from paged_backend.cpu.quant import EXACT_F32_FORMATS, dequantize, linear_blocks_f32, random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the C kernels did not build")
 
@@ -106,3 +107,17 @@ def test_without_c_kernels_no_step_calls_the_c_linear(tiny_model, one_thread, mo
     )
     out = llm.generate([[7] * 40], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("fmt", EXACT_F32_FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 13])  # every tile shape
+def test_gguf_blocks_give_linear_f32s_bits_on_their_values(fmt, rows):
+    """An fp32 model dequantized from a GGUF file reads its small steps' weights from the
+    blocks (`linear_blocks_f32`): the outputs of the dequantized weight, bit for bit, for parts
+    side by side (a fused qkv) and a bias."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 96 + 24)[:, 8:104]  # rows 120 apart
+    parts = [random_blocks(fmt, 7, 96, seed=rows), random_blocks(fmt, 161, 96, seed=rows + 50)]
+    bias = torch.randn(168)
+    values = torch.cat([dequantize(part) for part in parts])
+    assert torch.equal(linear_blocks_f32(x, parts, bias), cpu_ops.linear_f32(x, values, bias))

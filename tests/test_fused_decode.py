@@ -6,14 +6,19 @@ CPU with a compiler); other steps, and models it does not fit, run the modules."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from conftest import longrope, make_tiny_model
 
 from paged_backend import LLM, SamplingParams, cpu
 from paged_backend.attention import FusedDecode
+from paged_backend.cpu import kernel_choice
 from paged_backend.cpu.quant import QuantLinear
 from paged_backend.default_model import default_model_file
 from paged_backend.gguf.random_checkpoint import write_checkpoint
+from paged_backend.gguf.weights import exact_f32_blocks
+from paged_backend.model_loader import converted_from, gguf_source
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 needs_bf16 = pytest.mark.skipif(not cpu.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")
@@ -278,3 +283,39 @@ def test_gguf_blocks_run_fused_with_the_modules_bits(
     model.fused_decode = None
     plain, none = generate_counting(llm, monkeypatch, [20, 12, 16])
     assert not none and fused == plain
+
+
+@needs_ops
+@pytest.mark.parametrize("source", ["default", "tiny-q4_0"])
+def test_fp32_models_from_gguf_files_read_their_blocks_with_the_same_outputs(
+    source, tmp_path, monkeypatch
+):
+    """An fp32 model dequantized from a GGUF file (the embedded default model, converted by
+    transformers and checked at the start; a file run with quantization="none", dequantized by
+    us) reads its small steps' weights from the file's blocks (0.6 bytes a weight for Q4_0 /
+    Q4_1, 1.06 for the default model's Q8_0 head, instead of 4): decode steps, single or
+    batched, give the same tokens and log-probabilities as the engine that reads fp32 weights.
+    A weight whose values differ from its blocks keeps its fp32 reads."""
+    args = dict(dtype="float32", cpu_gemm_max_rows=64, num_kv_blocks=256)
+    if source != "default":
+        path = write_checkpoint("tiny", tmp_path, ("q4_0",))[0]
+        args.update(model=str(path), quantization="none")
+    prompts = [list(range(200, 230)), [1, 400, 33, 2048], list(range(900, 990))]
+    outputs = []
+    for blocks in (True, False):
+        if not blocks:
+            monkeypatch.setattr(kernel_choice, "f32_block_max_rows", lambda k: dict.fromkeys(k, 0))
+        llm = LLM(**args)
+        model = llm.engine.runner.model
+        linears = [lin for layer in model.layers for lin in FusedDecode._linears(layer)]
+        assert {lin.block_rows > 0 for lin in linears} == {blocks}
+        assert (model.fused_decode.block_rows > 0) == blocks
+        got, fused = generate_counting(llm, monkeypatch, [24, 16, 20], prompts)
+        assert fused
+        outputs.append(got)
+    assert outputs[0] == outputs[1]
+    gguf = gguf_source(llm.engine.model_path) or converted_from(llm.engine.model_path)
+    down = model.layers[1].mlp.down_proj
+    down.weight.data[32, 5] += 1e-3  # a checked row
+    table = exact_f32_blocks(model, Path(gguf["gguf"]), gguf["architecture"], gguf["tensors"])
+    assert "layers.0.mlp.down_proj" in table and "layers.1.mlp.down_proj" not in table

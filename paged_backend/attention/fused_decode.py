@@ -55,6 +55,16 @@ class FusedDecode:
         self.max_rows = min(self._rows(lin) for layer in linears for lin in layer)
         words = [self._layer_words(*pair) for pair in zip(model.layers, linears, strict=True)]
         self.weights = torch.tensor(words, dtype=torch.int64)
+        # Steps of up to block_rows rows read an fp32 model's GGUF blocks where every layer
+        # linear has them (`Linear.blocks`: the same bits, fewer bytes).
+        self.block_rows = min(getattr(lin, "block_rows", 0) for layer in linears for lin in layer)
+        self.block_weights = None
+        if self.block_rows:
+            words = [
+                self._layer_words(*pair, blocks=True)
+                for pair in zip(model.layers, linears, strict=True)
+            ]
+            self.block_weights = torch.tensor(words, dtype=torch.int64)
         first = model.layers[0]
         self.norm_offset = NORM_OFFSETS[first.input_layernorm.norm]
         self.gelu = GELU[first.mlp.act_and_mul]
@@ -68,7 +78,7 @@ class FusedDecode:
         self.windows = torch.tensor(windows, dtype=torch.int64)
         self.caches: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
-    def _layer_words(self, layer: nn.Module, linears: tuple) -> list[int]:
+    def _layer_words(self, layer: nn.Module, linears: tuple, blocks: bool = False) -> list[int]:
         """A layer's words for `decode_layers` (`LAYER_WORDS` in `csrc/decode_layers.c`)."""
 
         def address(norm: nn.Module | None) -> int:
@@ -80,12 +90,12 @@ class FusedDecode:
             address(layer.input_layernorm),
             address(layer.self_attn.q_norm),
             address(layer.self_attn.k_norm),
-            *self._pointers(qkv),
-            *self._pointers(o),
+            *self._pointers(qkv, blocks),
+            *self._pointers(o, blocks),
             address(attn_out),
             address(mlp_in),
-            *self._pointers(gate_up),
-            *self._pointers(down),
+            *self._pointers(gate_up, blocks),
+            *self._pointers(down, blocks),
             address(mlp_out),
         ]
 
@@ -99,14 +109,16 @@ class FusedDecode:
             return QUANT_MAX_ROWS
         return linear.c_rows if self.f32 else linear.gemm_rows
 
-    def _pointers(self, linear: nn.Module) -> list[int]:
+    def _pointers(self, linear: nn.Module, blocks: bool = False) -> list[int]:
         """The linear's descriptor for `fused_linear` in `csrc/decode_layers.c`: parts, bias, each
         part's type, address, outputs and row bytes; type 0 a float weight (fp32: the weight;
-        bf16: the C GEMM's packed copy), else its GGUF block type."""
-        if isinstance(linear, QuantLinear):
+        bf16: the C GEMM's packed copy), a GGUF block type for a quantized linear, minus one
+        for an fp32 linear's blocks (`blocks`: `Linear.blocks`)."""
+        if isinstance(linear, QuantLinear) or blocks:
+            sign = -1 if blocks else 1
             parts = [
-                (w.type_id, w.data.data_ptr(), w.out_features, w.data.stride(0))
-                for w in linear.weights
+                (sign * w.type_id, w.data.data_ptr(), w.out_features, w.data.stride(0))
+                for w in (linear.blocks if blocks else linear.weights)
             ]
         elif self.f32:
             weight = linear.weight
@@ -203,7 +215,7 @@ class FusedDecode:
             local_cos=local_cos.data_ptr(),
             local_sin=local_sin.data_ptr(),
             num_layers=len(self.layers),
-            weights=self.weights.data_ptr(),
+            weights=(self.block_weights if rows <= self.block_rows else self.weights).data_ptr(),
             k_caches=k_ptrs.data_ptr(),
             v_caches=v_ptrs.data_ptr(),
             kv_half=int(kv_caches[0][0].dtype == torch.float16),

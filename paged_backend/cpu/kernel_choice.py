@@ -43,6 +43,7 @@ import torch
 from paged_backend.cpu import library
 from paged_backend.cpu import ops as cpu_ops
 from paged_backend.cpu.features import cpu_description
+from paged_backend.cpu.quant import dequantize, linear_blocks_f32, random_blocks
 from paged_backend.file_cache import cache_dir, locked, notice
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ _REPEATS = 7
 _TORCH_WINS = 0.9  # torch (oneDNN, MKL) takes a row count where it needs less than this share of C
 _BUSY_SHARE = 0.15
 _CACHE_FILE = "kernel_choice.json"
+_EVICT_BYTES = 128 << 20  # read before each cold call: more than a CPU's last-level cache
 
 
 def gemm_max_rows(shapes: set[tuple[int, int]]) -> dict[tuple[int, int], int]:
@@ -64,6 +66,13 @@ def f32_max_rows(shapes: set[tuple[int, int]]) -> dict[tuple[int, int], int]:
     """For each fp32 weight shape (out, in), the most rows of a step `cpu_ops.linear_f32` serves
     rather than torch's `F.linear` (0: none), as `gemm_max_rows` chooses for bf16."""
     return _max_rows(shapes, "fp32 ", _time_f32_shape)
+
+
+def f32_block_max_rows(keys: set[tuple[str, int, int]]) -> dict[tuple[str, int, int], int]:
+    """For each (block format, out, in) of an fp32 model's GGUF blocks, the most rows of a step
+    `quant.linear_blocks_f32` serves rather than `cpu_ops.linear_f32` on the same values (the
+    same bits either way): from the cache, or timed now with the weights out of the caches."""
+    return _max_rows(keys, "blocks ", _time_block_shape)
 
 
 def _max_rows(shapes, kind: str, time_shape) -> dict[tuple[int, int], int]:
@@ -145,14 +154,33 @@ def _time_f32_shape(n: int, k: int) -> int:
     )
 
 
-def _rows_c_serves(k: int, dtype: torch.dtype, c_call, torch_call) -> int:
-    """The two kernels (calls built for an input x) run in turns at each of `ROW_COUNTS`, so
-    that both see the same conditions, and each keeps its best time."""
+def _time_block_shape(fmt: str, n: int, k: int) -> int:
+    """The largest row count up to which `linear_f32` beats `linear_blocks_f32` clearly at no
+    timed count, each call on weights evicted from the caches first: a model's weights stream
+    from memory each step, where the blocks' fewer bytes pay for decoding them (at one row
+    ~4x faster there), while weights that stay cached favour fp32 (~0.8x)."""
+    blocks = random_blocks(fmt, n, k)
+    weight = dequantize(blocks)
+    evict = torch.ones(_EVICT_BYTES // 4)
+    return _rows_c_serves(
+        k,
+        torch.float32,
+        lambda x: (linear_blocks_f32, x, [blocks]),
+        lambda x: (cpu_ops.linear_f32, x, weight, None),
+        before=evict.sum,
+    )
+
+
+def _rows_c_serves(k: int, dtype: torch.dtype, c_call, torch_call, before=None) -> int:
+    """The two kernels (calls built for an input x; `torch_call` the rival of the C kernel
+    `c_call`) run in turns at each of `ROW_COUNTS`, so that both see the same conditions, and
+    each keeps its best time (`before` runs untimed before each call)."""
     best = 0
     with torch.inference_mode():
         for rows in ROW_COUNTS:
             x = torch.randn(rows, k).to(dtype)
-            if all(_torch_wins(*_best_times(c_call(x), torch_call(x))) for _ in range(2)):
+            calls = (c_call(x), torch_call(x))
+            if all(_torch_wins(*_best_times(*calls, before=before)) for _ in range(2)):
                 break
             best = rows
     return best
@@ -166,13 +194,15 @@ def _torch_wins(c_time: float, torch_time: float) -> bool:
     return torch_time < _TORCH_WINS * c_time
 
 
-def _best_times(*calls: tuple) -> list[float]:
-    """Each `(kernel, *args)` call's best time."""
+def _best_times(*calls: tuple, before=None) -> list[float]:
+    """Each `(kernel, *args)` call's best time (`before()` first, untimed, where given)."""
     best = [float("inf")] * len(calls)
     for kernel, *args in calls:
         kernel(*args)  # warm: first calls set kernels up
     for _ in range(_REPEATS):
         for i, (kernel, *args) in enumerate(calls):
+            if before is not None:
+                before()
             start = time.perf_counter()
             kernel(*args)
             best[i] = min(best[i], time.perf_counter() - start)
@@ -189,8 +219,8 @@ def _machine_key() -> str:
     return f"{cpu_description()} / {torch.get_num_threads()} threads / {build}"
 
 
-def _name(shape: tuple[int, int]) -> str:
-    return f"{shape[0]}x{shape[1]}"
+def _name(shape: tuple) -> str:
+    return "x".join(map(str, shape))
 
 
 def _read(path: Path) -> dict:

@@ -153,6 +153,60 @@ def quant_matmul(
     return out
 
 
+# Block formats whose values are exact products (a scale times a level of at most 8 bits) plus
+# one offset: `linear_blocks_f32` reproduces `dequantize`'s values bit for bit.
+EXACT_F32_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def linear_blocks_f32(
+    x: torch.Tensor, weights: list[QuantWeight], bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`cpu_ops.linear_f32(x, cat(dequantize(w) for w in weights), bias)`, its bits, read from
+    the blocks (formats of `EXACT_F32_FORMATS`, rows contiguous): a small step of an fp32 model
+    served from a GGUF file reads 0.56-1.06 bytes a weight instead of 4."""
+    rows, k = x.shape
+    if x.dtype != torch.float32 or x.stride(1) != 1:
+        raise ValueError(f"x must be fp32 with unit stride in a row, got {x.dtype}")
+    out = torch.empty(rows, sum(w.out_features for w in weights))
+    lib, column = load_library(), 0
+    for w in weights:
+        if w.format not in EXACT_F32_FORMATS or w.in_features != k:
+            raise ValueError(
+                f"linear_blocks_f32 takes {', '.join(EXACT_F32_FORMATS)} weights of {k} inputs, "
+                f"got {w.format} of {w.in_features}"
+            )
+        if not w.data.is_contiguous():
+            raise ValueError("linear_blocks_f32 needs contiguous block rows")
+        lib.linear_blocks_f32(
+            x=x.data_ptr(),
+            rows=rows,
+            x_stride=x.stride(0),
+            type=w.type_id,
+            w=w.data.data_ptr(),
+            n=w.out_features,
+            k=k,
+            y=out[:, column:].data_ptr(),
+            y_stride=out.stride(0),
+            threads=torch.get_num_threads(),
+        )
+        column += w.out_features
+    return out if bias is None else out.add_(bias)
+
+
+def random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> QuantWeight:
+    """A weight [n, k] of random blocks of 32 of `fmt` whose scales (fp16, a block's first 2
+    bytes; Q4_1's and Q5_1's minimum the next 2) are small normal values: for kernel timing."""
+    _, per, size = BLOCK_FORMATS[fmt]
+    if per != 32:
+        raise ValueError(f"random_blocks writes blocks of 32, not {fmt}'s {per}")
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (n, k // 32, size), dtype=torch.uint8, generator=gen)
+    scales = 2 if fmt in ("Q4_1", "Q5_1") else 1
+    values = torch.randn(n, k // 32, scales, generator=gen) * 0.01
+    data[:, :, : 2 * scales] = values.half().view(torch.uint8).view(n, k // 32, 2 * scales)
+    return QuantWeight(fmt, data.view(n, -1), k)
+
+
 def dequantize(weight: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The weight's rows `rows` (int64 ids; all where None) as fp32 [len(rows), in_features]."""
     ids = None if rows is None else rows.to(torch.int64).contiguous()

@@ -26,6 +26,7 @@ from torch import nn
 
 from paged_backend.cpu.quant import (
     BLOCK_FORMATS,
+    EXACT_F32_FORMATS,
     QuantEmbedding,
     QuantLinear,
     QuantWeight,
@@ -240,6 +241,64 @@ def load_gguf(
     linears and the embedding quantized where `quantized` and their format allows, every other
     tensor dequantized into its parameter. Call before casting the model to `dtype` (the dtype
     the embedding's rows come out in)."""
+    params = dict(model.named_parameters())
+    by_param = _pieces_by_param(model, path, arch, table)
+    missing = [n for n in params if n not in by_param]
+    if missing:
+        raise ValueError(f"{path}: weights missing: {missing[:5]}")
+    for param_name, pieces in by_param.items():
+        if quantized and _quantize_(model, param_name, pieces, dtype):
+            continue
+        for shard, sizes, tensor, rows in pieces:
+            _dequantize_into(params[param_name], shard, sizes, tensor, rows, arch)
+
+
+_CHECKED_ROW = 16
+
+
+def exact_f32_blocks(
+    model: nn.Module, path: Path, arch: str, table: list[dict]
+) -> dict[str, list[QuantWeight]]:
+    """The blocks of each fp32 weight of `model` (by module name; "lm_head" for a tied head: the
+    embedding's) that GGUF file `path` holds in `EXACT_F32_FORMATS` with exactly its values
+    (checked, `_same_values`: a model `load_gguf` or transformers' GGUF loader dequantized from
+    that file),
+    for `LlamaForCausalLM.use_f32_blocks_`."""
+    params = dict(model.named_parameters())
+    out = {}
+    for param_name, pieces in _pieces_by_param(model, path, arch, table).items():
+        module_name, _, kind = param_name.rpartition(".")
+        if kind != "weight" or (module_name == "embed_tokens" and model.lm_head is not None):
+            continue
+        ordered = sorted(pieces, key=lambda piece: piece[0] or 0)
+        weights = [_block_weight(tensor, rows) for _, _, tensor, rows in ordered]
+        if not all(w is not None and w.format in EXACT_F32_FORMATS for w in weights):
+            continue
+        if _same_values(weights, params[param_name]):
+            out["lm_head" if module_name == "embed_tokens" else module_name] = weights
+    return out
+
+
+def _same_values(weights: list[QuantWeight], param: torch.Tensor) -> bool:
+    """Whether fp32 `param` holds the values of `weights` (parts stacked), checked on every
+    `_CHECKED_ROW`-th row and the last of each part: a conversion that computed them otherwise
+    (or permuted rows) differs all over, and checking every row took a third of a start."""
+    if param.dtype != torch.float32:
+        return False
+    first = 0
+    for w in weights:
+        ids = torch.tensor([*range(0, w.out_features, _CHECKED_ROW), w.out_features - 1])
+        if not torch.equal(dequantize(w, ids), param[first + ids]):
+            return False
+        first += w.out_features
+    return True
+
+
+def _pieces_by_param(
+    model: nn.Module, path: Path, arch: str, table: list[dict]
+) -> dict[str, list[tuple[int | None, tuple | None, object, np.ndarray]]]:
+    """The file's tensors by the model parameter each fills: (shard, sizes, tensor, rows), the
+    rows of llama.cpp's permuted q/k weights put back in order."""
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"GGUF architecture {arch!r} is not one we load ({', '.join(ARCHITECTURES)})"
@@ -264,14 +323,7 @@ def load_gguf(
             heads = config.num_heads if ".attn_q." in tensor.name else config.num_kv_heads
             rows = unpermute_rows(rows, heads)
         by_param.setdefault(param_name, []).append((shard, sizes, tensor, rows))
-    missing = [n for n in params if n not in by_param]
-    if missing:
-        raise ValueError(f"{path}: weights missing: {missing[:5]}")
-    for param_name, pieces in by_param.items():
-        if quantized and _quantize_(model, param_name, pieces, dtype):
-            continue
-        for shard, sizes, tensor, rows in pieces:
-            _dequantize_into(params[param_name], shard, sizes, tensor, rows, arch)
+    return by_param
 
 
 def _block_weight(tensor, rows: np.ndarray) -> QuantWeight | None:

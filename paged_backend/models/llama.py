@@ -28,6 +28,7 @@ from paged_backend.cpu.linear import (
     replace_linears_,
 )
 from paged_backend.cpu.ops import apply_rotary, torch_rms_norm, torch_silu_and_mul
+from paged_backend.cpu.quant import QuantWeight, linear_blocks_f32
 from paged_backend.models.config import ModelConfig
 
 
@@ -63,14 +64,19 @@ class Linear(nn.Linear):
     """`nn.Linear` with its parameters left as allocated (`torch.empty`): every one is loaded
     from the checkpoint (`load_safetensors` checks), so a random init would be wasted work (over
     a second of a start for the default model's 135M). Steps of up to `c_rows` rows run the C
-    fp32 linear (`LlamaForCausalLM.use_f32_linears_`)."""
+    fp32 linear (`LlamaForCausalLM.use_f32_linears_`), those of up to `block_rows` on the GGUF
+    blocks its weight was dequantized from, with the same bits (`use_f32_blocks_`)."""
 
     c_rows = 0
+    block_rows = 0
+    blocks: list[QuantWeight] | None = None
 
     def reset_parameters(self) -> None:
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.block_rows and x.shape[0] <= self.block_rows:  # 0: never
+            return linear_blocks_f32(x, self.blocks, self.bias)
         if self.c_rows and x.shape[0] <= self.c_rows:  # 0: never (a step may have no rows)
             return cpu_ops.linear_f32(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -336,6 +342,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.cpu_head: CpuLinear | None = None
         self.head_c_rows = 0  # steps of up to this many rows: `cpu_ops.linear_f32`
+        self.head_blocks: list[QuantWeight] | None = None  # and up to head_block_rows: these
+        self.head_block_rows = 0
         # set by `use_cpu_linears_` / `use_f32_linears_` where it fits
         self.fused_decode: FusedDecode | None = None
 
@@ -373,6 +381,24 @@ class LlamaForCausalLM(nn.Module):
         head = self._head_weight()
         if head is not None and cpu_ops.linear_f32_fits(head):
             self.head_c_rows = rows[tuple(head.shape)]
+        self.fuse_decode_()
+
+    def use_f32_blocks_(
+        self, blocks: dict[str, list[QuantWeight]], rows: dict[tuple[str, int, int], int]
+    ) -> None:
+        """Give the fp32 linears that `blocks` holds the GGUF blocks their weights were
+        dequantized from (`gguf.weights.exact_f32_blocks`; "lm_head": a tied head's): steps of
+        up to `rows[(format, *shape)]` rows of those that run `cpu_ops.linear_f32` read them
+        instead (`quant.linear_blocks_f32`: the same bits from 0.56-1.06 bytes a weight, not 4).
+        After `use_f32_linears_`."""
+        for name, weights in blocks.items():
+            key = (weights[0].format, sum(w.out_features for w in weights), weights[0].in_features)
+            if name == "lm_head" and self._head_weight() is not None:
+                self.head_blocks, self.head_block_rows = weights, min(self.head_c_rows, rows[key])
+            elif name != "lm_head" and len({w.format for w in weights}) == 1:
+                module = self.get_submodule(name)
+                if isinstance(module, Linear) and module.c_rows:
+                    module.blocks, module.block_rows = weights, min(module.c_rows, rows[key])
         self.fuse_decode_()
 
     def half_head_(self) -> None:
@@ -442,6 +468,8 @@ class LlamaForCausalLM(nn.Module):
         """The output head on final hidden rows `x`, in fp32."""
         if self.cpu_head is not None:
             return self.cpu_head(x, out_dtype=torch.float32)
+        if self.head_block_rows and x.shape[0] <= self.head_block_rows:
+            return linear_blocks_f32(x, self.head_blocks, None)
         weight = self._head_weight()
         if weight.dtype == torch.float16 or (self.head_c_rows and x.shape[0] <= self.head_c_rows):
             return cpu_ops.linear_f32(x, weight, None)  # an fp16 head (`half_head_`) at any size

@@ -131,6 +131,9 @@ static inline uint16_t f32_to_f16(float value) {
 
 typedef uint16_t bf16;
 
+/* GGUF (ggml) block types, by their type ids. */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
 static inline float to_f32(bf16 h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -170,6 +173,8 @@ void decode_attention_bf16(const bf16 *, const bf16 *, const bf16 *, int64_t, in
                            const float *, int64_t, int64_t, float);
 void linear_f32(const float *, int64_t, int64_t, const float *, int64_t, int64_t, float *, int64_t,
                 int);
+void linear_blocks_f32(const float *, int64_t, int64_t, int, const uint8_t *, int64_t, int64_t,
+                       float *, int64_t, int);
 void quantize_activations(const void *, int, int64_t, int64_t, int64_t, int64_t, int8_t *, float *,
                           int16_t *, int);
 void quant_matmul(int, const uint8_t *, int64_t, int64_t, int64_t, const int8_t *, const float *,

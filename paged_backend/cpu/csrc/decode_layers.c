@@ -15,7 +15,9 @@
 /* A layer linear of the fused steps, from its descriptor of LINEAR_WORDS words: the number of
  * parts (weights side by side in the output: a fused qkv or gate/up projection), the bias address
  * (0: none; fp32 only), then each part's (type, address, outputs, row bytes): type 0 a float
- * weight, else a GGUF block type for `quant_matmul`, on activations quantized into `act` (for the
+ * weight, a negative one an fp32 weight in GGUF blocks of type -type (`linear_blocks_f32`: the
+ * bits of `linear_f32` on their values), else a GGUF block type for `quant_matmul`, on
+ * activations quantized into `act` (for the
  * part's block size, once for consecutive parts that share it). x [rows][k] and y [rows][n_total]
  * are fp32 (type 0: an fp32 weight [n][k] for `linear_f32`) or, with `bf16_io`, bf16 (type 0:
  * the one part, the packed copy `gemm_bf16` reads, which only AVX512-BF16 builds make), each
@@ -30,7 +32,10 @@ static void fused_linear(const int64_t *d, const void *x, int bf16_io, int64_t r
         const int64_t *part = d + 2 + 4 * p;
         int type = (int)part[0];
         void *out = (char *)y + column * elem;
-        if (type == 0 && !bf16_io) {
+        if (type < 0) { /* an fp32 linear's GGUF blocks: `linear_f32`'s bits */
+            linear_blocks_f32(x, rows, k, -type, (const uint8_t *)part[1], part[2], k, out, n_total,
+                              threads);
+        } else if (type == 0 && !bf16_io) {
             linear_f32(x, rows, k, (const float *)part[1], part[2], k, out, n_total, threads);
         } else if (type == 0) {
 #ifdef __AVX512BF16__

@@ -15,7 +15,13 @@
  *
  * `linear_f16w` is the same on fp16 weights (a GPTQ / AWQ checkpoint's head, a GGUF file's F16
  * tensors): each converts exactly to fp32 as it is loaded, so the outputs are `linear_f32`'s bits
- * on the converted weight, for half its bytes.
+ * on the converted weight, for half its bytes. `linear_blocks_f32` is the same on GGUF blocks of
+ * 32 (Q4_0, Q4_1, Q8_0): a model served in fp32 from such a file (the embedded default model)
+ * holds its weights dequantized, but each block decodes in registers to exactly those values
+ * (d * level + offset: the product is exact in fp32, so one rounding, as `dequantize_rows`), so
+ * the outputs are `linear_f32`'s bits on the dequantized weight, for 0.56-1.06 bytes a weight
+ * instead of 4. The weights' kind is their ggml type id throughout: 0 fp32, 1 fp16, else a block
+ * type.
  */
 #include <stdint.h>
 
@@ -28,6 +34,12 @@ static void tile_shape(int64_t rows, int *nw, int *nx) {
     static const int weight_rows[5] = {0, 4, 6, 4, 3};
     *nw = rows <= 4 ? weight_rows[rows] : rows <= 6 ? 2 : 3;
     *nx = rows <= 4 ? (int)rows : rows <= 6 ? 6 : 4;
+}
+
+/* The bytes of a weight row of k weights of `type` (0 fp32, 1 fp16, Q4_0, Q4_1, Q8_0). */
+static int64_t weight_row_bytes(int type, int64_t k) {
+    if (type == 0 || type == 1) return (type ? 2 : 4) * k;
+    return k / 32 * (type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34);
 }
 
 #ifdef __AVX2__
@@ -48,8 +60,9 @@ static inline float lanes_sum(__m256 v) {
 /* y[b, a] = x[b] . w[a] for NW weight rows and NX input rows; k a multiple of 8 here. KIND: the
  * weights' type, f32 or f16 (`load_f32`, `load_f16`). */
 #define TILE(KIND, WT, NW, NX)                                                                     \
-    static void KIND##_tile_##NW##_##NX(const float *x, int64_t xs, const WT *w, int64_t k,        \
+    static void KIND##_tile_##NW##_##NX(const float *x, int64_t xs, const void *wv, int64_t k,     \
                                         float *y, int64_t ys) {                                    \
+        const WT *w = wv;                                                                          \
         __m256 acc[NW][NX];                                                                        \
         for (int a = 0; a < NW; a++)                                                               \
             for (int b = 0; b < NX; b++) acc[a][b] = _mm256_setzero_ps();                          \
@@ -78,7 +91,55 @@ static inline float lanes_sum(__m256 v) {
         for (int a = 0; a < NW; a++)                                                               \
             for (int b = 0; b < NX; b++) y[b * ys + a] = lanes_sum(acc[a][b]);                     \
     }
-#define F32_TILE(NW, NX) TILE(f32, float, NW, NX) TILE(f16, uint16_t, NW, NX)
+/* The 32 weights of a block of `type` (Q4_0, Q4_1, Q8_0), as `dequantize_rows` gives them:
+ * d * level + offset, one rounding (the product is exact: an fp16 scale times a level of at
+ * most 8 bits), the offset -8d for Q4_0, the block's minimum for Q4_1, +0 for Q8_0. */
+static inline __attribute__((always_inline)) void block_values(int type, const uint8_t *blk,
+                                                               __m256 v[4]) {
+    __m256 d = _mm256_set1_ps(f16_to_f32(blk));
+    if (type == Q8_0) {
+        for (int s = 0; s < 4; s++) {
+            __m128i q = _mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * s));
+            v[s] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+                                   _mm256_setzero_ps());
+        }
+        return;
+    }
+    __m256 offset = type == Q4_1 ? _mm256_set1_ps(f16_to_f32(blk + 2))
+                                 : _mm256_mul_ps(_mm256_set1_ps(-8.0f), d);
+    __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + (type == Q4_1 ? 4 : 2)));
+    __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(15));
+    __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15));
+    __m128i levels[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+    for (int s = 0; s < 4; s++)
+        v[s] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(levels[s])), offset);
+}
+
+/* TILE for weights in blocks of 32 of TYPE (BYTES a block): each block decoded once a tile, its
+ * 4 vectors taken in order, so that each sum runs in TILE's order. */
+#define BLOCK_TILE(KIND, TYPE, BYTES, NW, NX)                                                      \
+    static void KIND##_tile_##NW##_##NX(const float *x, int64_t xs, const void *wv, int64_t k,     \
+                                        float *y, int64_t ys) {                                    \
+        const uint8_t *w = wv;                                                                     \
+        int64_t row_bytes = k / 32 * BYTES;                                                        \
+        __m256 acc[NW][NX];                                                                        \
+        for (int a = 0; a < NW; a++)                                                               \
+            for (int b = 0; b < NX; b++) acc[a][b] = _mm256_setzero_ps();                          \
+        for (int64_t i = 0, at = 0; i < k; i += 32, at += BYTES)                                   \
+            for (int a = 0; a < NW; a++) {                                                         \
+                __m256 v[4];                                                                       \
+                block_values(TYPE, w + a * row_bytes + at, v);                                     \
+                for (int s = 0; s < 4; s++)                                                        \
+                    for (int b = 0; b < NX; b++)                                                   \
+                        acc[a][b] = _mm256_fmadd_ps(v[s], _mm256_loadu_ps(x + b * xs + i + 8 * s), \
+                                                    acc[a][b]);                                    \
+            }                                                                                      \
+        for (int a = 0; a < NW; a++)                                                               \
+            for (int b = 0; b < NX; b++) y[b * ys + a] = lanes_sum(acc[a][b]);                     \
+    }
+#define F32_TILE(NW, NX)                                                                           \
+    TILE(f32, float, NW, NX) TILE(f16, uint16_t, NW, NX) BLOCK_TILE(q4_0, Q4_0, 18, NW, NX)        \
+    BLOCK_TILE(q4_1, Q4_1, 20, NW, NX) BLOCK_TILE(q8_0, Q8_0, 34, NW, NX)
 F32_TILE(4, 1)
 F32_TILE(6, 2)
 F32_TILE(4, 3)
@@ -94,14 +155,19 @@ F32_TILE(1, 4)
 F32_TILE(1, 5)
 F32_TILE(1, 6)
 
-/* One tile of `nw` weight rows (a shape `tile_shape` gives, or 1) by `nx` input rows; the
- * weights fp16 where `half`, else fp32. */
+/* One tile of `nw` weight rows (a shape `tile_shape` gives, or 1) by `nx` input rows, of the
+ * weights' kind `type`. */
+#define KIND_CASES(NW, NX)                                                                         \
+    switch (type) {                                                                                \
+    case 0: f32_tile_##NW##_##NX(x, xs, w, k, y, ys); return;                                      \
+    case 1: f16_tile_##NW##_##NX(x, xs, w, k, y, ys); return;                                      \
+    case Q4_0: q4_0_tile_##NW##_##NX(x, xs, w, k, y, ys); return;                                  \
+    case Q4_1: q4_1_tile_##NW##_##NX(x, xs, w, k, y, ys); return;                                  \
+    default: q8_0_tile_##NW##_##NX(x, xs, w, k, y, ys); return;                                    \
+    }
 #define TILE_CASE(NW, NX)                                                                          \
-    case NW * 8 + NX:                                                                              \
-        if (half) f16_tile_##NW##_##NX(x, xs, w, k, y, ys);                                        \
-        else f32_tile_##NW##_##NX(x, xs, w, k, y, ys);                                             \
-        return;
-static void f32_tile(int nw, int nx, const float *x, int64_t xs, const void *w, int half,
+    case NW * 8 + NX: KIND_CASES(NW, NX)
+static void f32_tile(int nw, int nx, const float *x, int64_t xs, const void *w, int type,
                      int64_t k, float *y, int64_t ys) {
     switch (nw * 8 + nx) {
         TILE_CASE(4, 1)
@@ -118,48 +184,59 @@ static void f32_tile(int nw, int nx, const float *x, int64_t xs, const void *w, 
         TILE_CASE(1, 4)
         TILE_CASE(1, 5)
     default: /* 1 x 6 */
-        if (half) f16_tile_1_6(x, xs, w, k, y, ys);
-        else f32_tile_1_6(x, xs, w, k, y, ys);
+        KIND_CASES(1, 6)
     }
 }
 #else
-static void f32_tile(int nw, int nx, const float *x, int64_t xs, const void *w, int half,
+/* Weight i of row w (of `type`) as fp32: `block_values`' arithmetic for a block type. */
+static float weight_at(const void *w, int type, int64_t i) {
+    if (type == 0) return ((const float *)w)[i];
+    if (type == 1) return f16_to_f32((const uint16_t *)w + i);
+    const uint8_t *blk = (const uint8_t *)w + weight_row_bytes(type, i - i % 32);
+    int j = (int)(i % 32);
+    float d = f16_to_f32(blk);
+    if (type == Q8_0) return fmaf(d, (float)((const int8_t *)blk)[2 + j], 0.0f);
+    const uint8_t *q = blk + (type == Q4_1 ? 4 : 2);
+    float level = (float)(j < 16 ? q[j] & 15 : q[j - 16] >> 4);
+    return fmaf(d, level, type == Q4_1 ? f16_to_f32(blk + 2) : -8.0f * d);
+}
+
+static void f32_tile(int nw, int nx, const float *x, int64_t xs, const void *w, int type,
                      int64_t k, float *y, int64_t ys) {
     for (int b = 0; b < nx; b++)
         for (int a = 0; a < nw; a++) {
+            const void *row = (const char *)w + a * weight_row_bytes(type, k);
             float s = 0.0f;
-            for (int64_t i = 0; i < k; i++)
-                s += x[b * xs + i] * (half ? f16_to_f32((const uint16_t *)w + a * k + i)
-                                           : ((const float *)w)[a * k + i]);
+            for (int64_t i = 0; i < k; i++) s += x[b * xs + i] * weight_at(row, type, i);
             y[b * ys + a] = s;
         }
 }
 #endif
 
-/* Weight row `row` of w, rows k weights long, fp16 where `half`, else fp32. */
-static const void *weight_row(const void *w, int half, int64_t row, int64_t k) {
-    return (const char *)w + row * k * (half ? 2 : 4);
+/* Weight row `row` of w, rows k weights of `type` long. */
+static const void *weight_row(const void *w, int type, int64_t row, int64_t k) {
+    return (const char *)w + row * weight_row_bytes(type, k);
 }
 
 /* Weight rows j..j+nw (nw below the tile's height: one at a time) against every input row, in
  * groups of at most `nx` rows sized evenly (7 rows: 4 and 3, not 6 and 1). */
-static void f32_rows(const float *x, int64_t rows, int64_t xs, const void *w, int half, int64_t j,
+static void f32_rows(const float *x, int64_t rows, int64_t xs, const void *w, int type, int64_t j,
                      int nw, int tile_rows, int nx, int64_t k, float *y, int64_t ys) {
     int64_t groups = (rows + nx - 1) / nx;
     for (int64_t g = 0, m = 0; g < groups; g++) {
         int size = (int)((rows - m) / (groups - g) + ((rows - m) % (groups - g) != 0));
         if (nw == tile_rows)
-            f32_tile(nw, size, x + m * xs, xs, weight_row(w, half, j, k), half, k, y + m * ys + j,
+            f32_tile(nw, size, x + m * xs, xs, weight_row(w, type, j, k), type, k, y + m * ys + j,
                      ys);
         else
             for (int64_t a = j; a < j + nw; a++)
-                f32_tile(1, size, x + m * xs, xs, weight_row(w, half, a, k), half, k,
+                f32_tile(1, size, x + m * xs, xs, weight_row(w, type, a, k), type, k,
                          y + m * ys + a, ys);
         m += size;
     }
 }
 
-static void linear_rows(const float *x, int64_t rows, int64_t x_stride, const void *w, int half,
+static void linear_rows(const float *x, int64_t rows, int64_t x_stride, const void *w, int type,
                         int64_t n, int64_t k, float *y, int64_t y_stride, int threads) {
     if (rows <= 0) return; /* a step's empty part (no rows of its kind) */
     int nw, nx;
@@ -168,7 +245,7 @@ static void linear_rows(const float *x, int64_t rows, int64_t x_stride, const vo
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         int64_t j = t * nw;
-        f32_rows(x, rows, x_stride, w, half, j, n - j < nw ? (int)(n - j) : nw, nw, nx, k, y,
+        f32_rows(x, rows, x_stride, w, type, j, n - j < nw ? (int)(n - j) : nw, nw, nx, k, y,
                  y_stride);
     }
 }
@@ -183,4 +260,11 @@ void linear_f32(const float *x, int64_t rows, int64_t x_stride, const float *w, 
 void linear_f16w(const float *x, int64_t rows, int64_t x_stride, const uint16_t *w, int64_t n,
                  int64_t k, float *y, int64_t y_stride, int threads) {
     linear_rows(x, rows, x_stride, w, 1, n, k, y, y_stride, threads);
+}
+
+/* `linear_f32` with weights w [n, k] in GGUF blocks of 32 of `type` (Q4_0, Q4_1, Q8_0; rows
+ * contiguous), k a multiple of 32: the bits of `linear_f32` on their `dequantize_rows` values. */
+void linear_blocks_f32(const float *x, int64_t rows, int64_t x_stride, int type, const uint8_t *w,
+                       int64_t n, int64_t k, float *y, int64_t y_stride, int threads) {
+    linear_rows(x, rows, x_stride, w, type, n, k, y, y_stride, threads);
 }

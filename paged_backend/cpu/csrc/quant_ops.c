@@ -26,8 +26,6 @@
 #define QUANT_AVX2 1
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-
 #define CHUNK 256       /* weights unpacked at a time: a K-quant super-block, or 8 blocks of 32 */
 #define ROW_TILE 32     /* activation rows served by one unpacking of a chunk */
 #define OUT_TILE 8      /* weight rows a thread takes side by side: a chunk of the activations,
