@@ -302,14 +302,15 @@ def test_fp32_models_from_gguf_files_read_their_blocks_with_the_same_outputs(
         args.update(model=str(path), quantization="none")
     prompts = [list(range(200, 230)), [1, 400, 33, 2048], list(range(900, 990))]
     outputs = []
-    for blocks in (True, False):
-        if not blocks:
-            monkeypatch.setattr(kernel_choice, "f32_block_max_rows", lambda k: dict.fromkeys(k, 0))
+    for rows in (8, 0):  # (timed at a start: here fixed, a busy machine's timing varies)
+        monkeypatch.setattr(
+            kernel_choice, "f32_block_max_rows", lambda k, r=rows: dict.fromkeys(k, r)
+        )
         llm = LLM(**args)
         model = llm.engine.runner.model
         linears = [lin for layer in model.layers for lin in FusedDecode._linears(layer)]
-        assert {lin.block_rows > 0 for lin in linears} == {blocks}
-        assert (model.fused_decode.block_rows > 0) == blocks
+        assert {lin.block_rows for lin in linears} == {rows}
+        assert model.fused_decode.block_rows == rows
         got, fused = generate_counting(llm, monkeypatch, [24, 16, 20], prompts)
         assert fused
         outputs.append(got)

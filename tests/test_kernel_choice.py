@@ -79,7 +79,9 @@ def test_a_win_for_torch_must_hold_when_timed_again(monkeypatch):
     for torch is timed again and only kept when it holds."""
     shares = iter([0.5, 1.0, 0.5, 0.5])  # torch's share of C's time, in timing order
 
-    monkeypatch.setattr(kernel_choice, "_best_times", lambda *calls: [1.0, next(shares)])
+    monkeypatch.setattr(
+        kernel_choice, "_best_times", lambda *calls, before=None: [1.0, next(shares)]
+    )
     # 1 row: a lucky torch time, then a loss; 2 rows: torch wins both times
     assert kernel_choice._rows_c_serves(8, torch.float32, lambda x: (), lambda x: ()) == 1
 
