@@ -134,6 +134,21 @@ typedef uint16_t bf16;
 /* GGUF (ggml) block types, by their type ids. */
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
+/* Bytes of one block, by type (0: not a block type the kernels read). */
+static inline int64_t block_bytes(int type) {
+    switch (type) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
 static inline float to_f32(bf16 h) {
     uint32_t u = (uint32_t)h << 16;
     float f;

@@ -39,7 +39,7 @@ static void tile_shape(int64_t rows, int *nw, int *nx) {
 /* The bytes of a weight row of k weights of `type` (0 fp32, 1 fp16, Q4_0, Q4_1, Q8_0). */
 static int64_t weight_row_bytes(int type, int64_t k) {
     if (type == 0 || type == 1) return (type ? 2 : 4) * k;
-    return k / 32 * (type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34);
+    return k / 32 * block_bytes(type);
 }
 
 #ifdef __AVX2__
@@ -115,17 +115,17 @@ static inline __attribute__((always_inline)) void block_values(int type, const u
         v[s] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(levels[s])), offset);
 }
 
-/* TILE for weights in blocks of 32 of TYPE (BYTES a block): each block decoded once a tile, its
- * 4 vectors taken in order, so that each sum runs in TILE's order. */
-#define BLOCK_TILE(KIND, TYPE, BYTES, NW, NX)                                                      \
+/* TILE for weights in blocks of 32 of TYPE: each block decoded once a tile, its 4 vectors taken
+ * in order, so that each sum runs in TILE's order. */
+#define BLOCK_TILE(KIND, TYPE, NW, NX)                                                      \
     static void KIND##_tile_##NW##_##NX(const float *x, int64_t xs, const void *wv, int64_t k,     \
                                         float *y, int64_t ys) {                                    \
         const uint8_t *w = wv;                                                                     \
-        int64_t row_bytes = k / 32 * BYTES;                                                        \
+        int64_t bytes = block_bytes(TYPE), row_bytes = k / 32 * bytes;                             \
         __m256 acc[NW][NX];                                                                        \
         for (int a = 0; a < NW; a++)                                                               \
             for (int b = 0; b < NX; b++) acc[a][b] = _mm256_setzero_ps();                          \
-        for (int64_t i = 0, at = 0; i < k; i += 32, at += BYTES)                                   \
+        for (int64_t i = 0, at = 0; i < k; i += 32, at += bytes)                                   \
             for (int a = 0; a < NW; a++) {                                                         \
                 __m256 v[4];                                                                       \
                 block_values(TYPE, w + a * row_bytes + at, v);                                     \
@@ -138,8 +138,8 @@ static inline __attribute__((always_inline)) void block_values(int type, const u
             for (int b = 0; b < NX; b++) y[b * ys + a] = lanes_sum(acc[a][b]);                     \
     }
 #define F32_TILE(NW, NX)                                                                           \
-    TILE(f32, float, NW, NX) TILE(f16, uint16_t, NW, NX) BLOCK_TILE(q4_0, Q4_0, 18, NW, NX)        \
-    BLOCK_TILE(q4_1, Q4_1, 20, NW, NX) BLOCK_TILE(q8_0, Q8_0, 34, NW, NX)
+    TILE(f32, float, NW, NX) TILE(f16, uint16_t, NW, NX) BLOCK_TILE(q4_0, Q4_0, NW, NX)            \
+    BLOCK_TILE(q4_1, Q4_1, NW, NX) BLOCK_TILE(q8_0, Q8_0, NW, NX)
 F32_TILE(4, 1)
 F32_TILE(6, 2)
 F32_TILE(4, 3)
@@ -192,7 +192,7 @@ static void f32_tile(int nw, int nx, const float *x, int64_t xs, const void *w, 
 static float weight_at(const void *w, int type, int64_t i) {
     if (type == 0) return ((const float *)w)[i];
     if (type == 1) return f16_to_f32((const uint16_t *)w + i);
-    const uint8_t *blk = (const uint8_t *)w + weight_row_bytes(type, i - i % 32);
+    const uint8_t *blk = (const uint8_t *)w + i / 32 * block_bytes(type);
     int j = (int)(i % 32);
     float d = f16_to_f32(blk);
     if (type == Q8_0) return fmaf(d, (float)((const int8_t *)blk)[2 + j], 0.0f);

@@ -43,21 +43,6 @@ typedef struct {
     int is_signed;
 } chunk;
 
-/* Bytes of one block, by type (0: not a supported type), and weights in it. */
-static int64_t block_bytes(int type) {
-    switch (type) {
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q5_0: return 22;
-    case Q5_1: return 24;
-    case Q8_0: return 34;
-    case Q4_K: return 144;
-    case Q5_K: return 176;
-    case Q6_K: return 210;
-    default: return 0;
-    }
-}
-
 static inline void set_pair(group_scales *s, int g32, float a, float b) {
     s->a[2 * g32] = s->a[2 * g32 + 1] = a;
     s->b[2 * g32] = s->b[2 * g32 + 1] = b;
