@@ -231,11 +231,7 @@ class ModelRunner:
         from paged_backend.gguf.weights import exact_f32_blocks
 
         blocks = exact_f32_blocks(model, Path(gguf["gguf"]), gguf["architecture"], gguf["tensors"])
-        keys = {
-            (parts[0].format, sum(p.out_features for p in parts), parts[0].in_features)
-            for parts in blocks.values()
-        }
-        model.use_f32_blocks_(blocks, kernel_choice.f32_block_max_rows(keys))
+        model.use_f32_blocks_(blocks, kernel_choice.f32_block_max_rows)
 
     def _blocks_model(self, config: EngineConfig, model, ops: str) -> LlamaForCausalLM:
         """A model whose linears hold quantized blocks, cast: its float linears left (a float

@@ -260,10 +260,10 @@ def exact_f32_blocks(
     model: nn.Module, path: Path, arch: str, table: list[dict]
 ) -> dict[str, list[QuantWeight]]:
     """The blocks of each fp32 weight of `model` (by module name; "lm_head" for a tied head: the
-    embedding's) that GGUF file `path` holds in `EXACT_F32_FORMATS` with exactly its values
-    (checked, `_same_values`: a model `load_gguf` or transformers' GGUF loader dequantized from
-    that file),
-    for `LlamaForCausalLM.use_f32_blocks_`."""
+    embedding's) that GGUF file `path` holds in one format of `EXACT_F32_FORMATS` with exactly
+    its values (checked, `_same_values`: a model `load_gguf` or transformers' GGUF loader
+    dequantized from that file), for `LlamaForCausalLM.use_f32_blocks_`, which times each
+    format and shape once."""
     params = dict(model.named_parameters())
     out = {}
     for param_name, pieces in _pieces_by_param(model, path, arch, table).items():
@@ -272,7 +272,8 @@ def exact_f32_blocks(
             continue
         ordered = sorted(pieces, key=lambda piece: piece[0] or 0)
         weights = [_block_weight(tensor, rows) for _, _, tensor, rows in ordered]
-        if not all(w is not None and w.format in EXACT_F32_FORMATS for w in weights):
+        formats = {w.format if w is not None else None for w in weights}
+        if len(formats) != 1 or not formats <= set(EXACT_F32_FORMATS):
             continue
         if _same_values(weights, params[param_name]):
             out["lm_head" if module_name == "embed_tokens" else module_name] = weights

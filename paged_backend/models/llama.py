@@ -384,21 +384,29 @@ class LlamaForCausalLM(nn.Module):
         self.fuse_decode_()
 
     def use_f32_blocks_(
-        self, blocks: dict[str, list[QuantWeight]], rows: dict[tuple[str, int, int], int]
+        self,
+        blocks: dict[str, list[QuantWeight]],
+        timed: Callable[[set[tuple[str, int, int]]], dict[tuple[str, int, int], int]],
     ) -> None:
         """Give the fp32 linears that `blocks` holds the GGUF blocks their weights were
         dequantized from (`gguf.weights.exact_f32_blocks`; "lm_head": a tied head's): steps of
-        up to `rows[(format, *shape)]` rows of those that run `cpu_ops.linear_f32` read them
-        instead (`quant.linear_blocks_f32`: the same bits from 0.56-1.06 bytes a weight, not 4).
-        After `use_f32_linears_`."""
+        up to `timed(keys)[(format, *shape)]` rows of those that run `cpu_ops.linear_f32` read
+        them instead (`quant.linear_blocks_f32`: the same bits from 0.56-1.06 bytes a weight,
+        not 4; `kernel_choice.f32_block_max_rows` times them). After `use_f32_linears_`."""
+
+        def key(parts: list[QuantWeight]) -> tuple[str, int, int]:
+            return parts[0].format, sum(p.out_features for p in parts), parts[0].in_features
+
+        rows = timed({key(parts) for parts in blocks.values()})
         for name, weights in blocks.items():
-            key = (weights[0].format, sum(w.out_features for w in weights), weights[0].in_features)
             if name == "lm_head" and self._head_weight() is not None:
-                self.head_blocks, self.head_block_rows = weights, min(self.head_c_rows, rows[key])
-            elif name != "lm_head" and len({w.format for w in weights}) == 1:
+                self.head_blocks = weights
+                self.head_block_rows = min(self.head_c_rows, rows[key(weights)])
+            elif name != "lm_head":
                 module = self.get_submodule(name)
                 if isinstance(module, Linear) and module.c_rows:
-                    module.blocks, module.block_rows = weights, min(module.c_rows, rows[key])
+                    module.blocks = weights
+                    module.block_rows = min(module.c_rows, rows[key(weights)])
         self.fuse_decode_()
 
     def half_head_(self) -> None:
