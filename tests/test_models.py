@@ -375,3 +375,31 @@ def test_a_long_steps_mlp_runs_in_slices_of_rows_with_the_same_result(tiny_model
     # 5-row slices may take another linear kernel than 37 rows (timed per machine: the C fp32
     # linear or torch's), which sums in another order: ~1e-6 apart, a misplaced row ~1
     torch.testing.assert_close(sliced, whole, rtol=1e-4, atol=1e-5)
+
+
+def test_a_long_step_hands_the_heaps_freed_pages_back_and_decode_steps_keep_theirs(
+    tiny_model, monkeypatch
+):
+    """A step whose MLP activations reach TRIM_AFTER_ACTIVATION_BYTES trims the heap after its
+    forward (what its chunks freed would stay resident); a decode step, which asks again for
+    the same sizes next step, does not pay the trim and the faults after it."""
+    from paged_backend import model_runner
+
+    config = ModelConfig.from_dir(tiny_model, "native")
+    row_bytes = 2 * config.intermediate_size * 4  # fp32
+    monkeypatch.setattr(model_runner, "TRIM_AFTER_ACTIVATION_BYTES", 20 * row_bytes)
+    trims = []
+    monkeypatch.setattr(model_runner, "release_freed_heap", lambda: trims.append(1))
+    llm = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=64)
+    engine = llm.engine
+    assert engine.runner.trim_from_rows == 20
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine.add_request(None, params, prompt_token_ids=[5, 6, 7, 8] * 4)  # 16 rows
+    engine.step()
+    assert trims == []
+    engine.add_request(None, params, prompt_token_ids=list(range(3, 33)))  # 30 rows, with a decode
+    engine.step()
+    assert trims == [1]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert trims == [1]  # the decode steps that followed kept their pages
