@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from paged_backend.chat_formats import load_tokenizer
 from paged_backend.config import EngineConfig, SpeculativeConfig
 from paged_backend.engine_client import EngineClient
 from paged_backend.errors import EngineOverloadedError
@@ -28,6 +27,7 @@ from paged_backend.models.config import ModelConfig
 from paged_backend.outputs import CompletionOutput, Logprob, RequestOutput
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.shared_engines import RAY_ARGS, get_engine, release_engine
+from paged_backend.tokenizer import Tokenizer
 from paged_backend.tool_calling import ToolCallDelta, ToolCallParser
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
@@ -320,7 +320,8 @@ def model_context_window(model: str | None, engine_args: dict) -> int:
 @functools.lru_cache(maxsize=16)
 def model_tokenizer(
     model: str | None, revision: str | None = None, chat_template: str | None = None
-):
+) -> Tokenizer:
     """The model's own tokenizer, with the chat template the engine renders, for counting
-    tokens without loading weights or a KV cache."""
-    return load_tokenizer(_model_path(model, revision), chat_template)
+    tokens without loading weights or a KV cache (the engine's `Tokenizer`: from the cache,
+    without transformers' tokenizer)."""
+    return Tokenizer(_model_path(model, revision), chat_template)

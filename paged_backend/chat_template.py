@@ -12,6 +12,22 @@ from jinja2 import TemplateError
 
 from paged_backend.chat_formats import missing_template_error
 
+# apply_chat_template's arguments for its tokenizer's own work (tokens, masks, marks) rather
+# than the rendered text: set, a chat goes through transformers' tokenizer.
+_TOKENIZER_WORK = (
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+    "sanitize_control_tokens",
+    "continue_final_message",
+)
+# Message fields transformers 5 copies under each other's names before rendering.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
 
 def check_chat_messages(messages: list[dict]) -> None:
     """A chat must give text to answer, as a completion prompt must: a conversation without
@@ -65,3 +81,47 @@ def fold_system_prompt(messages: list[dict]) -> list[dict] | None:
     if rest and rest[0].get("role") == "user" and isinstance(rest[0].get("content"), str):
         return [{**rest[0], "content": f"{system}\n\n{rest[0]['content']}"}, *rest[1:]]
     return [{"role": "user", "content": system}, *rest]
+
+
+def render_chat(
+    template: str | dict | None,
+    special_tokens: dict[str, str],
+    messages: list[dict],
+    *,
+    chat_template: str | None = None,
+    tools: list[dict] | None = None,
+    **kwargs,
+) -> str | None:
+    """`apply_chat_template(messages, tokenize=False, ...)`'s text from the tokenizer's chat
+    `template` (one, or a dict by name as transformers keeps several) and `special_tokens` (its
+    `special_tokens_map`) alone, rendered by transformers' own Jinja renderer (its sandbox,
+    filters and globals). None where the call asks for more (tokens, continuing a message,
+    tools given as functions, message objects or reasoning fields, another transformers):
+    the caller asks the tokenizer."""
+    if kwargs.pop("tokenize", True) or any(kwargs.get(k) for k in _TOKENIZER_WORK):
+        return None
+    kwargs = {k: v for k, v in kwargs.items() if k not in _TOKENIZER_WORK}
+    kwargs.pop("return_dict", None)  # without tokens transformers returns the text alone
+    if isinstance(template, dict):
+        if chat_template in template:
+            chat_template = template[chat_template]
+        elif chat_template is None:
+            named = "tool_use" if tools is not None and "tool_use" in template else "default"
+            chat_template = template.get(named)
+    elif chat_template is None:
+        chat_template = template
+    plain = all(type(m) is dict and not m.keys() & set(_REASONING_FIELDS) for m in messages)
+    if chat_template is None or not plain or not all(type(t) is dict for t in tools or ()):
+        return None
+    try:
+        from transformers.utils.chat_template_utils import render_jinja_template
+    except ImportError:
+        return None
+    chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    rendered, _ = render_jinja_template(
+        conversations=[chat],
+        chat_template=chat_template,
+        tools=tools,
+        **{**special_tokens, **kwargs},
+    )
+    return rendered[0]

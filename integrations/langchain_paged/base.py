@@ -138,9 +138,7 @@ class PagedParams(BaseModel):
         if self.custom_get_token_ids is not None:
             return self.custom_get_token_ids(text)
         tokenizer = model_tokenizer(self.model, self.engine_args.get("revision"))
-        # verbose=False: no "indexing errors" warning past the tokenizer's model_max_length; a
-        # count is no request, and the engine checks its own limit when one comes
-        return tokenizer(text, add_special_tokens=False, verbose=False).input_ids
+        return tokenizer.encode(text, add_special_tokens=False)
 
 
 def usage_metadata(

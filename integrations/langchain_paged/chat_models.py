@@ -125,7 +125,7 @@ class ChatPaged(PagedParams, BaseChatModel):
         apply = partial(apply_chat_template, tokenizer)
         specs = [convert_to_openai_tool(t) for t in tools] if tools else None
         prompt = render_chat(apply, tokenizer.chat_template, messages, specs)
-        return len(tokenizer(prompt, add_special_tokens=False, verbose=False).input_ids)
+        return len(tokenizer.encode(prompt, add_special_tokens=False))
 
     def bind_tools(
         self,
