@@ -90,11 +90,10 @@ PASSAGE = (
 
 # ---- workloads --------------------------------------------------------------------------------
 def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    return list(
-        tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)[
-            "input_ids"
-        ]
-    )
+    """The chat's ids as the engine's chat makes them: the template's text, then `encode` (ours
+    renders it without transformers' tokenizer, which a peak would otherwise count)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def rag_messages(tokenizer, n: int, context_tokens: int = 900) -> list[list[dict]]:
