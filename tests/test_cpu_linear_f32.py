@@ -5,6 +5,8 @@ steps with it gives the torch-only engine's greedy tokens."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,15 +34,21 @@ def test_linear_f32_gives_torchs_values(n, rows, bias):
 
 
 @pytest.mark.parametrize("rows", [2, 3, 5, 6, 11])  # each a tile shape of its own
-def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_threads(rows):
+@pytest.mark.parametrize("weights", ["fp32", *EXACT_F32_FORMATS])
+def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_threads(rows, weights):
+    """For an fp32 weight and for GGUF blocks (`linear_blocks_f32`) alike."""
     torch.manual_seed(rows)
-    x, weight = torch.randn(rows, 576), torch.randn(250, 576)
+    x = torch.randn(rows, 576)
+    if weights == "fp32":
+        linear = partial(cpu_ops.linear_f32, weight=torch.randn(250, 576), bias=None)
+    else:
+        linear = partial(linear_blocks_f32, weights=[random_blocks(weights, 250, 576, seed=rows)])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = [cpu_ops.linear_f32(x[i : i + 1], weight, None) for i in range(rows)]
+        alone = [linear(x[i : i + 1]) for i in range(rows)]
         torch.set_num_threads(2)
-        together = cpu_ops.linear_f32(x, weight, None)
+        together = linear(x)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(torch.cat(alone), together)
