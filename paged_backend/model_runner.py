@@ -44,6 +44,10 @@ HUGE_PAGES_A_REGION = 2  # the KV cache's 2 MiB pages wait for this much use (se
 # (Gemma 3 270M Q4_K_M, 32 x ~250 tokens: +240 MB retained at the end, +80 MB at the peak).
 # Decode steps (few rows) keep theirs: they reuse the same sizes every step.
 TRIM_AFTER_ACTIVATION_BYTES = 16 << 20
+# On CPU a step runs as forwards of at most this many tokens (llama.cpp's physical batch, its
+# n_ubatch, is 512 too): a forward's activations, freed and allocated again layer by layer, took
+# ~80 KB a token of resident memory (Gemma 3 270M), 160 MB for a 2,048-token step.
+FORWARD_TOKENS = 512
 
 
 def _available_memory(device: torch.device) -> int:
@@ -129,8 +133,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             tokens = HUGE_PAGES_A_REGION * huge_page_tokens(mc.head_dim, self.kv_dtype)
             self.huge_pages_from_blocks = -(-tokens // config.block_size)
-        self.trim_from_rows = None
+        self.trim_from_rows = self.forward_tokens = None
         if self.device.type == "cpu":
+            self.forward_tokens = FORWARD_TOKENS
             row_bytes = 2 * mc.intermediate_size * self.dtype.itemsize
             self.trim_from_rows = max(1, TRIM_AFTER_ACTIVATION_BYTES // row_bytes)
 
@@ -350,7 +355,8 @@ class ModelRunner:
         drafts: dict[Request, list[int]] | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """Run the new tokens of every scheduled request, decodes (one token) first; a request
-        with `drafts` runs them after its known tokens (counted in its scheduled number).
+        with `drafts` runs them after its known tokens (counted in its scheduled number). On CPU
+        a step of more tokens than `forward_tokens` runs as several forwards (`_pieces`).
 
         Returns logits for the requests that reach the end of their known tokens (those sample),
         one row each and one more per draft (a request's rows consecutive), and their indices
@@ -360,20 +366,65 @@ class ModelRunner:
         if held is not None and sum(len(t) for t in block_tables) >= held:
             advise_huge_pages([t for layer in self.kv_caches for t in layer])
             self.huge_pages_from_blocks = None
+        logits, sampling = [], []
+        for piece in self._pieces(scheduled, drafts):
+            piece_logits, piece_sampling = self._forward(scheduled, block_tables, drafts, piece)
+            logits.append(piece_logits)
+            sampling.extend(piece_sampling)
+        tokens = sum(n for _, n in scheduled)
+        if self.trim_from_rows is not None and tokens >= self.trim_from_rows:
+            release_freed_heap()
+        return (logits[0] if len(logits) == 1 else torch.cat(logits)), sampling
+
+    def _pieces(
+        self, scheduled: list[tuple[Request, int]], drafts: dict[Request, list[int]]
+    ) -> list[list[tuple[int, int, int]]]:
+        """The step's forwards: each a list of (index into `scheduled`, first of its new tokens,
+        how many), of at most `forward_tokens` tokens, decodes first. A long chunk is cut where
+        a forward fills up (its later piece reads the earlier's K/V from the cache, as a chunked
+        prefill does); a drafting request's rows are never cut."""
         order = sorted(range(len(scheduled)), key=lambda i: scheduled[i][1] != 1)
+        limit = self.forward_tokens
+        if limit is None or sum(n for _, n in scheduled) <= limit:
+            return [[(i, 0, scheduled[i][1]) for i in order]]
+        pieces, current, room = [], [], limit
+        for i in order:
+            request, num_new = scheduled[i]
+            if request in drafts and num_new > room and current:
+                pieces.append(current)
+                current, room = [], limit
+            start = 0
+            while start < num_new:
+                take = min(num_new - start, room)
+                current.append((i, start, take))
+                start, room = start + take, room - take
+                if room == 0:
+                    pieces.append(current)
+                    current, room = [], limit
+        pieces.append(current)
+        return [sorted(p, key=lambda row: row[2] != 1) for p in pieces if p]
+
+    def _forward(
+        self,
+        scheduled: list[tuple[Request, int]],
+        block_tables: list[list[int]],
+        drafts: dict[Request, list[int]],
+        piece: list[tuple[int, int, int]],
+    ) -> tuple[torch.Tensor, list[int]]:
+        """One forward over a piece of the step (`_pieces`): its logits and sampling indices."""
         bs = self.block_size
         ids, positions, qsl, seq_lens, logit_rows, sampling = [], [], [0], [], [], []
-        max_blocks = max(len(t) for t in block_tables)
-        tables = np.full((len(scheduled), max_blocks), FREED_BLOCK, dtype=np.int32)
-        for row, i in enumerate(order):
-            request, num_new = scheduled[i]
-            drafted = drafts.get(request, ())
-            start = request.num_computed_tokens
-            end = start + num_new
+        max_blocks = max(len(block_tables[i]) for i, _, _ in piece)
+        tables = np.full((len(piece), max_blocks), FREED_BLOCK, dtype=np.int32)
+        for row, (i, offset, count) in enumerate(piece):
+            request = scheduled[i][0]
+            drafted = drafts.get(request, ())  # a drafting request's piece is all its rows
+            start = request.num_computed_tokens + offset
+            end = start + count
             ids.extend(request.all_token_ids[start : end - len(drafted)])
             ids.extend(drafted)
             positions.append(np.arange(start, end))
-            qsl.append(qsl[-1] + num_new)
+            qsl.append(qsl[-1] + count)
             seq_lens.append(end)
             tables[row, : len(block_tables[i])] = block_tables[i]
             if end == request.num_tokens + len(drafted):
@@ -381,8 +432,8 @@ class ModelRunner:
                 sampling.append(i)
         pos = np.concatenate(positions)
         rope_rows = pos
-        if any(request.long_rope for request, _ in scheduled):
-            long = np.repeat([scheduled[i][0].long_rope for i in order], np.diff(qsl))
+        if any(scheduled[i][0].long_rope for i, _, _ in piece):
+            long = np.repeat([scheduled[i][0].long_rope for i, _, _ in piece], np.diff(qsl))
             rope_rows = self.model.rotary.rows(pos, long)
         lens = np.array(seq_lens)
         first_keys = lens - np.diff(qsl)  # each sequence's first query position
@@ -391,12 +442,11 @@ class ModelRunner:
         check_block_tables(tables, first_keys, lens, bs, self.num_blocks)
         tables_t = torch.from_numpy(tables)
         flat_rows = torch.from_numpy(
-            tables[np.repeat(np.arange(len(order)), np.diff(qsl)), pos // bs]
+            tables[np.repeat(np.arange(len(piece)), np.diff(qsl)), pos // bs]
         )
         slots = flat_rows.long() * bs + torch.from_numpy(pos % bs)
-        num_decodes = sum(1 for i in order if scheduled[i][1] == 1)
         meta = AttentionMetadata(
-            num_decodes=num_decodes,
+            num_decodes=sum(1 for _, _, count in piece if count == 1),
             query_start_loc=qsl,
             seq_lens=seq_lens,
             block_tables=tables_t.to(self.device),
@@ -413,8 +463,6 @@ class ModelRunner:
             meta,
             torch.tensor(logit_rows, dtype=torch.long, device=self.device),
         )
-        if self.trim_from_rows is not None and len(ids) >= self.trim_from_rows:
-            release_freed_heap()
         return logits.cpu(), sampling
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TOKENIZER_FILES, hf_forward, longrope, make_tiny_model
+from conftest import QUOTED, TOKENIZER_FILES, hf_forward, longrope, make_tiny_model
 from safetensors.torch import load_file, save_file
 
 from paged_backend import LLM, SamplingParams, cpu
@@ -403,3 +404,51 @@ def test_a_long_step_hands_the_heaps_freed_pages_back_and_decode_steps_keep_thei
     while engine.has_unfinished_requests():
         engine.step()
     assert trims == [1]  # the decode steps that followed kept their pages
+
+
+def test_a_step_is_cut_into_forwards_of_at_most_forward_tokens_decodes_first():
+    """Rows fill forwards in order (decodes first); a long chunk is cut where one fills up; a
+    drafting request's rows move whole to the next forward."""
+    from paged_backend.model_runner import ModelRunner
+
+    runner = SimpleNamespace(forward_tokens=8)
+    a, b, c, d = (object() for _ in range(4))
+    scheduled = [(c, 13), (a, 1), (d, 3), (b, 1)]
+    pieces = ModelRunner._pieces(runner, scheduled, {d: [7, 8]})
+    assert pieces == [[(1, 0, 1), (3, 0, 1), (0, 0, 6)], [(0, 6, 7)], [(2, 0, 3)]]
+    runner.forward_tokens = None
+    assert ModelRunner._pieces(runner, scheduled, {}) == [
+        [(1, 0, 1), (3, 0, 1), (0, 0, 13), (2, 0, 3)]
+    ]
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_forwards_of_a_cut_step_give_the_whole_steps_outputs(
+    quoting_model, monkeypatch, speculative
+):
+    """On CPU a step of more tokens than FORWARD_TOKENS (a forward's activations are a peak of
+    resident memory) runs as forwards of at most that many: a prompt's later pieces read the
+    earlier's K/V from the cache, and the step's tokens and logprobs are those of one forward,
+    with prefix hits, decodes beside prefills and drafts being verified."""
+    from paged_backend import model_runner
+
+    prompts = [QUOTED, QUOTED + " The municipal archive", "Repeat: " + QUOTED, "guild books. The"]
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3} if speculative else None
+    results, sizes = [], {}
+    for limit in (None, 5):
+        monkeypatch.setattr(model_runner, "FORWARD_TOKENS", limit)
+        llm = LLM(model=str(quoting_model), dtype="float32", speculative_config=spec)
+        model = llm.engine.runner.model
+        rows = sizes.setdefault(limit, [])
+        model.register_forward_pre_hook(lambda _m, args, rows=rows: rows.append(len(args[0])))
+        results.append(llm.generate(prompts, params, use_tqdm=False))
+        assert llm.engine.num_draft_tokens > 0 if speculative else True
+    assert max(sizes[5]) <= 5 < max(sizes[None]) and len(sizes[5]) > len(sizes[None])
+    whole, cut = results
+    for w, c in zip(whole, cut, strict=True):
+        assert w.outputs[0].token_ids == c.outputs[0].token_ids
+        for lw, lc in zip(w.outputs[0].logprobs, c.outputs[0].logprobs, strict=True):
+            assert lw.keys() == lc.keys()
+            for token in lw:
+                assert lw[token].logprob == pytest.approx(lc[token].logprob, abs=1e-4)
