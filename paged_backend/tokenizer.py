@@ -97,7 +97,7 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], **kwargs):
         """transformers' `apply_chat_template`, rendered from the template and special tokens in
         the cache where that gives its text (`render_chat`): loading transformers' tokenizer
-        for a chat took 0.7-1.5 s and 120-140 MB more resident memory (a second copy of the
+        for a chat took 0.7-2.4 s and 120-140 MB more resident memory (a second copy of the
         vocabulary)."""
         if self._chat is not None:
             text = render_chat(self.chat_template, self._chat[1], messages, **kwargs)
