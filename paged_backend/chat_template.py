@@ -12,10 +12,10 @@ from jinja2 import TemplateError
 
 from paged_backend.chat_formats import missing_template_error
 
-# apply_chat_template's arguments for its tokenizer's own work (tokens, masks, marks) rather
-# than the rendered text: set, a chat goes through transformers' tokenizer.
+# apply_chat_template's arguments for its tokenizer's own work (masks, marks, continuing) rather
+# than the rendered text: set, a chat goes through transformers' tokenizer (as does any call
+# that does not ask for `tokenize=False`).
 _TOKENIZER_WORK = (
-    "tokenize",
     "padding",
     "truncation",
     "max_length",

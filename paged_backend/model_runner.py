@@ -38,11 +38,11 @@ FP16_COPY_MAX_BYTES = 1 << 30  # the default small-step copy is kept for models 
 _DEFAULT_KV_FRACTION = 0.1
 _DEFAULT_KV_CAP = 2 << 30
 HUGE_PAGES_A_REGION = 2  # the KV cache's 2 MiB pages wait for this much use (see `__init__`)
-# On CPU a step whose MLP activations (its rows x gate and up) reach this many bytes hands the
-# heap's freed pages back after its forward: glibc keeps them resident, and the chunks of one
-# prefill step, freed in another order than the next step asks for them, piled up as more heap
-# (Gemma 3 270M Q4_K_M, 32 x ~250 tokens: +240 MB retained at the end, +80 MB at the peak).
-# Decode steps (few rows) keep theirs: they reuse the same sizes every step.
+# On CPU a step whose rows' MLP activations (rows x gate and up, summed over its forwards) reach
+# this many bytes hands the heap's freed pages back after its forwards: glibc keeps them
+# resident, and the chunks of one prefill step, freed in another order than the next step asks
+# for them, piled up as more heap (Gemma 3 270M Q4_K_M, 32 x ~250 tokens: +240 MB retained at the
+# end, +80 MB at the peak). Decode steps (few rows) keep theirs: they reuse the same sizes.
 TRIM_AFTER_ACTIVATION_BYTES = 16 << 20
 # On CPU a step runs as forwards of at most this many tokens (llama.cpp's physical batch, its
 # n_ubatch, is 512 too): a forward's activations, freed and allocated again layer by layer, took
@@ -129,12 +129,10 @@ class ModelRunner:
         # then commits whole 2 MiB pages, so the switch waits until the sequences would fill two
         # a region: at most 1.5x the bytes 4 KiB pages hold (from one page a region, a 1B batch
         # of 32 x ~280 tokens committed 1,024 MB of KV cache for 590 MB of tokens).
-        self.huge_pages_from_blocks = None
+        self.huge_pages_from_blocks = self.trim_from_rows = self.forward_tokens = None
         if self.device.type == "cpu":
             tokens = HUGE_PAGES_A_REGION * huge_page_tokens(mc.head_dim, self.kv_dtype)
             self.huge_pages_from_blocks = -(-tokens // config.block_size)
-        self.trim_from_rows = self.forward_tokens = None
-        if self.device.type == "cpu":
             self.forward_tokens = FORWARD_TOKENS
             row_bytes = 2 * mc.intermediate_size * self.dtype.itemsize
             self.trim_from_rows = max(1, TRIM_AFTER_ACTIVATION_BYTES // row_bytes)
