@@ -96,6 +96,14 @@ def overload(
     prompts = list(refs)
     outcome: Counter = Counter()
     lock = threading.Lock()
+    queue_full = threading.Event()
+
+    def hold_first_forward(stage: str, request_ids: list[str]) -> None:
+        # The first step waits until the queue has refused someone: on a machine where the
+        # engine outpaces the submitting threads, it would otherwise drain the burst as it comes.
+        if stage == "forward":
+            engine.engine.fault_hook = None
+            queue_full.wait(timeout=10)
 
     def record(prompt: str, tokens: list[int] | None, error: BaseException | None) -> None:
         kind = (
@@ -111,6 +119,8 @@ def overload(
         )
         with lock:
             outcome[kind] += 1
+        if kind == "refused_overloaded":
+            queue_full.set()
 
     def thread_worker(batch: list[str]) -> None:
         streams = []
@@ -143,6 +153,7 @@ def overload(
     work = [prompts[i % len(prompts)] for i in range(requests)]
     batches = [work[i::10] for i in range(10)]
     preempted = engine.stats()["num_preemptions"]
+    engine.engine.fault_hook = hold_first_forward
     start = time.monotonic()
     workers = [threading.Thread(target=thread_worker, args=(b,)) for b in batches[:8]]
     workers += [threading.Thread(target=loop_worker, args=(b,)) for b in batches[8:]]
