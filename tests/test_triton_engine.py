@@ -10,7 +10,10 @@ from paged_backend import LLM, SamplingParams
 pytest.importorskip("triton")
 
 
-def test_triton_backend_engine_matches_torch(tiny_model):
+@pytest.mark.parametrize("c_linears", [{}, {"cpu_gemm_max_rows": 64}], ids=["plain", "c-linears"])
+def test_triton_backend_engine_matches_torch(tiny_model, c_linears):
+    """Also with the C linears on (on CPU, where they build): their fused decode step, which runs
+    on the torch backend's plans, steps aside for the Triton backend."""
     prompts = ["Hello there, how are", "A B C D E F G H I J K L M N O P Q R S", "x"]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     runs = {}
@@ -21,6 +24,7 @@ def test_triton_backend_engine_matches_torch(tiny_model):
             attention_backend=backend,
             num_kv_blocks=32,
             max_num_batched_tokens=16,
+            **c_linears,
         )  # chunked prefill: mixed steps
         assert llm.engine.runner.backend.name == backend
         runs[backend] = [

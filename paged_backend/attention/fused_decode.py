@@ -172,10 +172,14 @@ class FusedDecode:
         if rows > self.max_rows:
             return None
         # (an fp32 step with a shared prefix has none: without a C prefix kernel it is planned
-        # for the torch path)
-        if not all(isinstance(p, CDecodePlan) for p in meta.prepared.values()):
+        # for the torch path; another backend's step, the Triton one's under the interpreter,
+        # has no per-window plans at all)
+        plans = meta.prepared
+        if not isinstance(plans, dict) or not all(
+            isinstance(p, CDecodePlan) for p in plans.values()
+        ):
             return None
-        return meta.prepared.get(None) or next(iter(meta.prepared.values()))
+        return plans.get(None) or next(iter(plans.values()))
 
     def __call__(
         self,
