@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import os
 import sys
 from collections.abc import Iterator
@@ -47,6 +48,13 @@ def locked(name: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def installed_stamp(package: str) -> str:
+    """Where an installed package lives and when it was installed there: what a cache entry
+    derived from its behaviour depends on (found without importing it)."""
+    origin = importlib.util.find_spec(package).origin
+    return f"{origin} {Path(origin).stat().st_mtime_ns}"
 
 
 def read_checked(path: Path) -> bytes | None:

@@ -14,7 +14,6 @@ spaces. Any other tokenizer is transformers' for everything.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import threading
 from pathlib import Path
@@ -23,7 +22,7 @@ import tokenizers
 
 from paged_backend.chat_formats import load_tokenizer
 from paged_backend.chat_template import render_chat
-from paged_backend.file_cache import cache_dir, read_checked, write_checked
+from paged_backend.file_cache import cache_dir, installed_stamp, read_checked, write_checked
 
 _WEIGHTS = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpack", ".onnx")
 _PASSED_THROUGH = ("__call__", "encode", "decode", "_encode_plus", "_decode")
@@ -118,8 +117,7 @@ def _key(path: Path) -> str:
     """What transformers' tokenizer depends on: the model directory's files but its weights
     (the tokenizer's files, config.json, which names the class), and the installed transformers
     and tokenizers."""
-    origin = importlib.util.find_spec("transformers").origin
-    stamp = f"{_FORMAT} {tokenizers.__version__} {origin} {Path(origin).stat().st_mtime_ns}"
+    stamp = f"{_FORMAT} {tokenizers.__version__} {installed_stamp('transformers')}"
     digest = hashlib.sha256(stamp.encode())
     for file in sorted(path.iterdir()):
         if file.is_file() and not file.name.endswith(_WEIGHTS):

@@ -1,6 +1,6 @@
-"""A start reads what it can without transformers (a plain Llama's config.json, the tokenizer
-saved in the cache), and gives the same outputs as one that imports it; a cache entry that is
-corrupt or stale is rebuilt, never trusted."""
+"""A start reads what it can without transformers (a plain Llama's config.json; transformers'
+reading of another config and the tokenizer, both saved in the cache), and gives the same outputs
+as one that imports it; a cache entry that is corrupt or stale is rebuilt, never trusted."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
+from conftest import longrope, make_tiny_model
 
 from paged_backend import LLM, SamplingParams
 from paged_backend import tokenizer as tokenizer_module
@@ -58,6 +60,36 @@ def test_a_plain_llama_config_reads_as_transformers_reads_it(
     ours = ModelConfig.from_dir(tmp_path)
     monkeypatch.setattr(config_module, "plain_llama", lambda *args: False)
     assert ours == ModelConfig.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "overrides"),
+    [
+        ("Gemma3ForCausalLM", {"sliding_window": 6, "rope_local_base_freq": 100.0}),
+        ("Gemma2ForCausalLM", {"sliding_window": 6, "attn_logit_softcapping": 5.0}),
+        ("Phi3ForCausalLM", {"partial_rotary_factor": 0.75, "pad_token_id": 0, **longrope(12)}),
+        ("Qwen2ForCausalLM", {}),
+    ],
+    ids=["gemma3", "gemma2", "phi4-mini", "qwen2"],
+)
+def test_a_config_transformers_reads_is_kept_and_read_back_as_it_read_it(
+    tmp_path, default_model_path, monkeypatch, architecture, overrides
+):
+    path = make_tiny_model(tmp_path / "model", default_model_path, architecture, **overrides)
+    monkeypatch.setenv("PAGED_BACKEND_CACHE", str(tmp_path / "cache"))
+    first = ModelConfig.from_dir(path)
+    import transformers
+
+    stub = types.ModuleType("transformers")  # found where transformers is; imports nothing
+    stub.__spec__ = transformers.__spec__
+    with monkeypatch.context() as no_transformers:
+        no_transformers.setitem(sys.modules, "transformers", stub)
+        assert ModelConfig.from_dir(path) == first
+        raw = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**raw, "rms_norm_eps": 0.25}))
+        with pytest.raises(ImportError):  # a changed config.json is read again
+            ModelConfig.from_dir(path)
+    assert ModelConfig.from_dir(path).rms_norm_eps == 0.25
 
 
 def _hf_loads(monkeypatch) -> list[str]:
@@ -225,15 +257,20 @@ def test_starts_from_the_caches_give_the_first_starts_outputs(
     assert len(loads) == 2
 
 
-def test_a_warm_start_imports_no_transformers(tmp_path, default_model_path):
-    """`LLM()` and a generate read the default model's config and tokenizer without
+@pytest.mark.parametrize("model", ["default", "gemma3"])
+def test_a_warm_start_imports_no_transformers(tmp_path, default_model_path, model):
+    """`LLM()` and a generate read the model's config (the default model's plain Llama one, or
+    transformers' reading of a Gemma 3 one, kept in the cache) and tokenizer without
     transformers (its import takes 1-2 s of a start), once the first start filled the cache."""
+    path = default_model_path
+    if model == "gemma3":
+        path = make_tiny_model(tmp_path / "model", default_model_path, "Gemma3ForCausalLM")
     code = (
         "import sys; from paged_backend import LLM, SamplingParams; "
-        f"LLM({str(default_model_path)!r}).generate('Hi', SamplingParams(max_tokens=2), "
+        f"LLM({str(path)!r}).generate('Hi', SamplingParams(max_tokens=2), "
         "use_tqdm=False); print('transformers' in sys.modules)"
     )
-    env = dict(os.environ, PAGED_BACKEND_CACHE=str(tmp_path))
+    env = dict(os.environ, PAGED_BACKEND_CACHE=str(tmp_path / "cache"))
     runs = [
         subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         for _ in range(2)

@@ -7,16 +7,29 @@ and takes the family's fields from its own parser: `llama_config`, `gemma_config
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
+from paged_backend.file_cache import cache_dir, installed_stamp, read_checked, write_checked
 from paged_backend.models.gemma_config import GEMMA_ARCHITECTURES, gemma_fields
 from paged_backend.models.llama_config import LLAMA_ARCHITECTURES, llama_fields, longrope
 from paged_backend.models.transformers_config import layer_windows, transformers_fields
 
 SUPPORTED_ARCHITECTURES = LLAMA_ARCHITECTURES + GEMMA_ARCHITECTURES
+
+
+def _key(config_file: Path) -> str:
+    """What a native reading of `config_file` depends on: its bytes, the installed transformers
+    and our readers' code (this package's config modules)."""
+    digest = hashlib.sha256(installed_stamp("transformers").encode())
+    for source in sorted(Path(__file__).parent.glob("*config.py")):
+        digest.update(source.read_bytes())
+    digest.update(config_file.read_bytes())
+    return digest.hexdigest()[:32]
 
 
 def plain_llama(raw: dict, arch: str, family: dict | None) -> bool:
@@ -143,10 +156,25 @@ class ModelConfig:
         family = None if arch in GEMMA_ARCHITECTURES else llama_fields(raw, arch, config_file)
         if plain_llama(raw, arch, family):
             text_config = SimpleNamespace(**{"tie_word_embeddings": False, **raw})
-        else:
-            from transformers import AutoConfig
+            return cls._read(raw, arch, config_file, family, text_config)
+        # Other configs need transformers' reading (its defaults, its rope resolution): 1-2 s
+        # and ~25 MB to import it, once; then the reading is kept in the cache.
+        entry = cache_dir() / "model_configs" / f"{_key(config_file)}.json"
+        data = read_checked(entry)
+        if data is not None:
+            fields = json.loads(data)
+            return cls(**{**fields, "layer_windows": tuple(fields["layer_windows"])})
+        from transformers import AutoConfig
 
-            text_config = AutoConfig.from_pretrained(config_file.parent).get_text_config()
+        text_config = AutoConfig.from_pretrained(config_file.parent).get_text_config()
+        config = cls._read(raw, arch, config_file, family, text_config)
+        write_checked(entry, json.dumps(dataclasses.asdict(config)).encode())
+        return config
+
+    @classmethod
+    def _read(
+        cls, raw: dict, arch: str, config_file: Path, family: dict | None, text_config
+    ) -> ModelConfig:
         family = family or gemma_fields(text_config, arch, config_file)
         eos = raw.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
