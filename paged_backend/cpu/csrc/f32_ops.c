@@ -96,7 +96,11 @@ static inline float lanes_sum(__m256 v) {
  * most 8 bits), the offset -8d for Q4_0, the block's minimum for Q4_1, +0 for Q8_0. */
 static inline __attribute__((always_inline)) void block_values(int type, const uint8_t *blk,
                                                                __m256 v[4]) {
-    __m256 d = _mm256_set1_ps(f16_to_f32(blk));
+    /* The scale (and Q4_1's minimum after it) from one load of their fp16 bits */
+    uint32_t halves;
+    memcpy(&halves, blk, 4);
+    __m128 scales = _mm_cvtph_ps(_mm_cvtsi32_si128((int)halves));
+    __m256 d = _mm256_broadcastss_ps(scales);
     if (type == Q8_0) {
         for (int s = 0; s < 4; s++) {
             __m128i q = _mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * s));
@@ -105,14 +109,17 @@ static inline __attribute__((always_inline)) void block_values(int type, const u
         }
         return;
     }
-    __m256 offset = type == Q4_1 ? _mm256_set1_ps(f16_to_f32(blk + 2))
+    __m256 offset = type == Q4_1 ? _mm256_broadcastss_ps(_mm_movehdup_ps(scales))
                                  : _mm256_mul_ps(_mm256_set1_ps(-8.0f), d);
-    __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + (type == Q4_1 ? 4 : 2)));
-    __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(15));
-    __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15));
-    __m128i levels[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
-    for (int s = 0; s < 4; s++)
-        v[s] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(levels[s])), offset);
+    /* Bytes 0-7 and 8-15 widened to 32-bit lanes once each: a lane's low nibble is one level,
+     * its byte shifted right by 4 the other (fewer shuffles than widening each nibble half). */
+    const uint8_t *q = blk + (type == Q4_1 ? 4 : 2);
+    __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
+    __m256i nibble = _mm256_set1_epi32(15);
+    __m256i levels[4] = {_mm256_and_si256(first, nibble), _mm256_and_si256(second, nibble),
+                         _mm256_srli_epi32(first, 4), _mm256_srli_epi32(second, 4)};
+    for (int s = 0; s < 4; s++) v[s] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(levels[s]), offset);
 }
 
 /* TILE for weights in blocks of 32 of TYPE: each block decoded once a tile, its 4 vectors taken
