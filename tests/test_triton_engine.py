@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import longrope, make_tiny_model
 
-from paged_backend import LLM, SamplingParams
+from paged_backend import LLM, SamplingParams, cpu
 
 pytest.importorskip("triton")
 
@@ -27,6 +27,8 @@ def test_triton_backend_engine_matches_torch(tiny_model, c_linears):
             **c_linears,
         )  # chunked prefill: mixed steps
         assert llm.engine.runner.backend.name == backend
+        if c_linears and cpu.available():  # the fused step is there to step aside
+            assert llm.engine.runner.model.fused_decode is not None
         runs[backend] = [
             o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
         ]
