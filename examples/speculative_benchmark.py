@@ -6,15 +6,18 @@
             of its topics (`--rag-questions`, default all 16: answers differ widely in how much
             they quote, from none to whole passages, so a few questions are a poor sample)
   distinct  prose on a topic that the prompt does not contain (drafts rarely match)
-  batch     `--batch` RAG questions at once (the per-step rule `disable_by_batch_size` keeps
-            large steps from drafting)
+  batch     `--batch` RAG questions at once, `--batch-rounds` times (the per-step rule
+            `disable_by_batch_size` keeps large steps from drafting; set it higher with
+            `--disable-by-batch-size` to price drafting at that batch size)
 
 Both engines run the same requests, one at a time (but batch), taking turns on each (after a
-warm-up request), and must give the same tokens; the rate is total output tokens over total time.
+warm-up request; which goes first alternates), and must give the same tokens; the rate is total
+output tokens over total time.
 
     python examples/speculative_benchmark.py [--k 4] [--lookup-min 2] [--lookup-max 4]
                                              [--requests 3] [--rag-questions 16]
                                              [--max-tokens 96] [--batch 32]
+                                             [--batch-rounds 3] [--disable-by-batch-size M]
                                              [--dtype auto] [--threads N] [--llama-cpp]
 
 `--llama-cpp` adds llama-cpp-python on the default model's GGUF file (its Q4_1 weights: other
@@ -68,13 +71,15 @@ def workloads(n: int, tokenizer, batch: int, questions: int) -> dict[str, list[l
     return {name: conversations for name, conversations in loads.items() if conversations}
 
 
-def run(engines: dict[str, LLM], conversations: list[list[dict]], params, batched: bool = False):
+def run(engines: dict[str, LLM], conversations: list[list[dict]], params, batch_rounds: int = 0):
     """Per engine: (token ids of each answer, seconds of each request, drafted, accepted), one
-    request at a time (`batched`: all at once), the engines taking turns on each request so
-    that both see the same load from elsewhere."""
+    request at a time (`batch_rounds`: all at once, that many times), the engines taking turns
+    on each request, the first of each turn alternating, so that both see the same load from
+    elsewhere."""
     results = {name: ([], [], 0, 0) for name in engines}
-    for group in [conversations] if batched else [[c] for c in conversations]:
-        for name, llm in engines.items():
+    groups = [conversations] * batch_rounds or [[c] for c in conversations]
+    for turn, group in enumerate(groups):
+        for name, llm in sorted(engines.items(), reverse=turn % 2 == 1):
             before = llm.stats()
             start = time.perf_counter()
             outs = llm.chat(group, params, use_tqdm=False)
@@ -103,6 +108,10 @@ def main() -> None:
     parser.add_argument(
         "--batch", type=int, default=32, help="requests of the batch workload (0: none)"
     )
+    parser.add_argument("--batch-rounds", type=int, default=3, help="runs of the batch workload")
+    parser.add_argument(
+        "--disable-by-batch-size", type=int, default=None, help="the per-step rule (default 4)"
+    )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None, help="num_threads (default: torch's)")
     parser.add_argument("--llama-cpp", action="store_true", help="add llama-cpp-python's rates")
@@ -113,6 +122,8 @@ def main() -> None:
         "prompt_lookup_min": args.lookup_min,
         "prompt_lookup_max": args.lookup_max,
     }
+    if args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
     common = dict(dtype=args.dtype, num_threads=args.threads)
     engines = {"plain": LLM(**common), "ngram": LLM(**common, speculative_config=spec)}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
@@ -122,7 +133,8 @@ def main() -> None:
     tokenizer = engines["plain"].get_tokenizer()
     loads = workloads(args.requests, tokenizer, args.batch, args.rag_questions)
     for name, conversations in loads.items():
-        results = run(engines, conversations, params, batched=name == "batch")
+        rounds = args.batch_rounds if name == "batch" else 0
+        results = run(engines, conversations, params, rounds)
         plain, ngram = results["plain"], results["ngram"]
         plain_rate = sum(map(len, plain[0])) / sum(plain[1])
         rate = sum(map(len, ngram[0])) / sum(ngram[1])
@@ -134,7 +146,8 @@ def main() -> None:
         )
         if len(plain[1]) > 1:
             ratios = sorted(p / n for p, n in zip(plain[1], ngram[1], strict=True))
-            print(f"{'':9s} per request x{ratios[0]:.2f} to x{ratios[-1]:.2f}")
+            each = "per run" if rounds else "per request"
+            print(f"{'':9s} {each} x{ratios[0]:.2f} to x{ratios[-1]:.2f}")
         if args.llama_cpp and name != "batch":
             prompts = [_chat_ids(tokenizer, c) for c in conversations]
             print(f"{'':9s} llama-cpp-python {llama_cpp_rates(prompts, args, engines['plain'])}")

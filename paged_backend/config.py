@@ -16,13 +16,16 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 MODEL_IMPLS = ("auto", "native", "transformers")
 KV_CACHE_DTYPES = ("auto", "float16", "float32")  # `EngineConfig.kv_cache_dtype`
 MAX_SPECULATIVE_TOKENS = 32  # more drafts than this only add rejected rows to a step
-# Steps with more running sequences than this do not draft (`disable_by_batch_size`). A drafting
-# sequence adds its drafts as rows; where a step of more rows costs nearly as much more, a
-# rejected draft is lost time. Measured (fp32, AVX2 Zen 3, 2 threads, default model; step time
-# with 4 rejected drafts per sequence over the plain step): 1.33x at 1 sequence, 1.56x at 2,
-# 1.85x at 4, 2.6x at 8, 4.3x at 32. Quoting answers keep ~70% of drafts (~2.9 tokens per
-# step of 4 drafts): up to 4 sequences that pays; from 8 on, never.
-DISABLE_BY_BATCH_SIZE = 4
+# Steps with more running sequences than this do not draft (`disable_by_batch_size`), by the
+# model's dtype where the config names none. A drafting sequence adds its drafts as rows; where a
+# step of more rows costs nearly as much more, a rejected draft is lost time. Measured (2 threads,
+# default model; step time with 4 rejected drafts per sequence over the plain step): fp32 on an
+# AVX2 Zen 3, 1.33x at 1 sequence, 1.56x at 2, 1.85x at 4, 2.6x at 8, 4.3x at 32; bf16 on an
+# AVX512-BF16 Zen 4, 1.57x, 1.61x, 1.75x at 3, 2.0x at 4, 2.7x at 8, 4.0x at 32. Quoting answers
+# keep ~70% of drafts, RAG answers ~45%: batches of RAG questions drafting against not gained
+# (`examples/speculative_benchmark.py --batch N --disable-by-batch-size 64`) 1.04x at 2, 1.06x at
+# 3, 0.87x at 4 and 0.86x at 8 sequences in bf16; in fp32, drafting paid up to 4.
+DISABLE_BY_BATCH_SIZE = {torch.float32: 4, torch.bfloat16: 3}
 
 
 QUANTIZATIONS = (None, "none", "int4", "int8")
@@ -34,12 +37,13 @@ class SpeculativeConfig:
     sequence drafts up to `num_speculative_tokens` tokens that followed an earlier occurrence of
     its last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`), verified in the
     same forward. A step in which more than `disable_by_batch_size` sequences run drafts
-    nothing. Built from the `speculative_config` dict by `from_dict`, which validates it."""
+    nothing (None: `DISABLE_BY_BATCH_SIZE` for the model's dtype). Built from the
+    `speculative_config` dict by `from_dict`, which validates it."""
 
     num_speculative_tokens: int
     prompt_lookup_min: int
     prompt_lookup_max: int
-    disable_by_batch_size: int = DISABLE_BY_BATCH_SIZE
+    disable_by_batch_size: int | None = None
     method: str = "ngram"
 
     @classmethod
@@ -73,8 +77,9 @@ class SpeculativeConfig:
         _check_int("num_speculative_tokens", k, 1, MAX_SPECULATIVE_TOKENS)
         _check_int("prompt_lookup_min", lo, 1, None)
         _check_int("prompt_lookup_max", hi, lo, None)
-        batch = spec.get("disable_by_batch_size", DISABLE_BY_BATCH_SIZE)
-        _check_int("disable_by_batch_size", batch, 1, None)
+        batch = spec.get("disable_by_batch_size")
+        if batch is not None:
+            _check_int("disable_by_batch_size", batch, 1, None)
         return cls(k, lo, hi, batch)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from paged_backend import metrics
 from paged_backend.chat_template import apply_chat_template, check_chat_messages
-from paged_backend.config import EngineConfig
+from paged_backend.config import DISABLE_BY_BATCH_SIZE, EngineConfig
 from paged_backend.cpu.memory import release_freed_heap
 from paged_backend.detokenizer import IncrementalDetokenizer
 from paged_backend.kv_cache_manager import KVCacheManager
@@ -135,7 +135,7 @@ class LLMEngine:
             config.scheduling_policy,
             config.long_prefill_token_threshold,
             self._proposer(),
-            spec.disable_by_batch_size if (spec := config.speculative_config) else 0,
+            self._max_drafting_seqs(),
         )
         self.eos_token_ids = self._eos_ids()
         self.grammars = GrammarCache(
@@ -167,6 +167,18 @@ class LLMEngine:
         return NgramProposer(
             spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
         )
+
+    def _max_drafting_seqs(self) -> int:
+        """The most running sequences a drafting step may start with: `disable_by_batch_size`,
+        or where the config names none, the one measured for the model's dtype on CPU (4 on a
+        GPU, where no rule was measured)."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return 0
+        if spec.disable_by_batch_size is not None:
+            return spec.disable_by_batch_size
+        on_cpu = self.runner.device.type == "cpu"
+        return DISABLE_BY_BATCH_SIZE.get(self.runner.dtype, 4) if on_cpu else 4
 
     def _eos_ids(self) -> list[int]:
         ids = list(self.model_config.eos_token_ids)

@@ -88,7 +88,6 @@ class ModelRunner:
             c_decode=self.c_ops and model_config.head_dim % 16 == 0,
             c_prefix=bf16_kernels and model_config.head_dim % 64 == 0,
             windows=model_config.layer_windows or (None,),
-            c_rows=self._c_rows(config),
         )
         self.model_config = model_config
         self.gemm_rows = None
@@ -137,15 +136,17 @@ class ModelRunner:
             row_bytes = 2 * mc.intermediate_size * self.dtype.itemsize
             self.trim_from_rows = max(1, TRIM_AFTER_ACTIVATION_BYTES // row_bytes)
 
-    def _c_rows(self, config: EngineConfig) -> int:
-        """The most rows a sequence may have in a step the C decode kernel runs: a decode and
-        its drafts being verified. fp32's kernel reads a sequence's keys once for all its rows,
-        so it takes any chunk that short too; bf16's reads them again for each row, so only the
-        drafts (a chunk of a few rows over a long context runs faster in the prefill kernel)."""
-        if self.dtype == torch.float32:
+    def _c_decode_rows(self, rows: list[tuple[Request, int]], drafts: dict) -> int:
+        """The most rows a sequence may have for the C decode kernel to run a forward of these
+        (request, rows) pairs: a decode and the drafts it verifies. fp32's kernel reads a
+        sequence's keys once for all its rows, so it takes any chunk that short too; bf16's
+        reads them again for each row (a chunk of a few rows over a long context runs faster in
+        the prefill kernel), so it takes drafts only, and only in a forward whose every
+        multi-row sequence verifies drafts: a forward without drafts then runs the kernels it
+        runs without speculative decoding, for the same bits."""
+        if self.dtype == torch.float32 or all(r in drafts for r, n in rows if n > 1):
             return 1 + MAX_SPECULATIVE_TOKENS
-        spec = config.speculative_config
-        return 1 + (spec.num_speculative_tokens if spec else 0)
+        return 1
 
     def _ops(self, config: EngineConfig, backend: str) -> str:
         """Who runs the layers' elementwise ops (`paged_backend.models.llama.make_ops`): fused
@@ -451,6 +452,9 @@ class ModelRunner:
             slot_mapping=slots.to(self.device),
             block_size=bs,
             block_tables_cpu=tables,
+            c_decode_rows=self._c_decode_rows(
+                [(scheduled[i][0], count) for i, _, count in piece], drafts
+            ),
         )
         self.backend.prepare(meta)
         logits = self.model(

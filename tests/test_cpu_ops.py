@@ -272,10 +272,11 @@ def test_decode_attention_takes_several_rows_a_sequence(window, softcap, dtype):
             slot_mapping=torch.tensor(slots),
             block_size=4,
             block_tables_cpu=tables,
+            c_decode_rows=5,
         )
         gen.manual_seed(1)
         q, k, v = (torch.randn(qsl[-1], h, 64, generator=gen).to(dtype) for h in (6, 2, 2))
-        backend = TorchAttention(6, 2, c_decode=c_decode, windows=(window,), c_rows=5)
+        backend = TorchAttention(6, 2, c_decode=c_decode, windows=(window,))
         backend.prepare(meta)
         assert isinstance(meta.prepared[window], CDecodePlan) == c_decode
         outs.append(backend.forward(q, k, v, cache, meta, window, softcap))
@@ -287,9 +288,9 @@ def test_decode_attention_takes_several_rows_a_sequence(window, softcap, dtype):
     if dtype == BF16:
         assert (got != want).float().mean() < 0.01  # rounding differences only
     assert all(torch.equal(a, b) for a, b in zip(*caches, strict=True))
-    meta.query_start_loc = [0, 1, 4, 10, 13]  # 6 rows: more than c_rows
+    meta.query_start_loc = [0, 1, 4, 10, 13]  # 6 rows: more than c_decode_rows
     meta.seq_lens = [9, 37, 131, 3]
-    TorchAttention(6, 2, c_decode=True, c_rows=5).prepare(meta)
+    TorchAttention(6, 2, c_decode=True).prepare(meta)
     assert not isinstance(meta.prepared[None], CDecodePlan)
 
 
@@ -441,7 +442,7 @@ def test_bf16_rows_of_a_sequence_merge_the_shared_prefix_row_by_row():
     *_, cache, meta = _decode_step(lens, bs, 2, group, dim, True, 4, shared_blocks=3, sharing=2)
     tables = meta.block_tables_cpu
     qsl = [0, *np.cumsum(rows).tolist()]
-    meta.query_start_loc, meta.num_decodes = qsl, 1
+    meta.query_start_loc, meta.num_decodes, meta.c_decode_rows = qsl, 1, 5
     meta.slot_mapping = torch.tensor(
         [
             int(tables[i, p // bs]) * bs + p % bs
@@ -449,7 +450,7 @@ def test_bf16_rows_of_a_sequence_merge_the_shared_prefix_row_by_row():
             for p in range(n - rows[i], n)
         ]
     )
-    TorchAttention(2 * group, 2, c_decode=True, c_prefix=True, c_rows=5).prepare(meta)
+    TorchAttention(2 * group, 2, c_decode=True, c_prefix=True).prepare(meta)
     plan = meta.prepared[None]
     assert isinstance(plan, CDecodePlan) and len(plan.shared.blocks) == 3
     assert plan.shared.rows.tolist() == [0, 1, 2, 3, 4]

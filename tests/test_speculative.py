@@ -5,14 +5,17 @@ distribution (rejection sampling); rejected drafts leave no block held and no bl
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from conftest import OracleProposer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paged_backend import LLM, AsyncEngine, SamplingParams
-from paged_backend.config import EngineConfig, SpeculativeConfig
+from paged_backend import LLM, AsyncEngine, SamplingParams, cpu
+from paged_backend.attention.planner import CDecodePlan
+from paged_backend.config import DISABLE_BY_BATCH_SIZE, EngineConfig, SpeculativeConfig
 from paged_backend.engine import LLMEngine
 from paged_backend.ngram_proposer import NgramProposer
 from paged_backend.request import Request
@@ -239,6 +242,18 @@ def test_steps_with_more_sequences_than_disable_by_batch_size_do_not_draft(tiny_
     assert llm.stats()["spec_num_draft_tokens"] > 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_per_step_rule_defaults_to_the_one_measured_for_the_dtype(tiny_model, dtype):
+    """bf16 steps price extra rows higher than fp32 ones: each takes its own default, and a
+    configured `disable_by_batch_size` wins over it."""
+    args = dict(model=str(tiny_model), dtype=dtype, num_kv_blocks=16)
+    llm = LLM(**args, speculative_config=SPEC)
+    assert llm.engine.scheduler.max_drafting_seqs == DISABLE_BY_BATCH_SIZE[getattr(torch, dtype)]
+    llm = LLM(**args, speculative_config={**SPEC, "disable_by_batch_size": 7})
+    assert llm.engine.scheduler.max_drafting_seqs == 7
+    assert LLM(**args).engine.scheduler.max_drafting_seqs == 0
+
+
 # ---- outputs identical to plain decoding -------------------------------------------------------
 def _tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
@@ -425,3 +440,36 @@ def test_random_schedules_give_plain_outputs(schedule_engines, tiny_plain, sched
     for ids, max_tokens, _ in requests:
         assert got[ids[0]] == references[ids[0]][len(ids) :][:max_tokens]
     assert engine.kv.pool.num_free == engine.kv.num_blocks
+
+
+# ---- kernels: a forward without drafts runs as it does without speculative decoding ----------
+@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+def test_bf16_forwards_without_drafts_run_the_plain_engines_kernels(tiny_model):
+    """bf16's C decode kernel gives other bits than the prefill path for a short chunk, so it
+    takes several rows of a sequence only where they verify drafts: a prompt whose cache hits
+    leave a few rows to prefill runs the plain engine's plan, while the verifying steps run in
+    the C decode kernel; the tokens are the plain engine's."""
+    plans, seen = {}, []
+    for name, spec in (("plain", None), ("ngram", SPEC)):
+        llm = LLM(
+            model=str(tiny_model), dtype="bfloat16", num_kv_blocks=64, speculative_config=spec
+        )
+        if spec:  # drafts every decode step (rejected: the tiny model's babble never repeats)
+            llm.engine.scheduler.proposer.propose = lambda ids, room: [5, 6, 7][:room]
+        backend = llm.engine.runner.backend
+        prepare = backend.prepare
+
+        def record(meta, prepare=prepare):
+            prepare(meta)
+            rows = max(b - a for a, b in itertools.pairwise(meta.query_start_loc))
+            seen.append((rows, isinstance(meta.prepared[None], CDecodePlan)))
+
+        backend.prepare = record
+        llm.generate([REPEATING[:24]], GREEDY, use_tqdm=False)
+        first = len(seen)
+        outs = llm.generate([[*REPEATING[:24], 11, 12, 13]], GREEDY, use_tqdm=False)
+        plans[name] = (seen[first], outs[0].outputs[0].token_ids)
+    (rows, c_decode), _ = plans["plain"]
+    assert 1 < rows < 1 + SPEC["num_speculative_tokens"] and not c_decode  # the cache-hit tail
+    assert plans["ngram"] == plans["plain"]
+    assert any(r > 1 and c for r, c in seen)  # the drafting engine's verifying steps

@@ -25,6 +25,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot of each new token (< 0: skip)
     block_size: int
     block_tables_cpu: np.ndarray | None = None  # the same table on the host, for planning
+    # The most rows a sequence may have for the C decode kernel to run the step (the model
+    # runner's choice: a decode and the drafts it verifies, or any chunk that short).
+    c_decode_rows: int = 1
     prepared: object = None  # backend-specific, built once per step by `AttentionBackend.prepare`
 
 

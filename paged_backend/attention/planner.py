@@ -117,18 +117,18 @@ def plan_step(
     group: int,
     c_decode: bool,
     c_prefix: bool,
-    c_rows: int = 1,
 ) -> CDecodePlan | TorchPlan:
     """The step's plan for the layers with this `window` (None: global). Windowed layers read
     only their window's blocks and take no cascade: a shared prefix soon leaves it. `group`:
     query heads a kv head; `c_decode`/`c_prefix`: the C decode and prefix kernels run, the
-    decode one for steps whose sequences have up to `c_rows` rows each."""
+    decode one for steps whose sequences have up to `meta.c_decode_rows` rows each."""
     device = meta.block_tables.device
     qsl = meta.query_start_loc
     tables = meta.block_tables_cpu
     nd = meta.num_decodes
     most_rows = max(b - a for a, b in itertools.pairwise(qsl))
-    c_decode = c_decode and (nd == len(meta.seq_lens) if c_rows == 1 else most_rows <= c_rows)
+    rows = meta.c_decode_rows
+    c_decode = c_decode and (nd == len(meta.seq_lens) if rows == 1 else most_rows <= rows)
     members, num_shared = shared_prefix(meta, c_decode) if window is None else ([], 0)
     shared = None
     row_pos: dict[int, list[int]] = {}  # member -> positions of its rows in `shared.rows`

@@ -13,12 +13,11 @@ def get_backend(
     c_decode: bool = False,
     c_prefix: bool = False,
     windows: tuple[int | None, ...] = (None,),
-    c_rows: int = 1,
 ) -> AttentionBackend:
     if name == "torch":
         from paged_backend.attention.torch_backend import TorchAttention
 
-        return TorchAttention(num_heads, num_kv_heads, c_decode, c_prefix, windows, c_rows)
+        return TorchAttention(num_heads, num_kv_heads, c_decode, c_prefix, windows)
     if name == "triton":
         from paged_backend.attention.triton.backend import TritonAttention
 

@@ -105,18 +105,16 @@ class TorchAttention:
         c_decode: bool = False,
         c_prefix: bool = False,
         windows: tuple[int | None, ...] = (None,),
-        c_rows: int = 1,
     ) -> None:
         """For bf16 or fp32 caches, C kernels (`paged_backend.cpu.ops`): with `c_prefix`, a
         shared prefix is attended by `prefix_attention`; with `c_decode`, steps of decodes only
         run `decode_attention` (those with a shared prefix only with `c_prefix` too), and steps
-        of up to `c_rows` rows a sequence (drafts being verified). `windows`: the layers'
+        of up to `meta.c_decode_rows` rows a sequence. `windows`: the layers'
         windows (None: global), one step plan each."""
         self.group = num_heads // num_kv_heads
         self.windows = tuple(dict.fromkeys(windows)) or (None,)
         self.c_decode = c_decode
         self.c_prefix = c_prefix
-        self.c_rows = c_rows
         # A RAG batch rereads the same shared prefix every decode step: its K/V, gathered and
         # cast to fp32 (or packed for the C kernel), are kept per layer (keyed by the layer's
         # cache tensor) for the blocks `prefix_blocks`, and dropped as soon as a step writes
@@ -172,7 +170,7 @@ class TorchAttention:
             meta.block_tables_cpu = meta.block_tables.cpu().numpy()
         meta.prepared = {}
         for window in self.windows:
-            plan = plan_step(meta, window, self.group, self.c_decode, self.c_prefix, self.c_rows)
+            plan = plan_step(meta, window, self.group, self.c_decode, self.c_prefix)
             if meta.block_tables.device.type == "cpu" and window is None:
                 shared = plan.shared
                 self._track_prefix(meta, None if shared is None else shared.blocks.numpy())
