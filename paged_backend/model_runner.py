@@ -91,6 +91,7 @@ class ModelRunner:
         )
         self.model_config = model_config
         self.gemm_rows = None
+        self.int8_rows: dict[tuple[str, int, int], int] | None = None  # `_dequantize_large_steps`
         if model_config.impl == "transformers" and config.quantization in ("int4", "int8"):
             raise ValueError(
                 f"quantization={config.quantization!r} needs our native modules; "
@@ -255,16 +256,35 @@ class ModelRunner:
     def _blocks_model(self, config: EngineConfig, model, ops: str) -> LlamaForCausalLM:
         """A model whose linears hold quantized blocks, cast: its float linears left (a float
         head, a GGUF file's F16 tensors) run the C fp32 linear for small steps as an fp32
-        model's do, a head of fp16 values kept in fp16 (`half_head_`); the one-call decode step
+        model's do, a head of fp16 values kept in fp16 (`half_head_`); a bf16 model's steps of
+        many rows dequantize to bf16 (`_dequantize_large_steps`); the one-call decode step
         takes every layer."""
         model.to(self.dtype)
         if self._c_f32_linears(config, ops):
             model.half_head_()
             self.gemm_rows = self._gemm_rows(config, model, kernel_choice.f32_max_rows)
             model.use_f32_linears_(self.gemm_rows)
-        else:
-            model.fuse_decode_()
+            return model
+        if self.dtype == torch.bfloat16 and ops == "cpu" and cpu.has_bf16_kernels():
+            self._dequantize_large_steps(config, model)
+        model.fuse_decode_()
         return model
+
+    def _dequantize_large_steps(self, config: EngineConfig, model: LlamaForCausalLM) -> None:
+        """Steps of more rows than the int8 product serves best (`config.cpu_gemm_max_rows`
+        where given, else timed on this machine: `kernel_choice.int8_max_rows`) run a quantized
+        linear's weights dequantized to bf16 through the bf16 GEMM, a cache-sized piece at a
+        time (`quant.quant_gemm_bf16`)."""
+        linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        weights = {_shape_key(w): w for m in linears for w in m.weights}
+        forced = config.cpu_gemm_max_rows
+        rows = self.int8_rows = (
+            kernel_choice.int8_max_rows(weights)
+            if forced is None
+            else dict.fromkeys(weights, forced)
+        )
+        for linear in linears:
+            linear.int8_max_rows = min(rows[_shape_key(w)] for w in linear.weights)
 
     def _c_f32_linears(self, config: EngineConfig, ops: str) -> bool:
         """Whether an fp32 model's linears run `cpu_ops.linear_f32` for steps of few rows
@@ -466,6 +486,10 @@ class ModelRunner:
             torch.tensor(logit_rows, dtype=torch.long, device=self.device),
         )
         return logits.cpu(), sampling
+
+
+def _shape_key(weight: QuantWeight) -> tuple[str, int, int]:
+    return weight.format, weight.out_features, weight.in_features
 
 
 def _weight_tensors(model: torch.nn.Module):

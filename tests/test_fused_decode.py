@@ -13,7 +13,7 @@ from conftest import longrope, make_tiny_model
 
 from paged_backend import LLM, SamplingParams, cpu
 from paged_backend.attention import FusedDecode
-from paged_backend.cpu import kernel_choice
+from paged_backend.cpu import kernel_choice, quant
 from paged_backend.cpu.quant import QuantLinear
 from paged_backend.default_model import default_model_file
 from paged_backend.gguf.random_checkpoint import write_checkpoint
@@ -196,6 +196,22 @@ def test_steps_beyond_the_gemm_rows_run_the_modules(tiny_model, monkeypatch, dty
     _, steps = generate_counting(llm, monkeypatch, [4, 8, 12])
     assert {rows for rows, _ in steps} == {2, 1}  # three sequences at first, then fused
     assert llm.engine.runner.model.fused_decode.max_rows == 2
+
+
+@needs_bf16
+def test_bf16_steps_past_the_int8_rows_dequantize_through_the_modules(tmp_path, monkeypatch):
+    """A bf16 model's quantized linears take the int8 product up to the rows timing gives it
+    (here `cpu_gemm_max_rows`: 2): steps of more rows (the prefills, three decodes) run the
+    weights dequantized to bf16 (`quant_gemm_bf16`) in the modules; steps of up to 2, fused."""
+    path = write_checkpoint("tiny", tmp_path, ("q4_k_m",))[0]
+    llm = LLM(model=str(path), dtype="bfloat16", num_kv_blocks=64, cpu_gemm_max_rows=2)
+    rows, real = [], quant.quant_gemm_bf16
+    monkeypatch.setattr(quant, "quant_gemm_bf16", lambda x, *a: rows.append(len(x)) or real(x, *a))
+    _, steps = generate_counting(llm, monkeypatch, [4, 8, 12])
+    assert {n for n, _ in steps} == {2, 1}
+    assert llm.engine.runner.model.fused_decode.max_rows == 2
+    assert rows and min(rows) > 2
+    assert set(llm.stats()["cpu_int8_max_rows"].values()) == {2}
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import torch
 
 from paged_backend import LLM, EngineConfig, cpu, file_cache
 from paged_backend.cpu import kernel_choice
+from paged_backend.cpu.quant import QuantWeight
 
 needs_gemm = pytest.mark.skipif(
     not cpu.has_bf16_kernels() or not torch.backends.mkldnn.is_available(),
@@ -173,3 +174,22 @@ def test_a_forced_choice_is_what_the_engine_runs_and_reports(tiny_model, one_thr
     assert chosen and set(chosen.values()) == {4}
     down = llm.engine.runner.model.layers[0].mlp.down_proj  # [64, 128] in the tiny model
     assert chosen["64x128"] == down.gemm_rows == 4 and down.gemm is not None
+
+
+@pytest.mark.parametrize(("dequantized_share", "rows"), [(0.5, 4), (1.0, 64), ({32: 0.8}, 16)])
+def test_the_int8_product_keeps_small_steps_and_gives_large_ones_to_a_clear_gemm_win(
+    monkeypatch, dequantized_share, rows
+):
+    """The dequantized GEMM takes the row counts from its first clear win on (timed twice), but
+    never steps of up to 4 rows, which run fused."""
+
+    def best_times(*calls, before=None):
+        count = calls[0][1].shape[0]  # each call: (kernel, x, ...)
+        share = dequantized_share
+        if isinstance(share, dict):
+            share = share.get(count, 1.0)
+        return [1.0, share]  # the int8 product's time, then the dequantized GEMM's
+
+    monkeypatch.setattr(kernel_choice, "_best_times", best_times)
+    weight = QuantWeight("Q8_0", torch.zeros(32, 34 * 2, dtype=torch.uint8), 64)
+    assert kernel_choice._time_int8(weight) == rows

@@ -17,7 +17,9 @@ from paged_backend.cpu.quant import (
     QuantWeight,
     activation_block,
     activation_stride,
+    can_dequantize_to_bf16,
     dequantize,
+    quant_gemm_bf16,
     quant_matmul,
     quantize_activations,
 )
@@ -137,6 +139,56 @@ def test_bf16_in_and_out_and_fused_parts_in_adjacent_columns(rows):
     bias = torch.randn(24)
     linear = QuantLinear([q4, q6], bias)
     assert torch.allclose(linear(x.float()), both + bias)
+
+
+needs_bf16_gemm = pytest.mark.skipif(
+    not cpu.available() or not cpu.load_library().has("quant_gemm_bf16"),
+    reason="no AVX512-BF16 GEMM",
+)
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("fmt", list(BLOCK_FORMATS))
+@pytest.mark.parametrize(("rows", "threads"), [(1, 1), (9, 2), (70, 2)])
+def test_dequantized_gemm_is_the_bf16_product_with_the_dequantized_weight(fmt, rows, threads):
+    """Each weight rounded to bf16 (nearest even), exact bf16 products, fp32 sums: the bf16
+    GEMM on the dequantized weight, whatever the rows (8 at a time, 70 a partial last 8) or
+    threads (which split the outputs, 48 at a time: 160 outputs leave a partial last strip);
+    bf16 out is the fp32 result rounded once."""
+    k = in_features(fmt)
+    w = random_weight(fmt, 160, k, seed=rows)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    assert can_dequantize_to_bf16(x, [w]) and not can_dequantize_to_bf16(x.float(), [w])
+    expected = x.double() @ dequantize(w).to(torch.bfloat16).double().T
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = quant_gemm_bf16(x, [w])
+        rounded = quant_gemm_bf16(x, [w], torch.bfloat16)
+    finally:
+        torch.set_num_threads(before)
+    scale = x.double().abs() @ dequantize(w).double().abs().T
+    assert torch.all((got.double() - expected).abs() <= 1e-5 * scale + 1e-30)
+    assert torch.equal(rounded, got.to(torch.bfloat16))
+
+
+@needs_bf16_gemm
+def test_a_linear_dequantizes_steps_of_more_rows_than_the_int8_product_serves():
+    """`int8_max_rows`: up to it the int8 product (int8 activations), past it the dequantized
+    GEMM (bf16 activations as they are), fused parts side by side either way; None: always
+    int8."""
+    q4, q6 = random_weight("Q4_K", 32, 512, seed=1), random_weight("Q6_K", 16, 512, seed=2)
+    linear = QuantLinear([q4, q6])
+    x = torch.randn(12, 512).to(torch.bfloat16)
+    assert torch.equal(linear(x), quant_matmul(x, [q4, q6], torch.bfloat16))
+    linear.int8_max_rows = 12
+    assert torch.equal(linear(x), quant_matmul(x, [q4, q6], torch.bfloat16))
+    linear.int8_max_rows = 11
+    both = quant_gemm_bf16(x, [q4, q6], torch.bfloat16)
+    assert torch.equal(linear(x), both)
+    assert torch.equal(both[:, 32:], quant_gemm_bf16(x, [q6], torch.bfloat16))
+    assert not torch.equal(both, quant_matmul(x, [q4, q6], torch.bfloat16))
+    assert torch.equal(linear(x.float()), quant_matmul(x.float(), [q4, q6]))  # fp32: int8
 
 
 @pytest.mark.parametrize(

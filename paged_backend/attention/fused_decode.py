@@ -105,8 +105,9 @@ class FusedDecode:
         return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
     def _rows(self, linear: nn.Module) -> int:
-        if isinstance(linear, QuantLinear):
-            return QUANT_MAX_ROWS
+        if isinstance(linear, QuantLinear):  # not past the int8 product's rows
+            most = linear.int8_max_rows
+            return QUANT_MAX_ROWS if most is None else min(QUANT_MAX_ROWS, most)
         return linear.c_rows if self.f32 else linear.gemm_rows
 
     def _pointers(self, linear: nn.Module, blocks: bool = False) -> list[int]:

@@ -43,7 +43,14 @@ import torch
 from paged_backend.cpu import library
 from paged_backend.cpu import ops as cpu_ops
 from paged_backend.cpu.features import cpu_description
-from paged_backend.cpu.quant import dequantize, linear_blocks_f32, random_blocks
+from paged_backend.cpu.quant import (
+    QuantWeight,
+    dequantize,
+    linear_blocks_f32,
+    quant_gemm_bf16,
+    quant_matmul,
+    random_blocks,
+)
 from paged_backend.file_cache import cache_dir, locked, notice
 
 logger = logging.getLogger(__name__)
@@ -53,6 +60,7 @@ _REPEATS = 7
 _TORCH_WINS = 0.9  # torch (oneDNN, MKL) takes a row count where it needs less than this share of C
 _BUSY_SHARE = 0.15
 _CACHE_FILE = "kernel_choice.json"
+_INT8_MIN_ROWS = 4  # the int8 product serves at least steps this small (`_time_int8`)
 _EVICT_BYTES = 128 << 20  # read before each cold call: more than a CPU's last-level cache
 
 
@@ -73,6 +81,30 @@ def f32_block_max_rows(keys: set[tuple[str, int, int]]) -> dict[tuple[str, int, 
     `quant.linear_blocks_f32` serves rather than `cpu_ops.linear_f32` on the same values (the
     same bits either way): from the cache, or timed now with the weights out of the caches."""
     return _max_rows(keys, "blocks ", _time_block_shape)
+
+
+def int8_max_rows(weights: dict[tuple[str, int, int], QuantWeight]) -> dict[tuple, int]:
+    """For each (block format, out, in) of a bf16 model's quantized weights (one of that shape
+    in `weights`), the most rows of a step the int8 product (`quant.quant_matmul`) serves rather
+    than `quant.quant_gemm_bf16` (the weight dequantized to bf16 for the bf16 GEMM), which
+    prefills run at about twice the int8 product's rate on a VNNI Zen 4 and which costs more
+    than it at a few rows (its dequantizing is paid once a step, whatever the rows)."""
+    return _max_rows(set(weights), "int8 ", lambda *key: _time_int8(weights[key]))
+
+
+def _time_int8(weight: QuantWeight) -> int:
+    """At least `_INT8_MIN_ROWS`: steps that few run fused (`FusedDecode`), worth more than a
+    dequantizing win at such rows, which only tiny weights show (at a 1B model's shapes the int8
+    product is ~10x faster at one row, ~4x at four)."""
+    return max(
+        _INT8_MIN_ROWS,
+        _rows_c_serves(
+            weight.in_features,
+            torch.bfloat16,
+            lambda x: (quant_matmul, x, [weight], torch.bfloat16),
+            lambda x: (quant_gemm_bf16, x, [weight], torch.bfloat16),
+        ),
+    )
 
 
 def _max_rows(shapes, kind: str, time_shape) -> dict[tuple[int, int], int]:

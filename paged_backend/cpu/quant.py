@@ -116,20 +116,32 @@ def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor
     return xq, xd, bsum
 
 
+def _product(x: torch.Tensor, weights: list[QuantWeight], out_dtype: torch.dtype, run_part):
+    """Rows x [rows, k] times the parts of a (fused) linear, side by side: [rows, sum of
+    out_features] in `out_dtype` (fp32, or bf16 rounded once), each part's columns written by
+    `run_part(weight, address of its first column, out's row stride, out_bf16)`."""
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    rows, k = x.shape
+    out = torch.empty(rows, sum(w.out_features for w in weights), dtype=out_dtype)
+    column = 0
+    for w in weights:
+        if w.in_features != k:
+            raise ValueError(f"x has {k} features, the weight takes {w.in_features}")
+        run_part(w, out[:, column:].data_ptr(), out.stride(0), out_dtype == torch.bfloat16)
+        column += w.out_features
+    return out
+
+
 def quant_matmul(
     x: torch.Tensor, weights: list[QuantWeight], out_dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """`x @ cat(weights).T` for rows x [rows, k]: [rows, sum of out_features] in `out_dtype`
-    (fp32, or bf16 rounded once)."""
-    if out_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
-    rows, k = x.shape
+    (fp32, or bf16 rounded once); x quantized to int8 per row, as llama.cpp does."""
     activations = {}  # by block size: the parts of a fused linear share them
-    out = torch.empty(rows, sum(w.out_features for w in weights), dtype=out_dtype)
-    lib, column = load_library(), 0
-    for w in weights:
-        if w.in_features != k:
-            raise ValueError(f"x has {k} features, the weight takes {w.in_features}")
+    lib = load_library()
+
+    def run_part(w: QuantWeight, out: int, out_stride: int, out_bf16: bool) -> None:
         block = activation_block(w.format)
         if block not in activations:
             activations[block] = quantize_activations(x, block)
@@ -138,19 +150,66 @@ def quant_matmul(
             type=w.type_id,
             w=w.data.data_ptr(),
             n=w.out_features,
-            k=k,
+            k=w.in_features,
             row_bytes=w.data.stride(0),
             xq=xq.data_ptr(),
             xd=xd.data_ptr(),
             bsum=bsum.data_ptr(),
-            rows=rows,
-            out=out[:, column:].data_ptr(),
-            out_bf16=out_dtype == torch.bfloat16,
-            out_stride=out.stride(0),
+            rows=x.shape[0],
+            out=out,
+            out_bf16=out_bf16,
+            out_stride=out_stride,
             threads=torch.get_num_threads(),
         )
-        column += w.out_features
-    return out
+
+    return _product(x, weights, out_dtype, run_part)
+
+
+def can_dequantize_to_bf16(x: torch.Tensor, weights: list[QuantWeight]) -> bool:
+    """Whether `quant_gemm_bf16` takes this product: bf16 rows, the AVX512-BF16 kernels, and
+    weights of whole blocks of 16 outputs and 32 inputs."""
+    return (
+        x.dtype == torch.bfloat16
+        and load_library().has("quant_gemm_bf16")
+        and all(w.out_features % 16 == 0 and w.in_features % 32 == 0 for w in weights)
+    )
+
+
+_GEMM_WORK: dict[tuple[int, int], torch.Tensor] = {}  # (threads, k) -> each thread's 48 rows
+
+
+def quant_gemm_bf16(
+    x: torch.Tensor, weights: list[QuantWeight], out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """`quant_matmul`'s product for many rows of bf16 x (`can_dequantize_to_bf16`): the weights
+    dequantized to bf16, 48 outputs at a time into a buffer the caches hold, and multiplied in
+    the bf16 GEMM, with no int8 rounding of x. A step of many rows then runs at the bf16 GEMM's
+    rate (an int8 product of a K-quant runs at about half of it on a VNNI CPU)."""
+    rows, k = x.shape
+    threads = torch.get_num_threads()
+    work = _GEMM_WORK.get((threads, k))
+    if work is None:
+        work = _GEMM_WORK.setdefault((threads, k), torch.empty(threads * 48 * k, dtype=x.dtype))
+    lib = load_library()
+
+    def run_part(w: QuantWeight, out: int, out_stride: int, out_bf16: bool) -> None:
+        lib.quant_gemm_bf16(
+            type=w.type_id,
+            w=w.data.data_ptr(),
+            n=w.out_features,
+            k=k,
+            row_bytes=w.data.stride(0),
+            x=x.data_ptr(),
+            rows=rows,
+            x_stride=x.stride(0),
+            out=out,
+            out_bf16=out_bf16,
+            out_stride=out_stride,
+            work=work.data_ptr(),
+            threads=threads,
+        )
+
+    return _product(x, weights, out_dtype, run_part)
 
 
 # Block formats whose values are exact products (a scale times a level of at most 8 bits) plus
@@ -242,11 +301,19 @@ class QuantLinear(nn.Module):
         self.bias = bias
         self.in_features = weights[0].in_features
         self.out_features = sum(w.out_features for w in weights)
+        # Steps of more rows than this (bf16 rows, `can_dequantize_to_bf16`) run
+        # `quant_gemm_bf16`; None: every step the int8 product (`kernel_choice.int8_max_rows`).
+        self.int8_max_rows: int | None = None
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         out_dtype = out_dtype or x.dtype
         kernel_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
-        out = quant_matmul(x.reshape(-1, self.in_features), self.weights, kernel_dtype)
+        rows = x.reshape(-1, self.in_features)
+        most = self.int8_max_rows
+        if most is not None and rows.shape[0] > most and can_dequantize_to_bf16(rows, self.weights):
+            out = quant_gemm_bf16(rows, self.weights, kernel_dtype)
+        else:
+            out = quant_matmul(rows, self.weights, kernel_dtype)
         out = out.view(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias

@@ -522,16 +522,16 @@ static inline __m512 exp_nonpositive16(__m512 x) {
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), res);
 }
 
-/* out[m][n] = x[m] . w[n] for `ROWS` (<= 8) rows of x and the `NB` (1 to 3) blocks of 16 outputs
- * from block `nb`: up to 24 accumulators, each weight load feeding ROWS dot products and each
- * broadcast of x feeding NB (three blocks: a third fewer broadcasts a product than two). */
-static inline void gemm_tile(const bf16 *x, int64_t x_stride, const bf16 *wp, int64_t pairs,
-                             int64_t n, int64_t nb, void *out, int out_bf16, const int ROWS,
+/* out[m][col ..] = x[m] . w for `ROWS` (<= 8) rows of x and the `NB` (1 to 3) packed blocks of
+ * 16 outputs at w (`pairs * 32` apart), output rows `n` apart: up to 24 accumulators, each weight
+ * load feeding ROWS dot products and each broadcast of x feeding NB (three blocks: a third fewer
+ * broadcasts a product than two). */
+static inline void gemm_tile(const bf16 *x, int64_t x_stride, const bf16 *w, int64_t pairs,
+                             int64_t n, int64_t col, void *out, int out_bf16, const int ROWS,
                              const int NB) {
     __m512 acc[8][3];
     for (int i = 0; i < ROWS; i++)
         for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
-    const bf16 *w = wp + nb * pairs * 32;
     for (int64_t p = 0; p < pairs; p++) {
         __m512bh wv[3];
         for (int j = 0; j < NB; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + (j * pairs + p) * 32);
@@ -542,7 +542,7 @@ static inline void gemm_tile(const bf16 *x, int64_t x_stride, const bf16 *wp, in
     }
     for (int i = 0; i < ROWS; i++)
         for (int j = 0; j < NB; j++) {
-            int64_t at = i * n + (nb + j) * 16;
+            int64_t at = i * n + col + j * 16;
             if (out_bf16)
                 _mm256_storeu_si256((__m256i *)((bf16 *)out + at), (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
             else
@@ -550,16 +550,16 @@ static inline void gemm_tile(const bf16 *x, int64_t x_stride, const bf16 *wp, in
         }
 }
 
-#define GEMM_TILE_ROWS(NB)                                                                     \
+#define GEMM_TILE_ROWS(W, COL, NB)                                                               \
     switch (rows - r < 8 ? rows - r : 8) {                                                     \
-    case 1: gemm_tile(xr, x_stride, wp, pairs, n, nb, o, out_bf16, 1, NB); break;             \
-    case 2: gemm_tile(xr, x_stride, wp, pairs, n, nb, o, out_bf16, 2, NB); break;             \
-    case 3: gemm_tile(xr, x_stride, wp, pairs, n, nb, o, out_bf16, 3, NB); break;             \
-    case 4: gemm_tile(xr, x_stride, wp, pairs, n, nb, o, out_bf16, 4, NB); break;             \
-    case 5: gemm_tile(xr, x_stride, wp, pairs, n, nb, o, out_bf16, 5, NB); break;             \
-    case 6: gemm_tile(xr, x_stride, wp, pairs, n, nb, o, out_bf16, 6, NB); break;             \
-    case 7: gemm_tile(xr, x_stride, wp, pairs, n, nb, o, out_bf16, 7, NB); break;             \
-    default: gemm_tile(xr, x_stride, wp, pairs, n, nb, o, out_bf16, 8, NB); break;            \
+    case 1: gemm_tile(xr, x_stride, W, pairs, n, COL, o, out_bf16, 1, NB); break;             \
+    case 2: gemm_tile(xr, x_stride, W, pairs, n, COL, o, out_bf16, 2, NB); break;             \
+    case 3: gemm_tile(xr, x_stride, W, pairs, n, COL, o, out_bf16, 3, NB); break;             \
+    case 4: gemm_tile(xr, x_stride, W, pairs, n, COL, o, out_bf16, 4, NB); break;             \
+    case 5: gemm_tile(xr, x_stride, W, pairs, n, COL, o, out_bf16, 5, NB); break;             \
+    case 6: gemm_tile(xr, x_stride, W, pairs, n, COL, o, out_bf16, 6, NB); break;             \
+    case 7: gemm_tile(xr, x_stride, W, pairs, n, COL, o, out_bf16, 7, NB); break;             \
+    default: gemm_tile(xr, x_stride, W, pairs, n, COL, o, out_bf16, 8, NB); break;            \
     }
 
 /* x [rows][k] (bf16, rows `x_stride` apart) times a weight [n][k] packed as [n/16][k/2][16][2]
@@ -583,14 +583,34 @@ void gemm_bf16(const bf16 *x, int64_t rows, int64_t x_stride, const bf16 *wp, in
             for (int64_t r = 0; r < rows; r += 8) {
                 const bf16 *xr = x + r * x_stride;
                 void *o = (char *)out + r * n * elem;
+                const bf16 *w = wp + nb * pairs * 32;
                 if (step == 3 && nb + 2 < nb1) {
-                    GEMM_TILE_ROWS(3)
+                    GEMM_TILE_ROWS(w, nb * 16, 3)
                 } else if (step == 3 && nb + 1 < nb1) {
-                    GEMM_TILE_ROWS(2)
+                    GEMM_TILE_ROWS(w, nb * 16, 2)
                 } else {
-                    GEMM_TILE_ROWS(1)
+                    GEMM_TILE_ROWS(w, nb * 16, 1)
                 }
             }
+    }
+}
+
+/* out[:, col .. col + 16 * nb) (rows `n` apart) = x [rows] times `nb` (1 to 3) blocks of 16
+ * outputs packed as `gemm_bf16`'s (`pairs * 32` apart) that a caller built, 8 rows at a time, on
+ * the calling thread: the GEMM of `quant_gemm_bf16`, on the weights it dequantizes. */
+void gemm_bf16_strip(const bf16 *x, int64_t rows, int64_t x_stride, const bf16 *strip,
+                     int64_t pairs, int64_t n, int64_t col, int nb, void *out, int out_bf16) {
+    int64_t elem = out_bf16 ? sizeof(bf16) : sizeof(float);
+    for (int64_t r = 0; r < rows; r += 8) {
+        const bf16 *xr = x + r * x_stride;
+        void *o = (char *)out + r * n * elem;
+        if (nb == 3) {
+            GEMM_TILE_ROWS(strip, col, 3)
+        } else if (nb == 2) {
+            GEMM_TILE_ROWS(strip, col, 2)
+        } else {
+            GEMM_TILE_ROWS(strip, col, 1)
+        }
     }
 }
 

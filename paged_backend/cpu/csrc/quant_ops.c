@@ -667,3 +667,67 @@ void dequantize_rows(int type, const uint8_t *w, int64_t k, int64_t row_bytes, c
         }
     }
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+void gemm_bf16_strip(const bf16 *x, int64_t rows, int64_t x_stride, const bf16 *strip,
+                     int64_t pairs, int64_t n, int64_t col, int nb, void *out, int out_bf16);
+
+/* The 16 weights of group g of an unpacked chunk, in fp32 (`dequantize_rows`' values). */
+static inline __m512 group_values16(const chunk *c, int g) {
+    __m128i q = _mm_loadu_si128((const __m128i *)(c->q + 16 * g));
+    __m512i levels = c->is_signed ? _mm512_cvtepi8_epi32(q) : _mm512_cvtepu8_epi32(q);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(levels), _mm512_set1_ps(c->s.a[g]),
+                           _mm512_set1_ps(c->s.b[g]));
+}
+
+/* Weight rows [j0, j0 + 16) dequantized to bf16 (rounded to nearest even) in `gemm_bf16`'s
+ * packing of a block of 16 outputs: input pair p of row j at [p][j][2]. A chunk of 256 inputs at
+ * a time: each row's pairs into `pairs`, then the 16 rows' pair p side by side. */
+static void pack_block16(int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t k,
+                         bf16 *dst) {
+    uint32_t pairs[16][CHUNK / 2];
+    for (int64_t first = 0; first < k; first += CHUNK) {
+        int64_t count = k - first < CHUNK ? k - first : CHUNK;
+        for (int64_t j = 0; j < 16; j++) {
+            chunk c;
+            unpack_chunk(type, w + (j0 + j) * row_bytes, first, count, &c);
+            for (int g = 0; g < count / 16; g += 2)
+                _mm512_storeu_si512(pairs[j] + 8 * g,
+                                    (__m512i)_mm512_cvtne2ps_pbh(group_values16(&c, g + 1),
+                                                                 group_values16(&c, g)));
+        }
+        uint32_t *out = (uint32_t *)dst + first / 2 * 16;
+        __m512i rows16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                              11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(CHUNK / 2));
+        for (int64_t p = 0; p < count / 2; p++)
+            _mm512_storeu_si512(out + 16 * p, _mm512_i32gather_epi32(
+                                                  _mm512_add_epi32(rows16, _mm512_set1_epi32((int)p)),
+                                                  (const void *)pairs, 4));
+    }
+}
+
+/* out [rows][n] (rows `out_stride` apart; fp32, or bf16 where `out_bf16`) = x (bf16 [rows][k],
+ * rows `x_stride` apart) times a quantized weight w [n][row_bytes] (n a multiple of 16, k of
+ * 32): each thread dequantizes 48 outputs' weight rows at a time to bf16 into its part of `work`
+ * (threads x 48 x k), a buffer the caches hold, and runs them through every row in the bf16
+ * GEMM: a prefill's speed at the weight's quantized bytes. */
+void quant_gemm_bf16(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
+                     const bf16 *x, int64_t rows, int64_t x_stride, void *out, int out_bf16,
+                     int64_t out_stride, bf16 *work, int threads) {
+    int64_t blocks = n / 16, pairs = k / 2;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t nb0 = blocks * t / parts, nb1 = blocks * (t + 1) / parts;
+        bf16 *strip = work + t * 48 * k;
+        for (int64_t nb = nb0; nb < nb1; nb += 3) {
+            int nbs = nb1 - nb < 3 ? (int)(nb1 - nb) : 3;
+            for (int b = 0; b < nbs; b++)
+                pack_block16(type, w, row_bytes, (nb + b) * 16, k, strip + b * pairs * 32);
+            gemm_bf16_strip(x, rows, x_stride, strip, pairs, out_stride, nb * 16, nbs, out,
+                            out_bf16);
+        }
+    }
+}
+#endif
