@@ -134,7 +134,9 @@ static void superblock_levels(int type, const uint8_t *blk, uint8_t *q) {
 
 /* Weights [first, first + count) of a row (first a multiple of 256, count <= 256 and a multiple
  * of the block) into `c`; groups past `count` weigh nothing. */
-static void unpack_chunk(int type, const uint8_t *row, int64_t first, int64_t count, chunk *c) {
+static inline __attribute__((always_inline)) void unpack_chunk(int type, const uint8_t *row,
+                                                               int64_t first, int64_t count,
+                                                               chunk *c) {
     const uint8_t *blk = row + (first >> (type >= Q4_K ? 8 : 5)) * block_bytes(type); /* no division */
     c->groups = (int)(count / 32);
     c->is_signed = type == Q8_0;
@@ -680,11 +682,36 @@ static inline __m512 group_values16(const chunk *c, int g) {
                            _mm512_set1_ps(c->s.b[g]));
 }
 
+/* r[i][j] <- r[j][i] for a 16 x 16 block of 32-bit lanes, in registers: 64 shuffles, against a
+ * gather a row (of 16 loads). */
+static inline __attribute__((always_inline)) void transpose16x16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; i++) {
+            t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
 /* Weight rows [j0, j0 + 16) dequantized to bf16 (rounded to nearest even) in `gemm_bf16`'s
  * packing of a block of 16 outputs: input pair p of row j at [p][j][2]. A chunk of 256 inputs at
  * a time: each row's pairs into `pairs`, then the 16 rows' pair p side by side. */
-static void pack_block16(int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t k,
-                         bf16 *dst) {
+static inline __attribute__((always_inline)) void pack_block16_of(
+    int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t k, bf16 *dst) {
     uint32_t pairs[16][CHUNK / 2];
     for (int64_t first = 0; first < k; first += CHUNK) {
         int64_t count = k - first < CHUNK ? k - first : CHUNK;
@@ -697,13 +724,24 @@ static void pack_block16(int type, const uint8_t *w, int64_t row_bytes, int64_t 
                                                                  group_values16(&c, g)));
         }
         uint32_t *out = (uint32_t *)dst + first / 2 * 16;
-        __m512i rows16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                                              11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(CHUNK / 2));
-        for (int64_t p = 0; p < count / 2; p++)
-            _mm512_storeu_si512(out + 16 * p, _mm512_i32gather_epi32(
-                                                  _mm512_add_epi32(rows16, _mm512_set1_epi32((int)p)),
-                                                  (const void *)pairs, 4));
+        for (int64_t p0 = 0; p0 < count / 2; p0 += 16) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_si512(pairs[j] + p0);
+            transpose16x16(r);
+            for (int p = 0; p < 16; p++) _mm512_storeu_si512(out + 16 * (p0 + p), r[p]);
+        }
+    }
+}
+
+/* `pack_block16_of` compiled for each common format (`type` a constant in the unpacking). */
+static __attribute__((noinline)) void pack_block16(int type, const uint8_t *w, int64_t row_bytes,
+                                                   int64_t j0, int64_t k, bf16 *dst) {
+    switch (type) {
+    case Q4_K: pack_block16_of(Q4_K, w, row_bytes, j0, k, dst); break;
+    case Q6_K: pack_block16_of(Q6_K, w, row_bytes, j0, k, dst); break;
+    case Q4_0: pack_block16_of(Q4_0, w, row_bytes, j0, k, dst); break;
+    case Q8_0: pack_block16_of(Q8_0, w, row_bytes, j0, k, dst); break;
+    default: pack_block16_of(type, w, row_bytes, j0, k, dst);
     }
 }
 
