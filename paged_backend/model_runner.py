@@ -223,6 +223,8 @@ class ModelRunner:
         if gguf is not None:
             load_gguf(model, file, self.dtype, arch, table, quantized=False)
         else:
+            if config.quantization is None:  # int4 / int8 quantize from the checkpoint's values
+                _parameters_in_(model, self.dtype)
             load_safetensors(model, model_path, model.checkpoint_name_map)
         if config.quantization == "int8":
             from paged_backend.gguf.quantize import quantize_linears_q8_0_
@@ -486,6 +488,16 @@ class ModelRunner:
             torch.tensor(logit_rows, dtype=torch.long, device=self.device),
         )
         return logits.cpu(), sampling
+
+
+def _parameters_in_(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Give every parameter fresh, unwritten storage in `dtype` before the checkpoint is read
+    into it: reading rounds as the later cast would (nearest even), and the float32 storage the
+    modules were built with, never written, is never resident. Read into float32 and cast, a
+    1B bf16 checkpoint peaked at +6.3 GB for its 2.1 GB of weights."""
+    for param in model.parameters():
+        if param.dtype != dtype and param.is_floating_point():
+            param.data = torch.empty_like(param.data, dtype=dtype)
 
 
 def _shape_key(weight: QuantWeight) -> tuple[str, int, int]:

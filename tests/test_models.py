@@ -12,7 +12,7 @@ import torch
 from conftest import QUOTED, TOKENIZER_FILES, hf_forward, longrope, make_tiny_model
 from safetensors.torch import load_file, save_file
 
-from paged_backend import LLM, SamplingParams, cpu
+from paged_backend import LLM, SamplingParams, cpu, model_runner
 from paged_backend.cpu import ops as cpu_ops
 from paged_backend.model_loader import resolve_model_path
 from paged_backend.models.config import ModelConfig
@@ -209,6 +209,30 @@ def test_sharded_checkpoint_loads_the_same(tmp_path, default_model_path):
             (sharded / name).write_bytes((single / name).read_bytes())
     assert len(list(sharded.glob("*.safetensors"))) > 2
     assert our_greedy(sharded) == our_greedy(single)
+
+
+def test_bf16_weights_are_read_straight_into_bf16(tmp_path, default_model_path, monkeypatch):
+    """A bf16 engine reads an fp32 checkpoint into bf16 parameters (no fp32 copy first, which
+    doubled a load's peak memory): each weight rounded to nearest even, as a cast of the fp32
+    weight gives."""
+    path = make_tiny_model(tmp_path, default_model_path)
+    weights = load_file(path / "model.safetensors")
+    assert {w.dtype for w in weights.values()} == {torch.float32}
+    read_into = []
+    real = model_runner.load_safetensors
+
+    def load(module, *args, **kwargs):
+        read_into.extend(p.dtype for p in module.parameters())
+        return real(module, *args, **kwargs)
+
+    monkeypatch.setattr(model_runner, "load_safetensors", load)
+    model = LLM(model=str(path), dtype="bfloat16", num_kv_blocks=16).engine.runner.model
+    assert read_into and set(read_into) == {torch.bfloat16}
+    embedding = model.embed_tokens.weight
+    assert embedding.dtype == torch.bfloat16
+    assert torch.equal(embedding, weights["model.embed_tokens.weight"].to(torch.bfloat16))
+    norm = model.norm.weight
+    assert torch.equal(norm, weights["model.norm.weight"].to(torch.bfloat16))
 
 
 def test_missing_path_is_named(tmp_path):
