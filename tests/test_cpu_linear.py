@@ -280,3 +280,27 @@ def test_int4_engine_with_biases_and_an_untied_head(tmp_path, default_model_path
     want = bf16.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert got[0] == want[0] and len(got) == 6
     assert all(0 <= t < model.config.vocab_size for t in got)
+
+
+def test_each_replaced_linear_is_freed_before_the_next_is_copied(monkeypatch):
+    """Replacing a model's linears never holds every original beside every copy (a load's
+    peak): when a copy is made, the linears replaced before it are gone."""
+    import gc
+    import weakref
+
+    from paged_backend.cpu import linear as cpu_linear
+
+    model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4))).to(torch.bfloat16)
+    originals = [weakref.ref(m) for m in model]
+    alive_at_copy = []
+    real = cpu_linear.CpuLinear
+
+    def counting(*args, **kwargs):
+        gc.collect()
+        alive_at_copy.append(sum(ref() is not None for ref in originals))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_linear, "CpuLinear", counting)
+    replace_linears_(model, pack=False, fp16_copy=True)
+    assert alive_at_copy == [4, 3, 2, 1]
+    assert all(isinstance(m, real) for m in model)

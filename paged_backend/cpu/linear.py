@@ -154,12 +154,16 @@ def replace_linears_(
     copy `int4` holds under its name from `quantize_linears_int4(module)`, and the C GEMM for
     the steps `gemm_rows` gives its weight's shape)."""
     int4 = int4 or {}
-    for name, child in list(module.named_modules()):
-        if isinstance(child, nn.Linear):
-            parent, _, attr = name.rpartition(".")
-            rows = None if gemm_rows is None else gemm_rows[tuple(child.weight.shape)]
-            linear = CpuLinear(child.weight, child.bias, pack, fp16_copy, int4.get(name), rows)
-            setattr(module.get_submodule(parent), attr, linear)
+    # By name, so that each replaced linear (and a weight its copies replace) is freed before
+    # the next is copied: a list of the modules kept every original beside every copy until the
+    # end (a 1B bf16 model's load peaked at +1.9 GB over its weights).
+    names = [name for name, child in module.named_modules() if isinstance(child, nn.Linear)]
+    for name in names:
+        parent, _, attr = name.rpartition(".")
+        child = module.get_submodule(name)
+        rows = None if gemm_rows is None else gemm_rows[tuple(child.weight.shape)]
+        linear = CpuLinear(child.weight, child.bias, pack, fp16_copy, int4.get(name), rows)
+        setattr(module.get_submodule(parent), attr, linear)
 
 
 def linear_shapes(module: nn.Module) -> set[tuple[int, int]]:
