@@ -443,7 +443,7 @@ def test_random_schedules_give_plain_outputs(schedule_engines, tiny_plain, sched
 
 
 # ---- kernels: a forward without drafts runs as it does without speculative decoding ----------
-@pytest.mark.skipif(not cpu.available(), reason="no C compiler")
+@pytest.mark.skipif(not cpu.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")
 def test_bf16_forwards_without_drafts_run_the_plain_engines_kernels(tiny_model):
     """bf16's C decode kernel gives other bits than the prefill path for a short chunk, so it
     takes several rows of a sequence only where they verify drafts: a prompt whose cache hits
@@ -451,8 +451,12 @@ def test_bf16_forwards_without_drafts_run_the_plain_engines_kernels(tiny_model):
     the C decode kernel; the tokens are the plain engine's."""
     plans, seen = {}, []
     for name, spec in (("plain", None), ("ngram", SPEC)):
-        llm = LLM(
-            model=str(tiny_model), dtype="bfloat16", num_kv_blocks=64, speculative_config=spec
+        llm = LLM(  # the C GEMM at every step (oneDNN's bits depend on the rows)
+            model=str(tiny_model),
+            dtype="bfloat16",
+            num_kv_blocks=64,
+            cpu_gemm_max_rows=64,
+            speculative_config=spec,
         )
         if spec:  # drafts every decode step (rejected: the tiny model's babble never repeats)
             llm.engine.scheduler.proposer.propose = lambda ids, room: [5, 6, 7][:room]
