@@ -19,7 +19,7 @@ from paged_backend.cpu.memory import (
     release_freed_heap,
     resident_bytes,
 )
-from paged_backend.cpu.quant import QuantLinear, QuantWeight
+from paged_backend.cpu.quant import QuantLinear, QuantWeight, can_dequantize_to_bf16
 from paged_backend.gguf import ARCHITECTURES as GGUF_ARCHITECTURES
 from paged_backend.int4_checkpoint import int4_scheme, load_int4_checkpoint
 from paged_backend.model_loader import (
@@ -223,7 +223,7 @@ class ModelRunner:
         if gguf is not None:
             load_gguf(model, file, self.dtype, arch, table, quantized=False)
         else:
-            if config.quantization is None:  # int4 / int8 quantize from the checkpoint's values
+            if config.quantization not in ("int4", "int8"):  # these quantize from its values
                 _parameters_in_(model, self.dtype)
             load_safetensors(model, model_path, model.checkpoint_name_map)
         if config.quantization == "int8":
@@ -277,7 +277,11 @@ class ModelRunner:
         where given, else timed on this machine: `kernel_choice.int8_max_rows`) run a quantized
         linear's weights dequantized to bf16 through the bf16 GEMM, a cache-sized piece at a
         time (`quant.quant_gemm_bf16`)."""
-        linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        linears = [
+            m
+            for m in model.modules()
+            if isinstance(m, QuantLinear) and can_dequantize_to_bf16(m.weights)
+        ]
         weights = {_shape_key(w): w for m in linears for w in m.weights}
         forced = config.cpu_gemm_max_rows
         rows = self.int8_rows = (

@@ -211,7 +211,10 @@ def test_sharded_checkpoint_loads_the_same(tmp_path, default_model_path):
     assert our_greedy(sharded) == our_greedy(single)
 
 
-def test_bf16_weights_are_read_straight_into_bf16(tmp_path, default_model_path, monkeypatch):
+@pytest.mark.parametrize("quantization", [None, "none"])
+def test_bf16_weights_are_read_straight_into_bf16(
+    tmp_path, default_model_path, monkeypatch, quantization
+):
     """A bf16 engine reads an fp32 checkpoint into bf16 parameters (no fp32 copy first, which
     doubled a load's peak memory): each weight rounded to nearest even, as a cast of the fp32
     weight gives."""
@@ -226,7 +229,8 @@ def test_bf16_weights_are_read_straight_into_bf16(tmp_path, default_model_path, 
         return real(module, *args, **kwargs)
 
     monkeypatch.setattr(model_runner, "load_safetensors", load)
-    model = LLM(model=str(path), dtype="bfloat16", num_kv_blocks=16).engine.runner.model
+    llm = LLM(model=str(path), dtype="bfloat16", num_kv_blocks=16, quantization=quantization)
+    model = llm.engine.runner.model
     assert read_into and set(read_into) == {torch.bfloat16}
     embedding = model.embed_tokens.weight
     assert embedding.dtype == torch.bfloat16

@@ -165,13 +165,11 @@ def quant_matmul(
     return _product(x, weights, out_dtype, run_part)
 
 
-def can_dequantize_to_bf16(x: torch.Tensor, weights: list[QuantWeight]) -> bool:
-    """Whether `quant_gemm_bf16` takes this product: bf16 rows, the AVX512-BF16 kernels, and
-    weights of whole blocks of 16 outputs and 32 inputs."""
-    return (
-        x.dtype == torch.bfloat16
-        and load_library().has("quant_gemm_bf16")
-        and all(w.out_features % 16 == 0 and w.in_features % 32 == 0 for w in weights)
+def can_dequantize_to_bf16(weights: list[QuantWeight]) -> bool:
+    """Whether `quant_gemm_bf16` takes these weights (with bf16 rows): the AVX512-BF16 kernels
+    built, and weights of whole blocks of 16 outputs and 32 inputs."""
+    return load_library().has("quant_gemm_bf16") and all(
+        w.out_features % 16 == 0 and w.in_features % 32 == 0 for w in weights
     )
 
 
@@ -181,7 +179,7 @@ _GEMM_WORK: dict[tuple[int, int], torch.Tensor] = {}  # (threads, k) -> each thr
 def quant_gemm_bf16(
     x: torch.Tensor, weights: list[QuantWeight], out_dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """`quant_matmul`'s product for many rows of bf16 x (`can_dequantize_to_bf16`): the weights
+    """`quant_matmul`'s product for many rows of bf16 x (weights `can_dequantize_to_bf16`): the
     dequantized to bf16, 48 outputs at a time into a buffer the caches hold, and multiplied in
     the bf16 GEMM, with no int8 rounding of x. A step of many rows then runs at the bf16 GEMM's
     rate (an int8 product of a K-quant runs at about half of it on a VNNI CPU)."""
@@ -301,8 +299,9 @@ class QuantLinear(nn.Module):
         self.bias = bias
         self.in_features = weights[0].in_features
         self.out_features = sum(w.out_features for w in weights)
-        # Steps of more rows than this (bf16 rows, `can_dequantize_to_bf16`) run
-        # `quant_gemm_bf16`; None: every step the int8 product (`kernel_choice.int8_max_rows`).
+        # Steps of more bf16 rows than this run `quant_gemm_bf16` (set only where the weights
+        # `can_dequantize_to_bf16`); None: every step the int8 product
+        # (`kernel_choice.int8_max_rows`).
         self.int8_max_rows: int | None = None
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -310,7 +309,7 @@ class QuantLinear(nn.Module):
         kernel_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
         rows = x.reshape(-1, self.in_features)
         most = self.int8_max_rows
-        if most is not None and rows.shape[0] > most and can_dequantize_to_bf16(rows, self.weights):
+        if most is not None and rows.shape[0] > most and rows.dtype == torch.bfloat16:
             out = quant_gemm_bf16(rows, self.weights, kernel_dtype)
         else:
             out = quant_matmul(rows, self.weights, kernel_dtype)
