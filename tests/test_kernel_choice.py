@@ -176,12 +176,16 @@ def test_a_forced_choice_is_what_the_engine_runs_and_reports(tiny_model, one_thr
     assert chosen["64x128"] == down.gemm_rows == 4 and down.gemm is not None
 
 
-@pytest.mark.parametrize(("dequantized_share", "rows"), [(0.5, 4), (1.0, 64), ({32: 0.8}, 16)])
+@pytest.mark.parametrize(
+    ("dequantized_share", "rows"),
+    [(0.5, 4), (1.0, kernel_choice.ALL_ROWS), ({256: 0.8}, 64), ({32: 0.8}, 16)],
+)
 def test_the_int8_product_keeps_small_steps_and_gives_large_ones_to_a_clear_gemm_win(
     monkeypatch, dequantized_share, rows
 ):
     """The dequantized GEMM takes the row counts from its first clear win on (timed twice), but
-    never steps of up to 4 rows, which run fused."""
+    never steps of up to 4 rows, which run fused; an int8 product that wins at every count up to
+    256 rows (the K-quants' VNNI GEMM) serves every step."""
 
     def best_times(*calls, before=None):
         count = calls[0][1].shape[0]  # each call: (kernel, x, ...)

@@ -17,6 +17,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
@@ -333,6 +334,9 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* A row's result from its running sums: the K-quants' in lane 0 (`k_add`), the others' 8 lanes. */
+static inline float acc_value(int type, acc_t v) { return type >= Q4_K ? _mm256_cvtss_f32(v) : hsum8(v); }
+
 /* Lane g: the sum of the 8 lanes of p[g]. */
 static inline __attribute__((always_inline)) __m256i lane_sums8(const __m256i p[8]) {
     __m256i lo = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
@@ -379,12 +383,15 @@ static inline __attribute__((always_inline)) void dot_rows(
 /* A K-quant super-block's integer scales, which each group's products are weighted by before
  * anything is converted to float. Q4_K / Q5_K: w = d * sc_j * q - dmin * m_j (per 32); Q6_K:
  * w = d * sc_g * (q - 32) (per 16). So with one activation scale xd a super-block,
- *   dot = xd * (d * sum_g sc_g (q . x)_g - mfac * sum_16 mv_16 * bsum_16),
- * mfac = dmin (mv: the mins) or 32 d (mv: the scales). */
+ *   dot = isum * (d * xd) - msum * (mfac * xd),
+ * isum = sum_g sc_g (q . x)_g and msum = sum_16 mv_16 * bsum_16 exact integers, mfac = dmin
+ * (mv: the mins) or 32 d (mv: the scales). Every kernel (one row, a tile of rows, the VNNI GEMM)
+ * adds a row's super-blocks in this one float sequence (`k_add`), in order, so that an output
+ * has the same bits whatever kernel and batch computed it. */
 typedef struct {
     __m256i lo, hi; /* int16 scales in both 128-bit halves: Q6_K's 0-7 and 8-15; the others' 8 */
     __m256i mv;     /* int16 per 16 weights */
-    __m128 dm;      /* d, then (Q4_K / Q5_K) dmin */
+    __m128 dm;      /* d, then mfac */
 } k_header;
 
 /* A shuffle that spreads int16 lane `lo` of a 128-bit half over the low half and lane `hi` over
@@ -403,7 +410,8 @@ static inline __attribute__((always_inline)) void k_header_of(int type, const ui
         h->mv = _mm256_cvtepi8_epi16(sc8);
         uint16_t d;
         memcpy(&d, blk + 208, 2);
-        h->dm = _mm_cvtph_ps(_mm_cvtsi32_si128(d));
+        __m128 d4 = _mm_cvtph_ps(_mm_set1_epi16((short)d));
+        h->dm = _mm_mul_ps(d4, _mm_setr_ps(1.0f, 32.0f, 1.0f, 32.0f));
         return;
     }
     uint32_t w[3];
@@ -433,17 +441,17 @@ static inline __attribute__((always_inline)) __m256i k_group_dot(__m256i q, __m2
     return _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)x)), scale);
 }
 
-/* A super-block's float sum (8 lanes) from its integer sums, the activations' 16s' sums bs and
- * scale xd. Every path ends a super-block here, so a row's result does not depend on the path. */
-static inline __attribute__((always_inline)) __m256 k_finish(int type, const k_header *h,
-                                                             __m256i sumi, const int16_t *bs,
-                                                             float xd) {
+/* acc (lane 0) + a super-block's value from its integer sums (sumi: 8 lanes of isum's parts),
+ * the activations' 16s' sums bs and scale xd: the float sequence of every kernel (see k_header). */
+static inline __attribute__((always_inline)) __m128 k_add(__m128 acc, const k_header *h,
+                                                          __m256i sumi, const int16_t *bs,
+                                                          float xd) {
     __m256i mins = _mm256_madd_epi16(h->mv, _mm256_loadu_si256((const __m256i *)bs));
-    __m128 scaled = _mm_mul_ps(h->dm, _mm_set1_ps(xd));
-    __m256 d = _mm256_broadcastss_ps(scaled);
-    __m256 mfac = type == Q6_K ? _mm256_mul_ps(d, _mm256_set1_ps(32.0f))
-                               : _mm256_broadcastss_ps(_mm_movehdup_ps(scaled));
-    return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), mfac, _mm256_mul_ps(_mm256_cvtepi32_ps(sumi), d));
+    __m256i pairs = _mm256_hadd_epi32(sumi, mins); /* isum's and msum's parts, 4 each */
+    __m128i both = _mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+    both = _mm_hadd_epi32(both, both); /* isum, msum */
+    __m128 p = _mm_mul_ps(_mm_cvtepi32_ps(both), _mm_mul_ps(h->dm, _mm_set1_ps(xd)));
+    return _mm_add_ss(acc, _mm_sub_ss(p, _mm_movehdup_ps(p)));
 }
 
 /* Weights are read this far ahead of the chunk in use: one thread's stream from memory runs ~15%
@@ -462,7 +470,7 @@ typedef struct {
     k_header h;
 } k_chunk;
 
-/* acc[m] += the super-block at blk . row m's activations at it, for `rows` rows. */
+/* acc[m] (lane 0) += the super-block at blk . row m's activations at it, for `rows` rows. */
 static inline __attribute__((always_inline)) void dot_rows_k(
     int type, const uint8_t *blk, const int8_t *xq, const float *xd, const int16_t *bsum,
     int64_t kp, int64_t rows, acc_t *acc) {
@@ -479,7 +487,8 @@ static inline __attribute__((always_inline)) void dot_rows_k(
         for (int g = 0; g < 8; g++)
             part[g % 2] = _mm256_add_epi32(part[g % 2], k_group_dot(c.q[g], c.sc[g], x + 32 * g));
         __m256i sumi = _mm256_add_epi32(part[0], part[1]);
-        acc[m] = _mm256_add_ps(acc[m], k_finish(type, &c.h, sumi, bsum + m * (kp / 16), xd[m * (kp / 32)]));
+        acc[m] = _mm256_castps128_ps256(
+            k_add(_mm256_castps256_ps128(acc[m]), &c.h, sumi, bsum + m * (kp / 16), xd[m * (kp / 32)]));
     }
 }
 
@@ -489,7 +498,7 @@ static inline __attribute__((always_inline)) void dot_rows_k(
  * batch. */
 static inline __attribute__((always_inline)) float dot_one_k_of(
     int type, const uint8_t *row, int64_t k, const int8_t *x, const float *xd, const int16_t *bsum) {
-    __m256 sum = _mm256_setzero_ps();
+    __m128 sum = _mm_setzero_ps();
     for (int64_t first = 0; first < k; first += CHUNK, row += block_bytes(type)) {
         k_header h;
         prefetch_ahead(row, block_bytes(type));
@@ -498,10 +507,9 @@ static inline __attribute__((always_inline)) float dot_one_k_of(
         for (int g = 0; g < 8; g++)
             part[g % 2] = _mm256_add_epi32(
                 part[g % 2], k_group_dot(k_level(type, row, g), k_scale(type, &h, g), x + first + 32 * g));
-        __m256i sumi = _mm256_add_epi32(part[0], part[1]);
-        sum = _mm256_add_ps(sum, k_finish(type, &h, sumi, bsum + first / 16, xd[first / 32]));
+        sum = k_add(sum, &h, _mm256_add_epi32(part[0], part[1]), bsum + first / 16, xd[first / 32]);
     }
-    return hsum8(sum);
+    return _mm_cvtss_f32(sum);
 }
 
 /* A row of a legacy weight . one row of activations, chunk by chunk as `dot_rows` adds them:
@@ -571,6 +579,8 @@ static inline float hsum8(acc_t v) {
     for (int i = 0; i < 8; i++) s += v.v[i];
     return s;
 }
+
+static inline float acc_value(int type, acc_t v) { return (void)type, hsum8(v); }
 #endif
 
 /* acc[jj][m] += weight row j0 + jj . activation row m, for jj < nj and m < rows (up to
@@ -616,6 +626,276 @@ static __attribute__((noinline)) void tile_outputs(int type, const uint8_t *w, i
         tile_outputs_of(type, w, row_bytes, j0, nj, k, xq, xd, bsum, kp, rows, acc);
 }
 
+#ifdef __AVX512F__
+/* r[i][j] <- r[j][i] for a 16 x 16 block of 32-bit lanes, in registers: 64 shuffles, against a
+ * gather a row (of 16 loads). */
+static inline __attribute__((always_inline)) void transpose16x16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; i++) {
+            t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+#endif
+
+#if defined(QUANT_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* Steps of K-quant weights of at least VNNI_MIN_ROWS rows run a GEMM on the VNNI units: each
+ * thread unpacks a strip of 32 outputs (all inputs) into the layout below, a buffer its L2 holds,
+ * and runs every row through it, VNNI_ROWS rows at a time. `vpdpbusd` multiplies 4 levels of 16
+ * outputs by 4 broadcast activation bytes and adds them into 16 int32 lanes, so a group's exact
+ * integer products (q . x)_g come in 4 instructions a 16 inputs, against 2 (`vpmaddubsw` +
+ * `vpmaddwd`) a 32 inputs of one output in the other kernels; each is then weighted by its
+ * integer scale and the super-block ends in `k_add`'s float sequence: the same bits as the
+ * one-row kernel. */
+#define VNNI_GEMM 1
+#define VNNI_MIN_ROWS 4
+#define VNNI_ROWS 4
+
+/* A strip of 32 outputs (blocks b = 0, 1 of 16) of a K-quant weight, k inputs:
+ * - levels: inputs 4q..4q+3 of block b at levels + (2q + b) * 64, output-major (16 x 4 bytes);
+ * - scale: group g's (of 32 inputs, 16 for Q6_K) int32 scales at scale + (2g + b) * 16;
+ * - mv: super-block s's 16s' offset weights, int16 pairs h (16s 2h, 2h + 1) of 16 outputs at
+ *   mv + ((8s + h) * 2 + b) * 32;
+ * - dm: super-block s's d at dm + (4s + b) * 16, mfac at dm + (4s + 2 + b) * 16. */
+typedef struct {
+    uint8_t *levels;
+    int32_t *scale;
+    int16_t *mv;
+    float *dm;
+} vnni_strip;
+
+static inline int k_groups(int type) { return type == Q6_K ? 16 : 8; }
+
+/* The strip's bytes for k inputs (each part 64-byte aligned). */
+static inline int64_t vnni_strip_bytes(int64_t k) { return 32 * k + 8 * k + 4 * k + k + 4 * 64; }
+
+static vnni_strip vnni_strip_at(uint8_t *buf, int64_t k) {
+    vnni_strip s;
+    s.levels = buf;
+    s.scale = (int32_t *)(buf + 32 * k);
+    s.mv = (int16_t *)(buf + 40 * k);
+    s.dm = (float *)(buf + 44 * k);
+    return s;
+}
+
+/* A row's super-block header as 16 int32 lanes: Q6_K's 16 scales; Q4_K / Q5_K's 8 scales, then
+ * their 8 mins (`k_header_of`'s bits); its d and mfac into dm. */
+static inline __attribute__((always_inline)) __m512i vnni_row_header(int type, const uint8_t *blk,
+                                                                     float *d, float *mfac) {
+    if (type == Q6_K) {
+        *d = f16_to_f32(blk + 208);
+        *mfac = *d * 32.0f;
+        return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)));
+    }
+    uint32_t w[3];
+    memcpy(w, blk + 4, 12);
+    uint64_t sc = (w[0] & 0x3f3f3f3fu) |
+                  (uint64_t)((w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4)) << 32;
+    uint64_t mins = (w[1] & 0x3f3f3f3fu) |
+                    (uint64_t)(((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4)) << 32;
+    *d = f16_to_f32(blk);
+    *mfac = f16_to_f32(blk + 2);
+    return _mm512_cvtepu8_epi32(_mm_set_epi64x((int64_t)mins, (int64_t)sc));
+}
+
+/* 16 rows' headers (r[j]: row j's `vnni_row_header`) of super-block sb into block b of the
+ * strip: transposed, lane j of each vector is output j. */
+static inline __attribute__((always_inline)) void vnni_scales(int type, __m512i r[16],
+                                                              const vnni_strip *s, int64_t sb,
+                                                              int b) {
+    transpose16x16(r); /* r[g]: group g's scales of the 16 outputs */
+    int groups = k_groups(type);
+    for (int g = 0; g < groups; g++)
+        _mm512_store_si512(s->scale + ((sb * groups + g) * 2 + b) * 16, r[g]);
+    for (int h = 0; h < 8; h++) { /* the int16 pair of 16s 2h, 2h + 1 */
+        __m512i lo = type == Q6_K ? r[2 * h] : r[8 + h], hi = type == Q6_K ? r[2 * h + 1] : r[8 + h];
+        __m512i pair = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xffff)),
+                                       _mm512_slli_epi32(hi, 16));
+        _mm512_store_si512(s->mv + ((8 * sb + h) * 2 + b) * 32, pair);
+    }
+}
+
+/* Weight rows [j0, j0 + 32) into the strip: each super-block's levels of 16 rows (8 registers a
+ * row, `k_level`) and their headers, then 16 x 16 int32 transposes make each 4 inputs' (and
+ * each group's) 16 outputs adjacent. */
+static inline __attribute__((always_inline)) void vnni_pack_of(int type, const uint8_t *w,
+                                                               int64_t row_bytes, int64_t j0,
+                                                               int64_t k, const vnni_strip *s) {
+    uint8_t levels[16][CHUNK] __attribute__((aligned(64)));
+    for (int64_t sb = 0; sb < k / CHUNK; sb++)
+        for (int b = 0; b < 2; b++) {
+            __m512i r[16];
+            float *dm = s->dm + 64 * sb + 16 * b;
+            for (int j = 0; j < 16; j++) {
+                const uint8_t *blk = w + (j0 + 16 * b + j) * row_bytes + sb * block_bytes(type);
+                for (int g = 0; g < 8; g++)
+                    _mm256_store_si256((__m256i *)(levels[j] + 32 * g), k_level(type, blk, g));
+                r[j] = vnni_row_header(type, blk, dm + j, dm + 32 + j);
+            }
+            vnni_scales(type, r, s, sb, b);
+            for (int seg = 0; seg < 4; seg++) {
+                for (int j = 0; j < 16; j++) r[j] = _mm512_load_si512(levels[j] + 64 * seg);
+                transpose16x16(r);
+                for (int p = 0; p < 16; p++)
+                    _mm512_store_si512(s->levels + ((sb * 64 + seg * 16 + p) * 2 + b) * 64, r[p]);
+            }
+        }
+}
+
+static __attribute__((noinline)) void vnni_pack(int type, const uint8_t *w, int64_t row_bytes,
+                                                int64_t j0, int64_t k, const vnni_strip *s) {
+    switch (type) {
+    case Q4_K: vnni_pack_of(Q4_K, w, row_bytes, j0, k, s); break;
+    case Q5_K: vnni_pack_of(Q5_K, w, row_bytes, j0, k, s); break;
+    default: vnni_pack_of(Q6_K, w, row_bytes, j0, k, s);
+    }
+}
+
+/* a * b rounded on its own: GCC's `_mm512_mul_ps` is a plain vector product, which it would
+ * contract with the subtraction into one fused (differently rounded) operation. */
+static inline __m512 product(__m512 a, __m512 b) {
+    return _mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+/* out[r][0..32) = rows r < R of the activations times the strip, super-block by super-block in
+ * `k_add`'s float sequence; groups of 32 inputs (16 for Q6_K: `groups` 16). */
+static inline __attribute__((always_inline)) void vnni_tile_of(
+    const int groups, const int R, const vnni_strip *s, int64_t k, const int8_t *xq,
+    const float *xd, const int16_t *bsum, int64_t kp, float out[VNNI_ROWS][32]) {
+    const int quads = CHUNK / 4 / groups; /* 4-input steps a group */
+    __m512 acc[VNNI_ROWS][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < k / CHUNK; sb++) {
+        __m512i isum[VNNI_ROWS][2], t[VNNI_ROWS][2];
+        for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
+        for (int g = 0; g < groups; g++) {
+            const uint8_t *lv = s->levels + (sb * 64 + g * quads) * 128;
+            const int8_t *x = xq + sb * CHUNK + g * 4 * quads;
+            for (int r = 0; r < R; r++) t[r][0] = t[r][1] = _mm512_setzero_si512();
+            for (int q = 0; q < quads; q++) {
+                __m512i w0 = _mm512_load_si512(lv + 128 * q), w1 = _mm512_load_si512(lv + 128 * q + 64);
+                for (int r = 0; r < R; r++) {
+                    int32_t four;
+                    memcpy(&four, x + r * kp + 4 * q, 4);
+                    __m512i a = _mm512_set1_epi32(four);
+                    t[r][0] = _mm512_dpbusd_epi32(t[r][0], w0, a);
+                    t[r][1] = _mm512_dpbusd_epi32(t[r][1], w1, a);
+                }
+            }
+            const int32_t *sc = s->scale + (sb * groups + g) * 32;
+            __m512i sc0 = _mm512_load_si512(sc), sc1 = _mm512_load_si512(sc + 16);
+            for (int r = 0; r < R; r++) {
+                isum[r][0] = _mm512_add_epi32(isum[r][0], _mm512_mullo_epi32(t[r][0], sc0));
+                isum[r][1] = _mm512_add_epi32(isum[r][1], _mm512_mullo_epi32(t[r][1], sc1));
+            }
+        }
+        for (int r = 0; r < R; r++) t[r][0] = t[r][1] = _mm512_setzero_si512();
+        for (int h = 0; h < 8; h++) {
+            const int16_t *mv = s->mv + (8 * sb + h) * 64;
+            __m512i mv0 = _mm512_load_si512(mv), mv1 = _mm512_load_si512(mv + 32);
+            for (int r = 0; r < R; r++) {
+                int32_t pair;
+                memcpy(&pair, bsum + r * (kp / 16) + sb * 16 + 2 * h, 4);
+                __m512i bb = _mm512_set1_epi32(pair);
+                t[r][0] = _mm512_dpwssd_epi32(t[r][0], mv0, bb);
+                t[r][1] = _mm512_dpwssd_epi32(t[r][1], mv1, bb);
+            }
+        }
+        const float *dm = s->dm + 64 * sb;
+        for (int r = 0; r < R; r++) {
+            __m512 xs = _mm512_set1_ps(xd[r * (kp / 32) + sb * 8]);
+            for (int b = 0; b < 2; b++) {
+                __m512 dd = _mm512_mul_ps(_mm512_load_ps(dm + 16 * b), xs);
+                __m512 mm = _mm512_mul_ps(_mm512_load_ps(dm + 32 + 16 * b), xs);
+                __m512 v = _mm512_sub_ps(product(_mm512_cvtepi32_ps(isum[r][b]), dd),
+                                         product(_mm512_cvtepi32_ps(t[r][b]), mm));
+                acc[r][b] = _mm512_add_ps(acc[r][b], v);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(out[r], acc[r][0]);
+        _mm512_storeu_ps(out[r] + 16, acc[r][1]);
+    }
+}
+
+/* `vnni_tile_of` compiled for each group size and row count. */
+static __attribute__((noinline)) void vnni_tile(int type, int rows, const vnni_strip *s,
+                                                int64_t k, const int8_t *xq, const float *xd,
+                                                const int16_t *bsum, int64_t kp,
+                                                float out[VNNI_ROWS][32]) {
+#define TILE(G, R) vnni_tile_of(G, R, s, k, xq, xd, bsum, kp, out)
+    if (type == Q6_K) {
+        if (rows == 4) TILE(16, 4); else if (rows == 3) TILE(16, 3); else if (rows == 2) TILE(16, 2); else TILE(16, 1);
+    } else {
+        if (rows == 4) TILE(8, 4); else if (rows == 3) TILE(8, 3); else if (rows == 2) TILE(8, 2); else TILE(8, 1);
+    }
+#undef TILE
+}
+
+/* Each thread's strip buffer, grown to the largest k it has served. */
+static __thread uint8_t *vnni_buffer;
+static __thread int64_t vnni_buffer_bytes;
+
+static uint8_t *vnni_buffer_for(int64_t k) {
+    int64_t need = vnni_strip_bytes(k);
+    if (need > vnni_buffer_bytes) {
+        free(vnni_buffer);
+        vnni_buffer = aligned_alloc(64, (size_t)((need + 63) / 64 * 64));
+        vnni_buffer_bytes = vnni_buffer ? need : 0;
+    }
+    return vnni_buffer;
+}
+
+/* `quant_matmul` for K-quant weights of n a multiple of 32 and k of 256 (see above): the threads
+ * split the strips. Returns 0 where a thread could not get its buffer (nothing written then is
+ * wrong: the caller's kernel recomputes every output). */
+static int vnni_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
+                       const int8_t *xq, const float *xd, const int16_t *bsum, int64_t rows,
+                       void *out, int out_bf16, int64_t out_stride, int threads) {
+    int64_t kp = act_stride(k), strips = n / 32;
+    int ok = 1;
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(&& : ok)
+    {
+        int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();
+        uint8_t *buf = vnni_buffer_for(k);
+        if (!buf) {
+            ok = 0;
+        } else {
+            vnni_strip s = vnni_strip_at(buf, k);
+            for (int64_t st = strips * t / parts; st < strips * (t + 1) / parts; st++) {
+                vnni_pack(type, w, row_bytes, 32 * st, k, &s);
+                for (int64_t r0 = 0; r0 < rows; r0 += VNNI_ROWS) {
+                    int mt = rows - r0 < VNNI_ROWS ? (int)(rows - r0) : VNNI_ROWS;
+                    float tile[VNNI_ROWS][32];
+                    vnni_tile(type, mt, &s, k, xq + r0 * kp, xd + r0 * (kp / 32),
+                              bsum + r0 * (kp / 16), kp, tile);
+                    for (int r = 0; r < mt; r++)
+                        for (int j = 0; j < 32; j++)
+                            store_output(out, out_bf16, (r0 + r) * out_stride + 32 * st + j, tile[r][j]);
+                }
+            }
+        }
+    }
+    return ok;
+}
+#endif
+
 /* out [rows][n] (rows `out_stride` apart; fp32, or bf16 where `out_bf16`) = activations (from
  * `quantize_activations`, in blocks of 256 for the K-quants and 32 for the others) times the
  * weight w [n][row_bytes] of `type`, k inputs a row. `threads` threads split the outputs; each
@@ -625,6 +905,11 @@ void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_
                   const int8_t *xq, const float *xd, const int16_t *bsum,
                   int64_t rows, void *out, int out_bf16, int64_t out_stride, int threads) {
     int64_t kp = act_stride(k);
+#ifdef VNNI_GEMM
+    if (type >= Q4_K && rows >= VNNI_MIN_ROWS && n % 32 == 0 && k % CHUNK == 0 &&
+        vnni_matmul(type, w, n, k, row_bytes, xq, xd, bsum, rows, out, out_bf16, out_stride, threads))
+        return;
+#endif
 #ifdef QUANT_AVX2
     if (rows == 1) { /* each thread's outputs in one call */
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
@@ -645,7 +930,8 @@ void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_
                          bsum + m0 * (kp / 16), kp, mt, acc);
             for (int64_t jj = 0; jj < nj; jj++)
                 for (int64_t m = 0; m < mt; m++)
-                    store_output(out, out_bf16, (m0 + m) * out_stride + j0 + jj, hsum8(acc[jj][m]));
+                    store_output(out, out_bf16, (m0 + m) * out_stride + j0 + jj,
+                                 acc_value(type, acc[jj][m]));
         }
     }
 }
@@ -680,31 +966,6 @@ static inline __m512 group_values16(const chunk *c, int g) {
     __m512i levels = c->is_signed ? _mm512_cvtepi8_epi32(q) : _mm512_cvtepu8_epi32(q);
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(levels), _mm512_set1_ps(c->s.a[g]),
                            _mm512_set1_ps(c->s.b[g]));
-}
-
-/* r[i][j] <- r[j][i] for a 16 x 16 block of 32-bit lanes, in registers: 64 shuffles, against a
- * gather a row (of 16 loads). */
-static inline __attribute__((always_inline)) void transpose16x16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int h = 0; h < 16; h += 8)
-        for (int i = 0; i < 4; i++) {
-            t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
-            t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
-        }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-    }
 }
 
 /* Weight rows [j0, j0 + 16) dequantized to bf16 (rounded to nearest even) in `gemm_bf16`'s
