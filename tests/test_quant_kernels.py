@@ -115,7 +115,7 @@ def test_activations_are_int8_blocks_of_32_with_level_sums():
 def test_matmul_is_the_product_with_the_dequantized_weight(fmt, rows):
     """Exact but for float rounding: the kernels' integer dot products of levels, scaled, are
     the dequantized weight times the dequantized activations (37 rows: past a tile of 32; 64
-    outputs: the K-quants' steps of 4 rows on take the VNNI GEMM where it is built)."""
+    outputs: steps of 4 rows on take the VNNI GEMM where it is built)."""
     k = in_features(fmt)
     w = random_weight(fmt, 64, k, seed=rows)
     x = torch.randn(rows, k)
@@ -216,14 +216,16 @@ def test_outputs_do_not_depend_on_threads_or_batching(fmt, k):
     assert torch.equal(one, alone)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
-def test_k_quant_rows_have_the_bits_of_one_row_in_steps_of_any_size(fmt):
-    """Outputs a multiple of 32 and whole super-blocks, as the VNNI GEMM takes them (where it is
-    built; steps of 4 rows on): each row's result has the one-row kernel's bits in every step
-    size (2: below the GEMM; 11: a partial last tile of 4 rows) and thread count (96 outputs:
-    3 strips of 32, which two threads split unevenly), in fp32 and bf16."""
-    w = random_weight(fmt, 96, 768, seed=5)
-    x = torch.randn(11, 768)
+@pytest.mark.parametrize("fmt", list(BLOCK_FORMATS))
+def test_rows_have_the_bits_of_one_row_in_steps_of_any_size(fmt):
+    """Outputs a multiple of 32, as the VNNI GEMM takes them (where it is built; steps of 4 rows
+    on): each row's result has the one-row kernel's bits in every step size (2: below the GEMM;
+    11: a partial last tile) and thread count (96 outputs: 3 strips of 32, which two threads
+    split unevenly), in fp32 and bf16; 800 inputs end the 32-weight formats' rows in a partial
+    chunk of 256."""
+    k = 768 if BLOCK_FORMATS[fmt][1] == 256 else 800
+    w = random_weight(fmt, 96, k, seed=5)
+    x = torch.randn(11, k)
     alone = torch.cat([quant_matmul(x[i : i + 1], [w]) for i in range(11)])
     threads = torch.get_num_threads()
     try:

@@ -13,7 +13,9 @@
  * - K-quants (activations in blocks of 256): a and b are small integers times a super-block
  *   factor, so a super-block sums in integers (`vpmaddwd` by the group's scale) and converts once.
  * A chunk of 256 weights is unpacked once for all rows of a step, so a batch reuses it from
- * registers and L1. Without AVX2 a scalar loop computes the same sums.
+ * registers and L1; with AVX512-VNNI, steps of a few rows on unpack a strip of outputs once
+ * into a layout for `vpdpbusd` (see VNNI_GEMM). Without AVX2 a scalar loop computes the same
+ * sums.
  */
 #include <math.h>
 #include <stdint.h>
@@ -334,8 +336,8 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* A row's result from its running sums: the K-quants' in lane 0 (`k_add`), the others' 8 lanes. */
-static inline float acc_value(int type, acc_t v) { return type >= Q4_K ? _mm256_cvtss_f32(v) : hsum8(v); }
+/* A row's result from its running sum, kept in lane 0 (`k_add`, `dot_rows`). */
+static inline float acc_value(acc_t v) { return _mm256_cvtss_f32(v); }
 
 /* Lane g: the sum of the 8 lanes of p[g]. */
 static inline __attribute__((always_inline)) __m256i lane_sums8(const __m256i p[8]) {
@@ -371,13 +373,17 @@ static inline __attribute__((always_inline)) __m256 legacy_chunk_dot(
     return legacy_dot(type, c, x, xd, bs, c->groups, c->is_signed);
 }
 
-/* acc[m] += chunk . row m of the step's activations (at this chunk), for `rows` rows. */
+/* acc[m] (lane 0) += chunk . row m of the step's activations (at this chunk), for `rows` rows:
+ * the chunk's 8 block values summed in `hsum8`'s tree, then added to the row's sum, the float
+ * sequence of every legacy kernel (the VNNI GEMM's too). */
 static inline __attribute__((always_inline)) void dot_rows(
     int type, const kernel_chunk *c, const int8_t *xq, const float *xd, const int16_t *bsum,
     int64_t kp, int64_t rows, acc_t *acc) {
     for (int64_t m = 0; m < rows; m++)
-        acc[m] = _mm256_add_ps(acc[m], legacy_chunk_dot(type, c, xq + m * kp, xd + m * (kp / 32),
-                                                        bsum + m * (kp / 16)));
+        acc[m] = _mm256_castps128_ps256(_mm_add_ss(
+            _mm256_castps256_ps128(acc[m]),
+            _mm_set_ss(hsum8(legacy_chunk_dot(type, c, xq + m * kp, xd + m * (kp / 32),
+                                              bsum + m * (kp / 16))))));
 }
 
 /* A K-quant super-block's integer scales, which each group's products are weighted by before
@@ -516,14 +522,14 @@ static inline __attribute__((always_inline)) float dot_one_k_of(
  * the same bits alone or in a batch. */
 static inline __attribute__((always_inline)) float dot_one_legacy_of(
     int type, const uint8_t *row, int64_t k, const int8_t *x, const float *xd, const int16_t *bsum) {
-    __m256 sum = _mm256_setzero_ps();
+    float sum = 0.0f;
     for (int64_t first = 0; first < k; first += CHUNK) {
         prefetch_ahead(row + (first >> 5) * block_bytes(type), 8 * block_bytes(type));
         kernel_chunk c;
         unpack_kernel_chunk(type, row, first, k - first < CHUNK ? k - first : CHUNK, &c);
-        sum = _mm256_add_ps(sum, legacy_chunk_dot(type, &c, x + first, xd + first / 32, bsum + first / 16));
+        sum += hsum8(legacy_chunk_dot(type, &c, x + first, xd + first / 32, bsum + first / 16));
     }
-    return hsum8(sum);
+    return sum;
 }
 
 /* Outputs [j0, j1) of a weight for one row of activations, in one loop compiled for `type` (a
@@ -580,7 +586,7 @@ static inline float hsum8(acc_t v) {
     return s;
 }
 
-static inline float acc_value(int type, acc_t v) { return (void)type, hsum8(v); }
+static inline float acc_value(acc_t v) { return hsum8(v); }
 #endif
 
 /* acc[jj][m] += weight row j0 + jj . activation row m, for jj < nj and m < rows (up to
@@ -654,14 +660,14 @@ static inline __attribute__((always_inline)) void transpose16x16(__m512i r[16]) 
 #endif
 
 #if defined(QUANT_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-/* Steps of K-quant weights of at least VNNI_MIN_ROWS rows run a GEMM on the VNNI units: each
- * thread unpacks a strip of 32 outputs (all inputs) into the layout below, a buffer its L2 holds,
- * and runs every row through it, VNNI_ROWS rows at a time. `vpdpbusd` multiplies 4 levels of 16
- * outputs by 4 broadcast activation bytes and adds them into 16 int32 lanes, so a group's exact
- * integer products (q . x)_g come in 4 instructions a 16 inputs, against 2 (`vpmaddubsw` +
- * `vpmaddwd`) a 32 inputs of one output in the other kernels; each is then weighted by its
- * integer scale and the super-block ends in `k_add`'s float sequence: the same bits as the
- * one-row kernel. */
+/* Steps of at least VNNI_MIN_ROWS rows run a GEMM on the VNNI units: each thread unpacks a
+ * strip of 32 outputs (all inputs) into the layout below, a buffer its L2 holds, and runs every
+ * row through it, VNNI_ROWS rows at a time (2 for the legacy formats). `vpdpbusd` multiplies 4
+ * levels of 16 outputs by 4 broadcast activation bytes and adds them into 16 int32 lanes, so a
+ * group's exact integer products come in 4 instructions a 16 inputs, against 2 (`vpmaddubsw` +
+ * `vpmaddwd`) a 32 inputs of one output in the other kernels. The float work then follows the
+ * one-row kernel's sequence (`k_add`; `dot_rows`' chunk tree), so a row has the same bits in
+ * any step. */
 #define VNNI_GEMM 1
 #define VNNI_MIN_ROWS 4
 #define VNNI_ROWS 4
@@ -848,6 +854,154 @@ static __attribute__((noinline)) void vnni_tile(int type, int rows, const vnni_s
 #undef TILE
 }
 
+/* A legacy format's strip (blocks of 32 inputs; k rounded up to a chunk): levels as the
+ * K-quants' (Q8_0's signed bytes plus 128, unsigned for `vpdpbusd`), and for block g (of 32
+ * inputs) of strip block b its 16 outputs' scales at d + (2g + b) * 16 and offsets (weight =
+ * d * level + off) at off + (2g + b) * 16, floats in the K-quants' scale part. */
+static inline float *legacy_scales(const vnni_strip *s) { return (float *)s->scale; }
+
+static inline float *legacy_offsets(const vnni_strip *s, int64_t kc) {
+    return (float *)s->scale + kc;
+}
+
+/* Legacy weight rows [j0, j0 + 32) into the strip, a chunk of 16 rows at a time: levels (zero
+ * past k) transposed as the K-quants', and the blocks' scales and offsets (`unpack_kernel_chunk`'s
+ * values: 8 of each a row, transposed together). */
+static inline __attribute__((always_inline)) void vnni_pack_legacy_of(
+    int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t k, const vnni_strip *s) {
+    uint8_t levels[16][CHUNK] __attribute__((aligned(64)));
+    int64_t kc = (k + CHUNK - 1) / CHUNK * CHUNK;
+    for (int64_t first = 0; first < k; first += CHUNK)
+        for (int b = 0; b < 2; b++) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++) {
+                kernel_chunk c;
+                unpack_kernel_chunk(type, w + (j0 + 16 * b + j) * row_bytes, first,
+                                    k - first < CHUNK ? k - first : CHUNK, &c);
+                for (int g = 0; g < 8; g++) {
+                    __m256i q = g < c.groups ? c.q[g] : _mm256_setzero_si256();
+                    if (type == Q8_0) q = _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80));
+                    _mm256_store_si256((__m256i *)(levels[j] + 32 * g), q);
+                }
+                r[j] = _mm512_castps_si512(_mm512_insertf32x8(_mm512_castps256_ps512(c.d8), c.off8, 1));
+            }
+            transpose16x16(r); /* r[g]: block g's scales of the 16 outputs, r[8 + g] its offsets */
+            for (int g = 0; g < 8; g++) {
+                int64_t at = ((first / 32 + g) * 2 + b) * 16;
+                _mm512_store_si512(legacy_scales(s) + at, r[g]);
+                _mm512_store_si512(legacy_offsets(s, kc) + at, r[8 + g]);
+            }
+            for (int seg = 0; seg < 4; seg++) {
+                for (int j = 0; j < 16; j++) r[j] = _mm512_load_si512(levels[j] + 64 * seg);
+                transpose16x16(r);
+                for (int p = 0; p < 16; p++)
+                    _mm512_store_si512(s->levels + ((first / 4 + seg * 16 + p) * 2 + b) * 64, r[p]);
+            }
+        }
+}
+
+/* out[r][0..32) = rows r < 2 of the activations times a legacy strip: each block's value as
+ * `legacy_dot` computes it (Q8_0: its integer products less 128 times the activations' sum),
+ * a chunk's 8 summed in `hsum8`'s tree ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)), then added
+ * to the row's sum. Two rows a tile: the tree keeps three partial sums a row and block live. */
+static inline __attribute__((always_inline)) void vnni_legacy_tile_of(
+    int type, const int R, const vnni_strip *s, int64_t k, const int8_t *xq, const float *xd,
+    const int16_t *bsum, int64_t kp, float out[VNNI_ROWS][32]) {
+    static const int order[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+    int64_t kc = (k + CHUNK - 1) / CHUNK * CHUNK;
+    const float *scales = legacy_scales(s), *offsets = legacy_offsets(s, kc);
+    __m512 acc[2][2], part[3][2][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t first = 0; first < k; first += CHUNK) {
+        int groups = k - first < CHUNK ? (int)((k - first) / 32) : 8;
+        for (int i = 0; i < 8; i++) {
+            int g = order[i];
+            __m512 v[2][2];
+            if (g >= groups) {
+                for (int r = 0; r < R; r++) v[r][0] = v[r][1] = _mm512_setzero_ps();
+            } else {
+                int64_t blk = first / 32 + g;
+                const uint8_t *lv = s->levels + blk * 8 * 128;
+                __m512i t[2][2];
+                for (int r = 0; r < R; r++) t[r][0] = t[r][1] = _mm512_setzero_si512();
+                for (int q = 0; q < 8; q++) {
+                    __m512i w0 = _mm512_load_si512(lv + 128 * q), w1 = _mm512_load_si512(lv + 128 * q + 64);
+                    for (int r = 0; r < R; r++) {
+                        int32_t four;
+                        memcpy(&four, xq + r * kp + blk * 32 + 4 * q, 4);
+                        __m512i a = _mm512_set1_epi32(four);
+                        t[r][0] = _mm512_dpbusd_epi32(t[r][0], w0, a);
+                        t[r][1] = _mm512_dpbusd_epi32(t[r][1], w1, a);
+                    }
+                }
+                for (int r = 0; r < R; r++) {
+                    const int16_t *bs = bsum + r * (kp / 16) + 2 * blk;
+                    __m512i sum32 = _mm512_set1_epi32(bs[0] + bs[1]);
+                    __m512 xs = _mm512_set1_ps(xd[r * (kp / 32) + blk]);
+                    for (int b = 0; b < 2; b++) {
+                        __m512i isum = type == Q8_0 ? _mm512_sub_epi32(t[r][b], _mm512_slli_epi32(sum32, 7))
+                                                    : t[r][b];
+                        __m512 dx = product(_mm512_load_ps(scales + (blk * 2 + b) * 16), xs);
+                        v[r][b] = product(_mm512_cvtepi32_ps(isum), dx);
+                        if (type != Q8_0)
+                            v[r][b] = _mm512_fmadd_ps(_mm512_load_ps(offsets + (blk * 2 + b) * 16),
+                                                      product(_mm512_cvtepi32_ps(sum32), xs), v[r][b]);
+                    }
+                }
+            }
+            for (int r = 0; r < R; r++)
+                for (int b = 0; b < 2; b++) {
+                    __m512 x = v[r][b];
+                    switch (i) { /* the tree, in the order the blocks come */
+                    case 0: case 2: part[i / 2][r][b] = x; break;
+                    case 4: part[1][r][b] = x; break;
+                    case 6: part[2][r][b] = x; break;
+                    case 1: case 3: part[i / 2][r][b] = _mm512_add_ps(part[i / 2][r][b], x); break;
+                    case 5: part[1][r][b] = _mm512_add_ps(part[1][r][b], x); break;
+                    default: part[2][r][b] = _mm512_add_ps(part[2][r][b], x);
+                    }
+                    if (i == 3) part[0][r][b] = _mm512_add_ps(part[0][r][b], part[1][r][b]);
+                    if (i == 7) {
+                        __m512 right = _mm512_add_ps(part[1][r][b], part[2][r][b]);
+                        acc[r][b] = _mm512_add_ps(acc[r][b], _mm512_add_ps(part[0][r][b], right));
+                    }
+                }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(out[r], acc[r][0]);
+        _mm512_storeu_ps(out[r] + 16, acc[r][1]);
+    }
+}
+
+/* `vnni_pack_legacy_of` and `vnni_legacy_tile_of` compiled for each format (and row count). */
+static __attribute__((noinline)) void vnni_pack_legacy(int type, const uint8_t *w,
+                                                       int64_t row_bytes, int64_t j0, int64_t k,
+                                                       const vnni_strip *s) {
+    switch (type) {
+    case Q4_0: vnni_pack_legacy_of(Q4_0, w, row_bytes, j0, k, s); break;
+    case Q4_1: vnni_pack_legacy_of(Q4_1, w, row_bytes, j0, k, s); break;
+    case Q5_0: vnni_pack_legacy_of(Q5_0, w, row_bytes, j0, k, s); break;
+    case Q5_1: vnni_pack_legacy_of(Q5_1, w, row_bytes, j0, k, s); break;
+    default: vnni_pack_legacy_of(Q8_0, w, row_bytes, j0, k, s);
+    }
+}
+
+static __attribute__((noinline)) void vnni_legacy_tile(int type, int rows, const vnni_strip *s,
+                                                       int64_t k, const int8_t *xq,
+                                                       const float *xd, const int16_t *bsum,
+                                                       int64_t kp, float out[VNNI_ROWS][32]) {
+#define TILE(T) (rows == 2 ? vnni_legacy_tile_of(T, 2, s, k, xq, xd, bsum, kp, out) \
+                           : vnni_legacy_tile_of(T, 1, s, k, xq, xd, bsum, kp, out))
+    switch (type) {
+    case Q8_0: TILE(Q8_0); break;
+    case Q4_0: TILE(Q4_0); break;
+    case Q4_1: TILE(Q4_1); break;
+    default: TILE(type); /* Q5_0, Q5_1 */
+    }
+#undef TILE
+}
+
 /* Each thread's strip buffer, grown to the largest k it has served. */
 static __thread uint8_t *vnni_buffer;
 static __thread int64_t vnni_buffer_bytes;
@@ -862,29 +1016,37 @@ static uint8_t *vnni_buffer_for(int64_t k) {
     return vnni_buffer;
 }
 
-/* `quant_matmul` for K-quant weights of n a multiple of 32 and k of 256 (see above): the threads
- * split the strips. Returns 0 where a thread could not get its buffer (nothing written then is
- * wrong: the caller's kernel recomputes every output). */
+/* `quant_matmul` for weights of n a multiple of 32 (K-quants: k of 256) on the VNNI GEMM (see
+ * above): the threads split the strips. Returns 0 where a thread could not get its buffer
+ * (nothing written then is wrong: the caller's kernel recomputes every output). */
 static int vnni_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
                        const int8_t *xq, const float *xd, const int16_t *bsum, int64_t rows,
                        void *out, int out_bf16, int64_t out_stride, int threads) {
-    int64_t kp = act_stride(k), strips = n / 32;
-    int ok = 1;
+    int64_t kp = act_stride(k), strips = n / 32, kc = (k + CHUNK - 1) / CHUNK * CHUNK;
+    int legacy = type < Q4_K, tile_rows = legacy ? 2 : VNNI_ROWS, ok = 1;
 #pragma omp parallel num_threads(threads) if (threads > 1) reduction(&& : ok)
     {
         int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();
-        uint8_t *buf = vnni_buffer_for(k);
+        uint8_t *buf = vnni_buffer_for(kc);
         if (!buf) {
             ok = 0;
         } else {
-            vnni_strip s = vnni_strip_at(buf, k);
+            vnni_strip s = vnni_strip_at(buf, kc);
             for (int64_t st = strips * t / parts; st < strips * (t + 1) / parts; st++) {
-                vnni_pack(type, w, row_bytes, 32 * st, k, &s);
-                for (int64_t r0 = 0; r0 < rows; r0 += VNNI_ROWS) {
-                    int mt = rows - r0 < VNNI_ROWS ? (int)(rows - r0) : VNNI_ROWS;
+                if (legacy)
+                    vnni_pack_legacy(type, w, row_bytes, 32 * st, k, &s);
+                else
+                    vnni_pack(type, w, row_bytes, 32 * st, k, &s);
+                for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
+                    int mt = rows - r0 < tile_rows ? (int)(rows - r0) : tile_rows;
                     float tile[VNNI_ROWS][32];
-                    vnni_tile(type, mt, &s, k, xq + r0 * kp, xd + r0 * (kp / 32),
-                              bsum + r0 * (kp / 16), kp, tile);
+                    const int8_t *x = xq + r0 * kp;
+                    const float *x_d = xd + r0 * (kp / 32);
+                    const int16_t *x_sum = bsum + r0 * (kp / 16);
+                    if (legacy)
+                        vnni_legacy_tile(type, mt, &s, k, x, x_d, x_sum, kp, tile);
+                    else
+                        vnni_tile(type, mt, &s, k, x, x_d, x_sum, kp, tile);
                     for (int r = 0; r < mt; r++)
                         for (int j = 0; j < 32; j++)
                             store_output(out, out_bf16, (r0 + r) * out_stride + 32 * st + j, tile[r][j]);
@@ -906,7 +1068,7 @@ void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_
                   int64_t rows, void *out, int out_bf16, int64_t out_stride, int threads) {
     int64_t kp = act_stride(k);
 #ifdef VNNI_GEMM
-    if (type >= Q4_K && rows >= VNNI_MIN_ROWS && n % 32 == 0 && k % CHUNK == 0 &&
+    if (rows >= VNNI_MIN_ROWS && n % 32 == 0 && (type < Q4_K || k % CHUNK == 0) &&
         vnni_matmul(type, w, n, k, row_bytes, xq, xd, bsum, rows, out, out_bf16, out_stride, threads))
         return;
 #endif
@@ -931,7 +1093,7 @@ void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_
             for (int64_t jj = 0; jj < nj; jj++)
                 for (int64_t m = 0; m < mt; m++)
                     store_output(out, out_bf16, (m0 + m) * out_stride + j0 + jj,
-                                 acc_value(type, acc[jj][m]));
+                                 acc_value(acc[jj][m]));
         }
     }
 }
