@@ -155,11 +155,68 @@ static inline __attribute__((always_inline)) void unpack_chunk(int type, const u
     }
 }
 
+/* x[at + i] (fp32, or bf16 where `x_bf16`) for i < block, 0 from i = n on, into v. */
+static inline void block_values(const void *x, int x_bf16, int64_t at, int64_t n, int64_t block,
+                                float *v) {
+    int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    for (; i + 16 <= n; i += 16) {
+        __m512 f = x_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at + i))), 16))
+                          : _mm512_loadu_ps((const float *)x + at + i);
+        _mm512_storeu_ps(v + i, f);
+    }
+#endif
+    for (; i < block; i++) {
+        float f = 0.0f;
+        if (i < n) {
+            if (x_bf16) {
+                uint32_t u = (uint32_t)((const uint16_t *)x)[at + i] << 16;
+                memcpy(&f, &u, 4);
+            } else {
+                f = ((const float *)x)[at + i];
+            }
+        }
+        v[i] = f;
+    }
+}
+
+/* The largest |v[i]| of a block. */
+static inline float block_amax(const float *v, int64_t block) {
+    int64_t i = 0;
+    float amax = 0.0f;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512 m = _mm512_setzero_ps();
+    for (; i + 16 <= block; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(v + i)));
+    amax = _mm512_reduce_max_ps(m);
+#endif
+    for (; i < block; i++) amax = fmaxf(amax, fabsf(v[i]));
+    return amax;
+}
+
+/* The levels of 16 values v * inv, rounded to nearest even, into q[16]; returns their sum. */
+static inline int levels16(const float *v, float inv, int8_t *q) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512i l = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v), _mm512_set1_ps(inv)));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(l));
+    return _mm512_reduce_add_epi32(l);
+#else
+    int sum = 0;
+    for (int l = 0; l < 16; l++) {
+        int level = (int)nearbyintf(v[l] * inv);
+        q[l] = (int8_t)level;
+        sum += level;
+    }
+    return sum;
+#endif
+}
+
 /* Rows of x (fp32, or bf16 where `x_bf16`; rows `x_stride` elements apart) to int8 in blocks of
  * `block` (32, or 256 for the K-quants: one scale a super-block, as llama.cpp's Q8_K): xq
  * [rows][kp] (kp = `act_stride(k)`, zero past k), xd [rows][kp/32] the scale of each 32 (its
  * block's) and bsum [rows][kp/16] each 16's level sum.
- * Levels round to nearest even, as `vcvtps2dq` does. */
+ * Levels round to nearest even, as `vcvtps2dq` does (with AVX-512, 16 values at a time: the
+ * scalar loop took ~2 ns a value, a tenth of a 256-row product of a 2048 x 2048 Q4_K weight). */
 void quantize_activations(const void *x, int x_bf16, int64_t rows, int64_t k, int64_t x_stride,
                           int64_t block, int8_t *xq, float *xd, int16_t *bsum, int threads) {
     int64_t kp = act_stride(k);
@@ -169,30 +226,11 @@ void quantize_activations(const void *x, int x_bf16, int64_t rows, int64_t k, in
         int8_t *q = xq + r * kp;
         for (int64_t b = 0; b < kp / block; b++) {
             int64_t first = block * b, n = k - first < block ? (k - first > 0 ? k - first : 0) : block;
-            float amax = 0.0f;
-            for (int64_t i = 0; i < block; i++) {
-                float f = 0.0f;
-                if (i < n) {
-                    if (x_bf16) {
-                        uint32_t u = (uint32_t)((const uint16_t *)x)[r * x_stride + first + i] << 16;
-                        memcpy(&f, &u, 4);
-                    } else {
-                        f = ((const float *)x)[r * x_stride + first + i];
-                    }
-                }
-                v[i] = f;
-                amax = fmaxf(amax, fabsf(f));
-            }
+            block_values(x, x_bf16, r * x_stride + first, n, block, v);
+            float amax = block_amax(v, block);
             float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            for (int64_t i = 0; i < block; i += 16) {
-                int sum = 0;
-                for (int64_t l = i; l < i + 16; l++) {
-                    int level = (int)nearbyintf(v[l] * inv);
-                    q[first + l] = (int8_t)level;
-                    sum += level;
-                }
-                bsum[r * (kp / 16) + (first + i) / 16] = (int16_t)sum;
-            }
+            for (int64_t i = 0; i < block; i += 16)
+                bsum[r * (kp / 16) + (first + i) / 16] = (int16_t)levels16(v + i, inv, q + first + i);
             for (int64_t i = 0; i < block; i += 32) xd[r * (kp / 32) + (first + i) / 32] = d;
         }
     }
