@@ -89,9 +89,10 @@ def f32_block_max_rows(keys: set[tuple[str, int, int]]) -> dict[tuple[str, int, 
 def int8_max_rows(weights: dict[tuple[str, int, int], QuantWeight]) -> dict[tuple, int]:
     """For each (block format, out, in) of a bf16 model's quantized weights (one of that shape
     in `weights`), the most rows of a step the int8 product (`quant.quant_matmul`) serves rather
-    than `quant.quant_gemm_bf16` (the weight dequantized to bf16 for the bf16 GEMM), which
-    prefills run at about twice the int8 product's rate on a VNNI Zen 4 and which costs more
-    than it at a few rows (its dequantizing is paid once a step, whatever the rows)."""
+    than `quant.quant_gemm_bf16` (the weight dequantized to bf16 for the bf16 GEMM), which costs
+    more than it at a few rows (its dequantizing is paid once a step, whatever the rows) and
+    ran prefills at ~2x the int8 product's rate on a Zen 4 before that had its VNNI GEMM (now
+    0.6-0.8x of it there at 4-256 rows: the int8 product serves every step)."""
     return _max_rows(set(weights), "int8 ", lambda *key: _time_int8(weights[key]))
 
 

@@ -1,12 +1,14 @@
-"""Linears and embeddings whose weights stay in GGUF's block formats (`csrc/quant_ops.c`).
+"""Linears and embeddings whose weights stay in GGUF's block formats (`csrc/quant_ops.c`, and
+`csrc/quant_gemm.c` for steps of many rows).
 
 A Q4_K_M file of an 8B model is ~4.9 GB; dequantized to bf16 it is ~16 GB, and a decode step
 reads every weight once, so a dequantized copy costs both memory and one-stream speed. Here a
 weight is its file's bytes, [out rows, bytes a row] (a view of the memory-mapped file where
 nothing had to move), and the C kernels compute with them directly: activations are quantized
 to int8 per block of 32, or of 256 for the K-quants (as llama.cpp does), and the integer dot
-products are scaled back (see the C file for the scheme). Embedding rows are dequantized as
-they are looked up.
+products are scaled back (see the C file for the scheme). With AVX512-VNNI, steps of 4 rows on
+run a GEMM on `vpdpbusd` with the same bits a row. Embedding rows are dequantized as they are
+looked up.
 
 `QuantLinear` can hold several weights side by side (a fused qkv or gate/up projection whose
 parts a Q4_K_M file stores in different formats): they share one quantization of the
@@ -182,7 +184,8 @@ def quant_gemm_bf16(
     """`quant_matmul`'s product for many rows of bf16 x (weights `can_dequantize_to_bf16`): the
     dequantized to bf16, 48 outputs at a time into a buffer the caches hold, and multiplied in
     the bf16 GEMM, with no int8 rounding of x. A step of many rows then runs at the bf16 GEMM's
-    rate (an int8 product of a K-quant runs at about half of it on a VNNI CPU)."""
+    rate; the kernel choice times it against the int8 product (whose VNNI GEMM beat it at every
+    row count on a Zen 4)."""
     rows, k = x.shape
     threads = torch.get_num_threads()
     work = _GEMM_WORK.get((threads, k))

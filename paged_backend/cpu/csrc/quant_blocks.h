@@ -1,0 +1,317 @@
+/* GGUF block formats as the quantized kernels read them (`quant_ops.c`: the int8 products;
+ * `quant_gemm.c`: GEMMs over strips of weights unpacked per thread): unpacking a chunk of a row,
+ * in plain C and in AVX2 registers, and what the files share. Included, not built on its own. */
+#ifndef PAGED_BACKEND_QUANT_BLOCKS_H
+#define PAGED_BACKEND_QUANT_BLOCKS_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "common.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define QUANT_AVX2 1
+#endif
+
+#define CHUNK 256 /* weights unpacked at a time: a K-quant super-block, or 8 blocks of 32 */
+
+/* weight = a[g] * level + b[g] for the 16 weights of group g of a chunk */
+typedef struct {
+    float a[CHUNK / 16], b[CHUNK / 16];
+} group_scales;
+
+typedef struct {
+    uint8_t q[CHUNK]; /* levels; Q8_0: signed bytes */
+    group_scales s;
+    int groups;       /* groups of 32 weights in this chunk (1..8) */
+    int is_signed;
+} chunk;
+
+static inline void set_pair(group_scales *s, int g32, float a, float b) {
+    s->a[2 * g32] = s->a[2 * g32 + 1] = a;
+    s->b[2 * g32] = s->b[2 * g32 + 1] = b;
+}
+
+/* A legacy block's scale and offset into group `g` (a, b: weight = a * level + b). */
+static inline void block32_scales(int type, const uint8_t *blk, group_scales *s, int g) {
+    float d = f16_to_f32(blk);
+    if (type == Q4_1 || type == Q5_1)
+        set_pair(s, g, d, f16_to_f32(blk + 2));
+    else
+        set_pair(s, g, d, type == Q8_0 ? 0.0f : (type == Q5_0 ? -16.0f : -8.0f) * d);
+}
+
+/* The offset of a legacy block's nibbles, and of its fifth bits (Q5_0, Q5_1). */
+static inline int nibbles_at(int type) { return type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8; }
+
+static inline int fifth_bits_at(int type) { return type == Q5_0 ? 2 : 4; }
+
+/* Q4_K / Q5_K: the j-th 6-bit scale and min of a super-block (ggml's get_scale_min_k4). */
+static inline void scale_min_k4(int j, const uint8_t *s, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* Q4_K / Q5_K: a super-block's 8 6-bit scales and 8 mins, a byte each (`scale_min_k4`'s values
+ * all at once). */
+static inline void k4_scales_mins(const uint8_t *blk, uint64_t *sc, uint64_t *mins) {
+    uint32_t w[3];
+    memcpy(w, blk + 4, 12);
+    *sc = (w[0] & 0x3f3f3f3fu) |
+          (uint64_t)((w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4)) << 32;
+    *mins = (w[1] & 0x3f3f3f3fu) |
+            (uint64_t)(((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4)) << 32;
+}
+
+/* A K-quant super-block's 16 group scales and offsets. */
+static inline void superblock_scales(int type, const uint8_t *blk, group_scales *s) {
+    if (type == Q6_K) {
+        const int8_t *scales = (const int8_t *)(blk + 192);
+        float d = f16_to_f32(blk + 208);
+        for (int g = 0; g < 16; g++) {
+            s->a[g] = d * scales[g];
+            s->b[g] = -32.0f * s->a[g];
+        }
+        return;
+    }
+    float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        scale_min_k4(j, blk + 4, &sc, &m);
+        set_pair(s, j, d * sc, -dmin * m);
+    }
+}
+
+/* The levels of a legacy block into q[32]. */
+static inline void block32_levels(int type, const uint8_t *blk, uint8_t *q) {
+    if (type == Q8_0) {
+        memcpy(q, blk + 2, 32);
+        return;
+    }
+    const uint8_t *p = blk + nibbles_at(type);
+    uint32_t qh = 0;
+    if (type == Q5_0 || type == Q5_1) memcpy(&qh, blk + fifth_bits_at(type), 4);
+    for (int i = 0; i < 16; i++) {
+        q[i] = (p[i] & 15) | (((qh >> i) & 1) << 4);
+        q[i + 16] = (p[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+    }
+}
+
+/* The levels of a Q4_K / Q5_K / Q6_K super-block into q[256]. */
+static inline void superblock_levels(int type, const uint8_t *blk, uint8_t *q) {
+    if (type == Q6_K) {
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *l8 = blk + 64 * h, *h8 = blk + 128 + 32 * h;
+            uint8_t *o = q + 128 * h;
+            for (int l = 0; l < 32; l++) {
+                o[l] = (l8[l] & 15) | ((h8[l] & 3) << 4);
+                o[l + 32] = (l8[l + 32] & 15) | (((h8[l] >> 2) & 3) << 4);
+                o[l + 64] = (l8[l] >> 4) | (((h8[l] >> 4) & 3) << 4);
+                o[l + 96] = (l8[l + 32] >> 4) | (((h8[l] >> 6) & 3) << 4);
+            }
+        }
+        return;
+    }
+    const uint8_t *qh = blk + 16, *qs = blk + (type == Q5_K ? 48 : 16);
+    for (int i = 0; i < 4; i++) {
+        int five = type == Q5_K;
+        for (int l = 0; l < 32; l++) {
+            q[64 * i + l] = (qs[32 * i + l] & 15) | (five * ((qh[l] >> (2 * i)) & 1) << 4);
+            q[64 * i + l + 32] = (qs[32 * i + l] >> 4) | (five * ((qh[l] >> (2 * i + 1)) & 1) << 4);
+        }
+    }
+}
+
+/* Weights [first, first + count) of a row (first a multiple of 256, count <= 256 and a multiple
+ * of the block) into `c`; groups past `count` weigh nothing. */
+static inline __attribute__((always_inline)) void unpack_chunk(int type, const uint8_t *row,
+                                                               int64_t first, int64_t count,
+                                                               chunk *c) {
+    const uint8_t *blk = row + (first >> (type >= Q4_K ? 8 : 5)) * block_bytes(type); /* no division */
+    c->groups = (int)(count / 32);
+    c->is_signed = type == Q8_0;
+    memset(&c->s, 0, sizeof c->s);
+    if (type >= Q4_K) {
+        superblock_levels(type, blk, c->q);
+        superblock_scales(type, blk, &c->s);
+        return;
+    }
+    for (int g = 0; g < c->groups; g++) {
+        block32_levels(type, blk + g * block_bytes(type), c->q + 32 * g);
+        block32_scales(type, blk + g * block_bytes(type), &c->s, g);
+    }
+}
+
+/* out[at] = v, fp32, or bf16 rounded to nearest even where `out_bf16`. */
+static inline void store_output(void *out, int out_bf16, int64_t at, float v) {
+    if (out_bf16) {
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        ((uint16_t *)out)[at] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    } else {
+        ((float *)out)[at] = v;
+    }
+}
+
+#ifdef QUANT_AVX2
+/* A chunk of a legacy format in registers: each block's 32 levels, and the blocks' scales and
+ * offsets (lane g: block g's; 0 past the row's end). */
+typedef struct {
+    __m256i q[CHUNK / 32];
+    __m256 d8, off8;
+    int groups, is_signed;
+} kernel_chunk;
+
+static inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+
+static inline __m256i high_nibbles(__m256i v) { return low_nibbles(_mm256_srli_epi16(v, 4)); }
+
+/* A legacy block's 16 bytes of nibbles: low nibbles (weights 0-15), then high (16-31). */
+static inline __m256i nibbles16(const uint8_t *p) {
+    __m128i v = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+/* Byte i: 16 where bit i of the 32 bits at p is set, else 0 (Q5_0/Q5_1's fifth bits). */
+static inline __m256i fifth_bits(const uint8_t *p) {
+    uint32_t bits;
+    memcpy(&bits, p, 4);
+    __m256i spread = _mm256_shuffle_epi8( /* byte i holds byte i / 8 of the bits */
+        _mm256_set1_epi32((int)bits),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    __m256i select = _mm256_set1_epi64x((int64_t)0x8040201008040201ull);
+    __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+
+/* Q5_K's fifth bits of group g (0..7): bit g of each of its 32 bytes, as 16 or 0. */
+static inline __m256i q5k_bits(__m256i qh, int g) {
+    __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, g), _mm256_set1_epi8(1));
+    return _mm256_slli_epi16(bit, 4);
+}
+
+/* Q6_K's two high bits at `shift` of each of 32 bytes, moved to bits 4-5. */
+static inline __m256i q6k_bits(__m256i qh, int shift) {
+    __m256i bits = shift >= 4 ? _mm256_srli_epi16(qh, shift - 4) : _mm256_slli_epi16(qh, 4 - shift);
+    return _mm256_and_si256(bits, _mm256_set1_epi8(48));
+}
+
+/* Level register g (0..7: weights 32g..32g+31) of a K-quant super-block. With `type` a constant
+ * and g unrolled, the loads shared by two or four registers are made once. */
+static inline __attribute__((always_inline)) __m256i k_level(int type, const uint8_t *blk, int g) {
+    if (type == Q6_K) { /* halves of 128: low nibbles of l0, l1, then high nibbles; 2 bits from qh */
+        int h = g / 4, j = g % 4;
+        __m256i l = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (j % 2)));
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        return _mm256_or_si256(j < 2 ? low_nibbles(l) : high_nibbles(l), q6k_bits(qh, 2 * j));
+    }
+    __m256i p = _mm256_loadu_si256((const __m256i *)(blk + (type == Q5_K ? 48 : 16) + 32 * (g / 2)));
+    __m256i q = g % 2 ? high_nibbles(p) : low_nibbles(p);
+    if (type == Q5_K) q = _mm256_or_si256(q, q5k_bits(_mm256_loadu_si256((const __m256i *)(blk + 16)), g));
+    return q;
+}
+
+static inline short half_bits(const uint8_t *p) {
+    short h;
+    memcpy(&h, p, 2);
+    return h;
+}
+
+/* The fp16 bits at `at` bytes into each of a chunk's first `groups` blocks (0 past them), as one
+ * vector: built in registers (eight 2-byte stores read back as one 16-byte load stalled the
+ * one-row loop: Q4_0 8.9 -> 5.9 ns a chunk, two threads). */
+static inline __attribute__((always_inline)) __m128i block_halves(const uint8_t *blk, int64_t bytes,
+                                                                  int at, int groups) {
+#define HALF(g) (g < groups ? half_bits(blk + (g) * bytes + at) : 0)
+    return _mm_setr_epi16(HALF(0), HALF(1), HALF(2), HALF(3), HALF(4), HALF(5), HALF(6), HALF(7));
+#undef HALF
+}
+
+/* A chunk of a legacy format's row (8 blocks of 32, fewer at the row's end). */
+static inline __attribute__((always_inline)) void unpack_kernel_chunk(
+    int type, const uint8_t *row, int64_t first, int64_t count, kernel_chunk *c) {
+    const uint8_t *blk = row + (first >> 5) * block_bytes(type); /* no division */
+    c->groups = (int)(count / 32);
+    c->is_signed = type == Q8_0;
+    for (int g = 0; g < c->groups; g++) {
+        const uint8_t *b = blk + g * block_bytes(type);
+        if (type == Q8_0) {
+            c->q[g] = _mm256_loadu_si256((const __m256i *)(b + 2));
+        } else {
+            c->q[g] = nibbles16(b + nibbles_at(type));
+            if (type == Q5_0 || type == Q5_1)
+                c->q[g] = _mm256_or_si256(c->q[g], fifth_bits(b + fifth_bits_at(type)));
+        }
+    }
+    int with_min = type == Q4_1 || type == Q5_1;
+    __m128i d, m = _mm_setzero_si128();
+    if (c->groups == 8) { /* whole chunks: the count a constant */
+        d = block_halves(blk, block_bytes(type), 0, 8);
+        if (with_min) m = block_halves(blk, block_bytes(type), 2, 8);
+    } else {
+        d = block_halves(blk, block_bytes(type), 0, c->groups);
+        if (with_min) m = block_halves(blk, block_bytes(type), 2, c->groups);
+    }
+    c->d8 = _mm256_cvtph_ps(d);
+    c->off8 = with_min ? _mm256_cvtph_ps(m)
+                       : _mm256_mul_ps(c->d8, _mm256_set1_ps(type == Q8_0   ? 0.0f
+                                                             : type == Q5_0 ? -16.0f
+                                                                            : -8.0f));
+}
+#else
+typedef chunk kernel_chunk;
+#define unpack_kernel_chunk unpack_chunk
+#endif
+
+#ifdef __AVX512F__
+/* r[i][j] <- r[j][i] for a 16 x 16 block of 32-bit lanes, in registers: 64 shuffles, against a
+ * gather a row (of 16 loads). */
+static inline __attribute__((always_inline)) void transpose16x16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; i++) {
+            t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+#endif
+
+#if defined(QUANT_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* Steps of at least VNNI_MIN_ROWS rows run a GEMM on the VNNI units: each thread unpacks a
+ * strip of 32 outputs (all inputs) into `vnni_strip`'s layout (quant_gemm.c), a buffer its L2
+ * holds, and runs every row through it, VNNI_ROWS rows at a time (2 for the legacy formats).
+ * `vpdpbusd` multiplies 4 levels of 16 outputs by 4 broadcast activation bytes and adds them
+ * into 16 int32 lanes, so a group's exact integer products come in 4 instructions a 16 inputs,
+ * against 2 (`vpmaddubsw` + `vpmaddwd`) a 32 inputs of one output in the other kernels. The
+ * float work then follows the one-row kernel's sequence (`k_add`; `dot_rows`' chunk tree), so a
+ * row has the same bits in any step. */
+#define VNNI_GEMM 1
+#define VNNI_MIN_ROWS 4
+#define VNNI_ROWS 4
+
+/* `quant_matmul`'s product on the VNNI GEMM (`quant_gemm.c`); 0 where it could not run. */
+int vnni_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
+                const int8_t *xq, const float *xd, const int16_t *bsum, int64_t rows, void *out,
+                int out_bf16, int64_t out_stride, int threads);
+#endif
+#endif

@@ -1,0 +1,470 @@
+/* GEMMs over strips of a quantized weight that each thread unpacks once a step into a buffer
+ * its caches hold, then runs every row of the step through: the VNNI GEMM (int8 activations,
+ * `vpdpbusd`; steps of a few rows on, from `quant_matmul`) and the dequantized bf16 GEMM
+ * (`quant_gemm_bf16`: bf16 activations as they are, on AVX512-BF16).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "quant_blocks.h"
+
+#ifdef VNNI_GEMM
+/* A strip of 32 outputs (blocks b = 0, 1 of 16) of a K-quant weight, k inputs:
+ * - levels: inputs 4q..4q+3 of block b at levels + (2q + b) * 64, output-major (16 x 4 bytes);
+ * - scale: group g's (of 32 inputs, 16 for Q6_K) int32 scales at scale + (2g + b) * 16;
+ * - mv: super-block s's 16s' offset weights, int16 pairs h (16s 2h, 2h + 1) of 16 outputs at
+ *   mv + ((8s + h) * 2 + b) * 32;
+ * - dm: super-block s's d at dm + (4s + b) * 16, mfac at dm + (4s + 2 + b) * 16. */
+typedef struct {
+    uint8_t *levels;
+    int32_t *scale;
+    int16_t *mv;
+    float *dm;
+} vnni_strip;
+
+static inline int k_groups(int type) { return type == Q6_K ? 16 : 8; }
+
+/* The strip's bytes for k inputs (each part 64-byte aligned). */
+static inline int64_t vnni_strip_bytes(int64_t k) { return 32 * k + 8 * k + 4 * k + k + 4 * 64; }
+
+static vnni_strip vnni_strip_at(uint8_t *buf, int64_t k) {
+    vnni_strip s;
+    s.levels = buf;
+    s.scale = (int32_t *)(buf + 32 * k);
+    s.mv = (int16_t *)(buf + 40 * k);
+    s.dm = (float *)(buf + 44 * k);
+    return s;
+}
+
+/* A row's super-block header as 16 int32 lanes: Q6_K's 16 scales; Q4_K / Q5_K's 8 scales, then
+ * their 8 mins (`k_header_of`'s bits); its d and mfac into dm. */
+static inline __attribute__((always_inline)) __m512i vnni_row_header(int type, const uint8_t *blk,
+                                                                     float *d, float *mfac) {
+    if (type == Q6_K) {
+        *d = f16_to_f32(blk + 208);
+        *mfac = *d * 32.0f;
+        return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)));
+    }
+    uint64_t sc, mins;
+    k4_scales_mins(blk, &sc, &mins);
+    *d = f16_to_f32(blk);
+    *mfac = f16_to_f32(blk + 2);
+    return _mm512_cvtepu8_epi32(_mm_set_epi64x((int64_t)mins, (int64_t)sc));
+}
+
+/* 16 rows' headers (r[j]: row j's `vnni_row_header`) of super-block sb into block b of the
+ * strip: transposed, lane j of each vector is output j. */
+static inline __attribute__((always_inline)) void vnni_scales(int type, __m512i r[16],
+                                                              const vnni_strip *s, int64_t sb,
+                                                              int b) {
+    transpose16x16(r); /* r[g]: group g's scales of the 16 outputs */
+    int groups = k_groups(type);
+    for (int g = 0; g < groups; g++)
+        _mm512_store_si512(s->scale + ((sb * groups + g) * 2 + b) * 16, r[g]);
+    for (int h = 0; h < 8; h++) { /* the int16 pair of 16s 2h, 2h + 1 */
+        __m512i lo = type == Q6_K ? r[2 * h] : r[8 + h], hi = type == Q6_K ? r[2 * h + 1] : r[8 + h];
+        __m512i pair = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xffff)),
+                                       _mm512_slli_epi32(hi, 16));
+        _mm512_store_si512(s->mv + ((8 * sb + h) * 2 + b) * 32, pair);
+    }
+}
+
+/* Weight rows [j0, j0 + 32) into the strip: each super-block's levels of 16 rows (8 registers a
+ * row, `k_level`) and their headers, then 16 x 16 int32 transposes make each 4 inputs' (and
+ * each group's) 16 outputs adjacent. */
+static inline __attribute__((always_inline)) void vnni_pack_of(int type, const uint8_t *w,
+                                                               int64_t row_bytes, int64_t j0,
+                                                               int64_t k, const vnni_strip *s) {
+    uint8_t levels[16][CHUNK] __attribute__((aligned(64)));
+    for (int64_t sb = 0; sb < k / CHUNK; sb++)
+        for (int b = 0; b < 2; b++) {
+            __m512i r[16];
+            float *dm = s->dm + 64 * sb + 16 * b;
+            for (int j = 0; j < 16; j++) {
+                const uint8_t *blk = w + (j0 + 16 * b + j) * row_bytes + sb * block_bytes(type);
+                for (int g = 0; g < 8; g++)
+                    _mm256_store_si256((__m256i *)(levels[j] + 32 * g), k_level(type, blk, g));
+                r[j] = vnni_row_header(type, blk, dm + j, dm + 32 + j);
+            }
+            vnni_scales(type, r, s, sb, b);
+            for (int seg = 0; seg < 4; seg++) {
+                for (int j = 0; j < 16; j++) r[j] = _mm512_load_si512(levels[j] + 64 * seg);
+                transpose16x16(r);
+                for (int p = 0; p < 16; p++)
+                    _mm512_store_si512(s->levels + ((sb * 64 + seg * 16 + p) * 2 + b) * 64, r[p]);
+            }
+        }
+}
+
+static __attribute__((noinline)) void vnni_pack(int type, const uint8_t *w, int64_t row_bytes,
+                                                int64_t j0, int64_t k, const vnni_strip *s) {
+    switch (type) {
+    case Q4_K: vnni_pack_of(Q4_K, w, row_bytes, j0, k, s); break;
+    case Q5_K: vnni_pack_of(Q5_K, w, row_bytes, j0, k, s); break;
+    default: vnni_pack_of(Q6_K, w, row_bytes, j0, k, s);
+    }
+}
+
+/* a * b rounded on its own: GCC's `_mm512_mul_ps` is a plain vector product, which it would
+ * contract with the subtraction into one fused (differently rounded) operation. */
+static inline __m512 product(__m512 a, __m512 b) {
+    return _mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+/* out[r][0..32) = rows r < R of the activations times the strip, super-block by super-block in
+ * `k_add`'s float sequence; groups of 32 inputs (16 for Q6_K: `groups` 16). */
+static inline __attribute__((always_inline)) void vnni_tile_of(
+    const int groups, const int R, const vnni_strip *s, int64_t k, const int8_t *xq,
+    const float *xd, const int16_t *bsum, int64_t kp, float out[VNNI_ROWS][32]) {
+    const int quads = CHUNK / 4 / groups; /* 4-input steps a group */
+    __m512 acc[VNNI_ROWS][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < k / CHUNK; sb++) {
+        __m512i isum[VNNI_ROWS][2], t[VNNI_ROWS][2];
+        for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
+        for (int g = 0; g < groups; g++) {
+            const uint8_t *lv = s->levels + (sb * 64 + g * quads) * 128;
+            const int8_t *x = xq + sb * CHUNK + g * 4 * quads;
+            for (int r = 0; r < R; r++) t[r][0] = t[r][1] = _mm512_setzero_si512();
+            for (int q = 0; q < quads; q++) {
+                __m512i w0 = _mm512_load_si512(lv + 128 * q), w1 = _mm512_load_si512(lv + 128 * q + 64);
+                for (int r = 0; r < R; r++) {
+                    int32_t four;
+                    memcpy(&four, x + r * kp + 4 * q, 4);
+                    __m512i a = _mm512_set1_epi32(four);
+                    t[r][0] = _mm512_dpbusd_epi32(t[r][0], w0, a);
+                    t[r][1] = _mm512_dpbusd_epi32(t[r][1], w1, a);
+                }
+            }
+            const int32_t *sc = s->scale + (sb * groups + g) * 32;
+            __m512i sc0 = _mm512_load_si512(sc), sc1 = _mm512_load_si512(sc + 16);
+            for (int r = 0; r < R; r++) {
+                isum[r][0] = _mm512_add_epi32(isum[r][0], _mm512_mullo_epi32(t[r][0], sc0));
+                isum[r][1] = _mm512_add_epi32(isum[r][1], _mm512_mullo_epi32(t[r][1], sc1));
+            }
+        }
+        for (int r = 0; r < R; r++) t[r][0] = t[r][1] = _mm512_setzero_si512();
+        for (int h = 0; h < 8; h++) {
+            const int16_t *mv = s->mv + (8 * sb + h) * 64;
+            __m512i mv0 = _mm512_load_si512(mv), mv1 = _mm512_load_si512(mv + 32);
+            for (int r = 0; r < R; r++) {
+                int32_t pair;
+                memcpy(&pair, bsum + r * (kp / 16) + sb * 16 + 2 * h, 4);
+                __m512i bb = _mm512_set1_epi32(pair);
+                t[r][0] = _mm512_dpwssd_epi32(t[r][0], mv0, bb);
+                t[r][1] = _mm512_dpwssd_epi32(t[r][1], mv1, bb);
+            }
+        }
+        const float *dm = s->dm + 64 * sb;
+        for (int r = 0; r < R; r++) {
+            __m512 xs = _mm512_set1_ps(xd[r * (kp / 32) + sb * 8]);
+            for (int b = 0; b < 2; b++) {
+                __m512 dd = _mm512_mul_ps(_mm512_load_ps(dm + 16 * b), xs);
+                __m512 mm = _mm512_mul_ps(_mm512_load_ps(dm + 32 + 16 * b), xs);
+                __m512 v = _mm512_sub_ps(product(_mm512_cvtepi32_ps(isum[r][b]), dd),
+                                         product(_mm512_cvtepi32_ps(t[r][b]), mm));
+                acc[r][b] = _mm512_add_ps(acc[r][b], v);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(out[r], acc[r][0]);
+        _mm512_storeu_ps(out[r] + 16, acc[r][1]);
+    }
+}
+
+/* `vnni_tile_of` compiled for each group size and row count. */
+static __attribute__((noinline)) void vnni_tile(int type, int rows, const vnni_strip *s,
+                                                int64_t k, const int8_t *xq, const float *xd,
+                                                const int16_t *bsum, int64_t kp,
+                                                float out[VNNI_ROWS][32]) {
+#define TILE(G, R) vnni_tile_of(G, R, s, k, xq, xd, bsum, kp, out)
+    if (type == Q6_K) {
+        if (rows == 4) TILE(16, 4); else if (rows == 3) TILE(16, 3); else if (rows == 2) TILE(16, 2); else TILE(16, 1);
+    } else {
+        if (rows == 4) TILE(8, 4); else if (rows == 3) TILE(8, 3); else if (rows == 2) TILE(8, 2); else TILE(8, 1);
+    }
+#undef TILE
+}
+
+/* A legacy format's strip (blocks of 32 inputs; k rounded up to a chunk): levels as the
+ * K-quants' (Q8_0's signed bytes plus 128, unsigned for `vpdpbusd`), and for block g (of 32
+ * inputs) of strip block b its 16 outputs' scales at d + (2g + b) * 16 and offsets (weight =
+ * d * level + off) at off + (2g + b) * 16, floats in the K-quants' scale part. */
+static inline float *legacy_scales(const vnni_strip *s) { return (float *)s->scale; }
+
+static inline float *legacy_offsets(const vnni_strip *s, int64_t kc) {
+    return (float *)s->scale + kc;
+}
+
+/* Legacy weight rows [j0, j0 + 32) into the strip, a chunk of 16 rows at a time: levels (zero
+ * past k) transposed as the K-quants', and the blocks' scales and offsets (`unpack_kernel_chunk`'s
+ * values: 8 of each a row, transposed together). */
+static inline __attribute__((always_inline)) void vnni_pack_legacy_of(
+    int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t k, const vnni_strip *s) {
+    uint8_t levels[16][CHUNK] __attribute__((aligned(64)));
+    int64_t kc = (k + CHUNK - 1) / CHUNK * CHUNK;
+    for (int64_t first = 0; first < k; first += CHUNK)
+        for (int b = 0; b < 2; b++) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++) {
+                kernel_chunk c;
+                unpack_kernel_chunk(type, w + (j0 + 16 * b + j) * row_bytes, first,
+                                    k - first < CHUNK ? k - first : CHUNK, &c);
+                for (int g = 0; g < 8; g++) {
+                    __m256i q = g < c.groups ? c.q[g] : _mm256_setzero_si256();
+                    if (type == Q8_0) q = _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80));
+                    _mm256_store_si256((__m256i *)(levels[j] + 32 * g), q);
+                }
+                r[j] = _mm512_castps_si512(_mm512_insertf32x8(_mm512_castps256_ps512(c.d8), c.off8, 1));
+            }
+            transpose16x16(r); /* r[g]: block g's scales of the 16 outputs, r[8 + g] its offsets */
+            for (int g = 0; g < 8; g++) {
+                int64_t at = ((first / 32 + g) * 2 + b) * 16;
+                _mm512_store_si512(legacy_scales(s) + at, r[g]);
+                _mm512_store_si512(legacy_offsets(s, kc) + at, r[8 + g]);
+            }
+            for (int seg = 0; seg < 4; seg++) {
+                for (int j = 0; j < 16; j++) r[j] = _mm512_load_si512(levels[j] + 64 * seg);
+                transpose16x16(r);
+                for (int p = 0; p < 16; p++)
+                    _mm512_store_si512(s->levels + ((first / 4 + seg * 16 + p) * 2 + b) * 64, r[p]);
+            }
+        }
+}
+
+/* out[r][0..32) = rows r < 2 of the activations times a legacy strip: each block's value as
+ * `legacy_dot` computes it (Q8_0: its integer products less 128 times the activations' sum),
+ * a chunk's 8 summed in `hsum8`'s tree ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)), then added
+ * to the row's sum. Two rows a tile: the tree keeps three partial sums a row and block live. */
+static inline __attribute__((always_inline)) void vnni_legacy_tile_of(
+    int type, const int R, const vnni_strip *s, int64_t k, const int8_t *xq, const float *xd,
+    const int16_t *bsum, int64_t kp, float out[VNNI_ROWS][32]) {
+    static const int order[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+    int64_t kc = (k + CHUNK - 1) / CHUNK * CHUNK;
+    const float *scales = legacy_scales(s), *offsets = legacy_offsets(s, kc);
+    __m512 acc[2][2], part[3][2][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t first = 0; first < k; first += CHUNK) {
+        int groups = k - first < CHUNK ? (int)((k - first) / 32) : 8;
+        for (int i = 0; i < 8; i++) {
+            int g = order[i];
+            __m512 v[2][2];
+            if (g >= groups) {
+                for (int r = 0; r < R; r++) v[r][0] = v[r][1] = _mm512_setzero_ps();
+            } else {
+                int64_t blk = first / 32 + g;
+                const uint8_t *lv = s->levels + blk * 8 * 128;
+                __m512i t[2][2];
+                for (int r = 0; r < R; r++) t[r][0] = t[r][1] = _mm512_setzero_si512();
+                for (int q = 0; q < 8; q++) {
+                    __m512i w0 = _mm512_load_si512(lv + 128 * q), w1 = _mm512_load_si512(lv + 128 * q + 64);
+                    for (int r = 0; r < R; r++) {
+                        int32_t four;
+                        memcpy(&four, xq + r * kp + blk * 32 + 4 * q, 4);
+                        __m512i a = _mm512_set1_epi32(four);
+                        t[r][0] = _mm512_dpbusd_epi32(t[r][0], w0, a);
+                        t[r][1] = _mm512_dpbusd_epi32(t[r][1], w1, a);
+                    }
+                }
+                for (int r = 0; r < R; r++) {
+                    const int16_t *bs = bsum + r * (kp / 16) + 2 * blk;
+                    __m512i sum32 = _mm512_set1_epi32(bs[0] + bs[1]);
+                    __m512 xs = _mm512_set1_ps(xd[r * (kp / 32) + blk]);
+                    for (int b = 0; b < 2; b++) {
+                        __m512i isum = type == Q8_0 ? _mm512_sub_epi32(t[r][b], _mm512_slli_epi32(sum32, 7))
+                                                    : t[r][b];
+                        __m512 dx = product(_mm512_load_ps(scales + (blk * 2 + b) * 16), xs);
+                        v[r][b] = product(_mm512_cvtepi32_ps(isum), dx);
+                        if (type != Q8_0)
+                            v[r][b] = _mm512_fmadd_ps(_mm512_load_ps(offsets + (blk * 2 + b) * 16),
+                                                      product(_mm512_cvtepi32_ps(sum32), xs), v[r][b]);
+                    }
+                }
+            }
+            for (int r = 0; r < R; r++)
+                for (int b = 0; b < 2; b++) {
+                    __m512 x = v[r][b];
+                    switch (i) { /* the tree, in the order the blocks come */
+                    case 0: case 2: part[i / 2][r][b] = x; break;
+                    case 4: part[1][r][b] = x; break;
+                    case 6: part[2][r][b] = x; break;
+                    case 1: case 3: part[i / 2][r][b] = _mm512_add_ps(part[i / 2][r][b], x); break;
+                    case 5: part[1][r][b] = _mm512_add_ps(part[1][r][b], x); break;
+                    default: part[2][r][b] = _mm512_add_ps(part[2][r][b], x);
+                    }
+                    if (i == 3) part[0][r][b] = _mm512_add_ps(part[0][r][b], part[1][r][b]);
+                    if (i == 7) {
+                        __m512 right = _mm512_add_ps(part[1][r][b], part[2][r][b]);
+                        acc[r][b] = _mm512_add_ps(acc[r][b], _mm512_add_ps(part[0][r][b], right));
+                    }
+                }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(out[r], acc[r][0]);
+        _mm512_storeu_ps(out[r] + 16, acc[r][1]);
+    }
+}
+
+/* `vnni_pack_legacy_of` and `vnni_legacy_tile_of` compiled for each format (and row count). */
+static __attribute__((noinline)) void vnni_pack_legacy(int type, const uint8_t *w,
+                                                       int64_t row_bytes, int64_t j0, int64_t k,
+                                                       const vnni_strip *s) {
+    switch (type) {
+    case Q4_0: vnni_pack_legacy_of(Q4_0, w, row_bytes, j0, k, s); break;
+    case Q4_1: vnni_pack_legacy_of(Q4_1, w, row_bytes, j0, k, s); break;
+    case Q5_0: vnni_pack_legacy_of(Q5_0, w, row_bytes, j0, k, s); break;
+    case Q5_1: vnni_pack_legacy_of(Q5_1, w, row_bytes, j0, k, s); break;
+    default: vnni_pack_legacy_of(Q8_0, w, row_bytes, j0, k, s);
+    }
+}
+
+static __attribute__((noinline)) void vnni_legacy_tile(int type, int rows, const vnni_strip *s,
+                                                       int64_t k, const int8_t *xq,
+                                                       const float *xd, const int16_t *bsum,
+                                                       int64_t kp, float out[VNNI_ROWS][32]) {
+#define TILE(T) (rows == 2 ? vnni_legacy_tile_of(T, 2, s, k, xq, xd, bsum, kp, out) \
+                           : vnni_legacy_tile_of(T, 1, s, k, xq, xd, bsum, kp, out))
+    switch (type) {
+    case Q8_0: TILE(Q8_0); break;
+    case Q4_0: TILE(Q4_0); break;
+    case Q4_1: TILE(Q4_1); break;
+    default: TILE(type); /* Q5_0, Q5_1 */
+    }
+#undef TILE
+}
+
+/* Each thread's strip buffer, grown to the largest k it has served. */
+static __thread uint8_t *vnni_buffer;
+static __thread int64_t vnni_buffer_bytes;
+
+static uint8_t *vnni_buffer_for(int64_t k) {
+    int64_t need = vnni_strip_bytes(k);
+    if (need > vnni_buffer_bytes) {
+        free(vnni_buffer);
+        vnni_buffer = aligned_alloc(64, (size_t)((need + 63) / 64 * 64));
+        vnni_buffer_bytes = vnni_buffer ? need : 0;
+    }
+    return vnni_buffer;
+}
+
+/* `quant_matmul` for weights of n a multiple of 32 (K-quants: k of 256) on the VNNI GEMM (see
+ * above): the threads split the strips. Returns 0 where a thread could not get its buffer
+ * (nothing written then is wrong: the caller's kernel recomputes every output). */
+int vnni_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
+                       const int8_t *xq, const float *xd, const int16_t *bsum, int64_t rows,
+                       void *out, int out_bf16, int64_t out_stride, int threads) {
+    int64_t kp = act_stride(k), strips = n / 32, kc = (k + CHUNK - 1) / CHUNK * CHUNK;
+    int legacy = type < Q4_K, tile_rows = legacy ? 2 : VNNI_ROWS, ok = 1;
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(&& : ok)
+    {
+        int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();
+        uint8_t *buf = vnni_buffer_for(kc);
+        if (!buf) {
+            ok = 0;
+        } else {
+            vnni_strip s = vnni_strip_at(buf, kc);
+            for (int64_t st = strips * t / parts; st < strips * (t + 1) / parts; st++) {
+                if (legacy)
+                    vnni_pack_legacy(type, w, row_bytes, 32 * st, k, &s);
+                else
+                    vnni_pack(type, w, row_bytes, 32 * st, k, &s);
+                for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
+                    int mt = rows - r0 < tile_rows ? (int)(rows - r0) : tile_rows;
+                    float tile[VNNI_ROWS][32];
+                    const int8_t *x = xq + r0 * kp;
+                    const float *x_d = xd + r0 * (kp / 32);
+                    const int16_t *x_sum = bsum + r0 * (kp / 16);
+                    if (legacy)
+                        vnni_legacy_tile(type, mt, &s, k, x, x_d, x_sum, kp, tile);
+                    else
+                        vnni_tile(type, mt, &s, k, x, x_d, x_sum, kp, tile);
+                    for (int r = 0; r < mt; r++)
+                        for (int j = 0; j < 32; j++)
+                            store_output(out, out_bf16, (r0 + r) * out_stride + 32 * st + j, tile[r][j]);
+                }
+            }
+        }
+    }
+    return ok;
+}
+#endif
+
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+void gemm_bf16_strip(const bf16 *x, int64_t rows, int64_t x_stride, const bf16 *strip,
+                     int64_t pairs, int64_t n, int64_t col, int nb, void *out, int out_bf16);
+
+/* The 16 weights of group g of an unpacked chunk, in fp32 (`dequantize_rows`' values). */
+static inline __m512 group_values16(const chunk *c, int g) {
+    __m128i q = _mm_loadu_si128((const __m128i *)(c->q + 16 * g));
+    __m512i levels = c->is_signed ? _mm512_cvtepi8_epi32(q) : _mm512_cvtepu8_epi32(q);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(levels), _mm512_set1_ps(c->s.a[g]),
+                           _mm512_set1_ps(c->s.b[g]));
+}
+
+/* Weight rows [j0, j0 + 16) dequantized to bf16 (rounded to nearest even) in `gemm_bf16`'s
+ * packing of a block of 16 outputs: input pair p of row j at [p][j][2]. A chunk of 256 inputs at
+ * a time: each row's pairs into `pairs`, then the 16 rows' pair p side by side. */
+static inline __attribute__((always_inline)) void pack_block16_of(
+    int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t k, bf16 *dst) {
+    uint32_t pairs[16][CHUNK / 2];
+    for (int64_t first = 0; first < k; first += CHUNK) {
+        int64_t count = k - first < CHUNK ? k - first : CHUNK;
+        for (int64_t j = 0; j < 16; j++) {
+            chunk c;
+            unpack_chunk(type, w + (j0 + j) * row_bytes, first, count, &c);
+            for (int g = 0; g < count / 16; g += 2)
+                _mm512_storeu_si512(pairs[j] + 8 * g,
+                                    (__m512i)_mm512_cvtne2ps_pbh(group_values16(&c, g + 1),
+                                                                 group_values16(&c, g)));
+        }
+        uint32_t *out = (uint32_t *)dst + first / 2 * 16;
+        for (int64_t p0 = 0; p0 < count / 2; p0 += 16) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_si512(pairs[j] + p0);
+            transpose16x16(r);
+            for (int p = 0; p < 16; p++) _mm512_storeu_si512(out + 16 * (p0 + p), r[p]);
+        }
+    }
+}
+
+/* `pack_block16_of` compiled for each common format (`type` a constant in the unpacking). */
+static __attribute__((noinline)) void pack_block16(int type, const uint8_t *w, int64_t row_bytes,
+                                                   int64_t j0, int64_t k, bf16 *dst) {
+    switch (type) {
+    case Q4_K: pack_block16_of(Q4_K, w, row_bytes, j0, k, dst); break;
+    case Q6_K: pack_block16_of(Q6_K, w, row_bytes, j0, k, dst); break;
+    case Q4_0: pack_block16_of(Q4_0, w, row_bytes, j0, k, dst); break;
+    case Q8_0: pack_block16_of(Q8_0, w, row_bytes, j0, k, dst); break;
+    default: pack_block16_of(type, w, row_bytes, j0, k, dst);
+    }
+}
+
+/* out [rows][n] (rows `out_stride` apart; fp32, or bf16 where `out_bf16`) = x (bf16 [rows][k],
+ * rows `x_stride` apart) times a quantized weight w [n][row_bytes] (n a multiple of 16, k of
+ * 32): each thread dequantizes 48 outputs' weight rows at a time to bf16 into its part of `work`
+ * (threads x 48 x k), a buffer the caches hold, and runs them through every row in the bf16
+ * GEMM: a prefill's speed at the weight's quantized bytes. */
+void quant_gemm_bf16(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
+                     const bf16 *x, int64_t rows, int64_t x_stride, void *out, int out_bf16,
+                     int64_t out_stride, bf16 *work, int threads) {
+    int64_t blocks = n / 16, pairs = k / 2;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t nb0 = blocks * t / parts, nb1 = blocks * (t + 1) / parts;
+        bf16 *strip = work + t * 48 * k;
+        for (int64_t nb = nb0; nb < nb1; nb += 3) {
+            int nbs = nb1 - nb < 3 ? (int)(nb1 - nb) : 3;
+            for (int b = 0; b < nbs; b++)
+                pack_block16(type, w, row_bytes, (nb + b) * 16, k, strip + b * pairs * 32);
+            gemm_bf16_strip(x, rows, x_stride, strip, pairs, out_stride, nb * 16, nbs, out,
+                            out_bf16);
+        }
+    }
+}
+#endif
