@@ -533,10 +533,11 @@ class LLMEngine:
             "cpu_gemm_max_rows": {
                 f"{n}x{k}": rows for (n, k), rows in sorted((self.runner.gemm_rows or {}).items())
             },
-            # A bf16 model's quantized weights, by (format, shape): up to how many rows a step
-            # runs the int8 product, past them the weights dequantized for the bf16 GEMM.
+            # A bf16 model's quantized linears, by their parts' (format, shape): up to how many
+            # rows a step runs the int8 product, past them the weights dequantized for the
+            # bf16 GEMM.
             "cpu_int8_max_rows": {
-                f"{fmt}x{n}x{k}": rows
-                for (fmt, n, k), rows in sorted((self.runner.int8_rows or {}).items())
+                "x".join(map(str, parts)): rows
+                for parts, rows in sorted((self.runner.int8_rows or {}).items())
             },
         }

@@ -91,7 +91,7 @@ class ModelRunner:
         )
         self.model_config = model_config
         self.gemm_rows = None
-        self.int8_rows: dict[tuple[str, int, int], int] | None = None  # `_dequantize_large_steps`
+        self.int8_rows: dict[tuple, int] | None = None  # `_dequantize_large_steps`
         if model_config.impl == "transformers" and config.quantization in ("int4", "int8"):
             raise ValueError(
                 f"quantization={config.quantization!r} needs our native modules; "
@@ -282,15 +282,13 @@ class ModelRunner:
             for m in model.modules()
             if isinstance(m, QuantLinear) and can_dequantize_to_bf16(m.weights)
         ]
-        weights = {_shape_key(w): w for m in linears for w in m.weights}
+        parts = {_parts_key(m.weights): m.weights for m in linears}
         forced = config.cpu_gemm_max_rows
         rows = self.int8_rows = (
-            kernel_choice.int8_max_rows(weights)
-            if forced is None
-            else dict.fromkeys(weights, forced)
+            kernel_choice.int8_max_rows(parts) if forced is None else dict.fromkeys(parts, forced)
         )
         for linear in linears:
-            linear.int8_max_rows = min(rows[_shape_key(w)] for w in linear.weights)
+            linear.int8_max_rows = rows[_parts_key(linear.weights)]
 
     def _c_f32_linears(self, config: EngineConfig, ops: str) -> bool:
         """Whether an fp32 model's linears run `cpu_ops.linear_f32` for steps of few rows
@@ -504,8 +502,11 @@ def _parameters_in_(model: torch.nn.Module, dtype: torch.dtype) -> None:
             param.data = torch.empty_like(param.data, dtype=dtype)
 
 
-def _shape_key(weight: QuantWeight) -> tuple[str, int, int]:
-    return weight.format, weight.out_features, weight.in_features
+def _parts_key(weights: list[QuantWeight]) -> tuple:
+    """A quantized linear's parts, (format, out, in) each, flat: the kernel choice times a
+    linear's parts together, as a step runs them (a fused qkv's small k and v parts alone can
+    favour another kernel than the whole)."""
+    return tuple(x for w in weights for x in (w.format, w.out_features, w.in_features))
 
 
 def _weight_tensors(model: torch.nn.Module):

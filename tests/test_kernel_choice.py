@@ -196,4 +196,21 @@ def test_the_int8_product_keeps_small_steps_and_gives_large_ones_to_a_clear_gemm
 
     monkeypatch.setattr(kernel_choice, "_best_times", best_times)
     weight = QuantWeight("Q8_0", torch.zeros(32, 34 * 2, dtype=torch.uint8), 64)
-    assert kernel_choice._time_int8(weight) == rows
+    assert kernel_choice._time_int8([weight]) == rows
+
+
+def test_a_linears_parts_are_timed_together(private_cache, monkeypatch):
+    """A fused linear's parts run in one step together: their choice is timed on all of them
+    (a fused qkv's small k and v parts alone can favour the other kernel than the whole)."""
+    timed = []
+
+    def rows_c_serves(k, dtype, c_call, torch_call, before=None, counts=None):
+        timed.append(c_call(torch.zeros(1, k))[2])
+        return 8
+
+    monkeypatch.setattr(kernel_choice, "_rows_c_serves", rows_c_serves)
+    q = QuantWeight("Q8_0", torch.zeros(64, 34 * 2, dtype=torch.uint8), 64)
+    kv = QuantWeight("Q8_0", torch.zeros(32, 34 * 2, dtype=torch.uint8), 64)
+    key = ("Q8_0", 64, 64, "Q8_0", 32, 64)
+    assert kernel_choice.int8_max_rows({key: [q, kv]}) == {key: 8}
+    assert timed == [[q, kv]]

@@ -86,26 +86,27 @@ def f32_block_max_rows(keys: set[tuple[str, int, int]]) -> dict[tuple[str, int, 
     return _max_rows(keys, "blocks ", _time_block_shape)
 
 
-def int8_max_rows(weights: dict[tuple[str, int, int], QuantWeight]) -> dict[tuple, int]:
-    """For each (block format, out, in) of a bf16 model's quantized weights (one of that shape
-    in `weights`), the most rows of a step the int8 product (`quant.quant_matmul`) serves rather
-    than `quant.quant_gemm_bf16` (the weight dequantized to bf16 for the bf16 GEMM), which costs
-    more than it at a few rows (its dequantizing is paid once a step, whatever the rows) and
+def int8_max_rows(linears: dict[tuple, list[QuantWeight]]) -> dict[tuple, int]:
+    """For each quantized linear of a bf16 model (keyed by its parts' formats and shapes, flat;
+    one linear of those parts in `linears`), the most rows of a step the int8 product
+    (`quant.quant_matmul`) serves rather than `quant.quant_gemm_bf16` (the weights dequantized
+    to bf16 for the bf16 GEMM), its parts timed together as a step runs them. The dequantized
+    GEMM costs more at a few rows (its dequantizing is paid once a step, whatever the rows) and
     ran prefills at ~2x the int8 product's rate on a Zen 4 before that had its VNNI GEMM (now
     0.6-0.8x of it there at 4-256 rows: the int8 product serves every step)."""
-    return _max_rows(set(weights), "int8 ", lambda *key: _time_int8(weights[key]))
+    return _max_rows(set(linears), "int8 ", lambda *key: _time_int8(linears[key]))
 
 
-def _time_int8(weight: QuantWeight) -> int:
+def _time_int8(weights: list[QuantWeight]) -> int:
     """At least `_INT8_MIN_ROWS`: steps that few run fused (`FusedDecode`), worth more than a
     dequantizing win at such rows, which only tiny weights show (at a 1B model's shapes the int8
     product is ~10x faster at one row, ~4x at four). `ALL_ROWS` where it wins at every count
-    (the K-quants' VNNI GEMM, ~1.3-1.5x the bf16 GEMM at 256 rows on a Zen 4)."""
+    (the VNNI GEMM, ~1.3-1.5x the bf16 GEMM at 256 rows on a Zen 4)."""
     rows = _rows_c_serves(
-        weight.in_features,
+        weights[0].in_features,
         torch.bfloat16,
-        lambda x: (quant_matmul, x, [weight], torch.bfloat16),
-        lambda x: (quant_gemm_bf16, x, [weight], torch.bfloat16),
+        lambda x: (quant_matmul, x, weights, torch.bfloat16),
+        lambda x: (quant_gemm_bf16, x, weights, torch.bfloat16),
         counts=_INT8_ROW_COUNTS,
     )
     return ALL_ROWS if rows == _INT8_ROW_COUNTS[-1] else max(_INT8_MIN_ROWS, rows)
