@@ -267,6 +267,18 @@ def load_safetensors(
         raise ValueError(f"weights missing from {path}: {missing[:5]}")
 
 
+def stored_dtypes(path: Path) -> set[torch.dtype | str]:
+    """The dtypes the tensors of `path/*.safetensors` are stored in (from their headers; a name
+    safetensors gives for one torch does not read straight is kept as that name)."""
+    found: set[torch.dtype | str] = set()
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                stored = f.get_slice(name).get_dtype()
+                found.add(_DTYPES.get(stored, stored))
+    return found
+
+
 # safetensors dtype names, of the tensors read straight into a parameter of the same dtype
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 

@@ -27,6 +27,7 @@ from paged_backend.model_loader import (
     converted_from,
     gguf_source,
     load_safetensors,
+    stored_dtypes,
 )
 from paged_backend.models import LlamaForCausalLM, native_model_class
 from paged_backend.models.config import ModelConfig
@@ -223,7 +224,12 @@ class ModelRunner:
         if gguf is not None:
             load_gguf(model, file, self.dtype, arch, table, quantized=False)
         else:
-            if config.quantization not in ("int4", "int8"):  # these quantize from its values
+            # int4 and int8 quantize from the checkpoint's values: read in the model's dtype
+            # only where that is theirs (a 1B bf16 checkpoint read into fp32 for int8 peaked
+            # at +6.2 GB).
+            if config.quantization != "int4" and (
+                config.quantization != "int8" or stored_dtypes(model_path) == {self.dtype}
+            ):
                 _parameters_in_(model, self.dtype)
             load_safetensors(model, model_path, model.checkpoint_name_map)
         if config.quantization == "int8":

@@ -304,3 +304,29 @@ def test_each_replaced_linear_is_freed_before_the_next_is_copied(monkeypatch):
     replace_linears_(model, pack=False, fp16_copy=True)
     assert alive_at_copy == [4, 3, 2, 1]
     assert all(isinstance(m, real) for m in model)
+
+
+def test_each_int8_linear_is_freed_before_the_next_is_quantized(monkeypatch):
+    """`quantization="int8"` replaces a model's linears one by one: when one is quantized, the
+    linears replaced before it are gone (a list of the modules kept every original beside its
+    blocks, the whole float model, until the end)."""
+    import gc
+    import weakref
+
+    from paged_backend.cpu.quant import QuantLinear
+    from paged_backend.gguf import quantize as quantize_module
+
+    model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4)))
+    originals = [weakref.ref(m) for m in model]
+    alive_at_quantize = []
+    real = quantize_module.quantize
+
+    def counting(*args, **kwargs):
+        gc.collect()
+        alive_at_quantize.append(sum(ref() is not None for ref in originals))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(quantize_module, "quantize", counting)
+    quantize_module.quantize_linears_q8_0_(model)
+    assert alive_at_quantize == [4, 3, 2, 1]
+    assert all(isinstance(m, QuantLinear) for m in model)

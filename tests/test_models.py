@@ -211,9 +211,23 @@ def test_sharded_checkpoint_loads_the_same(tmp_path, default_model_path):
     assert our_greedy(sharded) == our_greedy(single)
 
 
+@pytest.fixture
+def read_into(monkeypatch) -> list[torch.dtype]:
+    """The dtypes of the parameters a checkpoint is read into, as the engine loads it."""
+    dtypes = []
+    real = model_runner.load_safetensors
+
+    def load(module, *args, **kwargs):
+        dtypes.extend(p.dtype for p in module.parameters())
+        return real(module, *args, **kwargs)
+
+    monkeypatch.setattr(model_runner, "load_safetensors", load)
+    return dtypes
+
+
 @pytest.mark.parametrize("quantization", [None, "none"])
 def test_bf16_weights_are_read_straight_into_bf16(
-    tmp_path, default_model_path, monkeypatch, quantization
+    tmp_path, default_model_path, read_into, quantization
 ):
     """A bf16 engine reads an fp32 checkpoint into bf16 parameters (no fp32 copy first, which
     doubled a load's peak memory): each weight rounded to nearest even, as a cast of the fp32
@@ -221,14 +235,6 @@ def test_bf16_weights_are_read_straight_into_bf16(
     path = make_tiny_model(tmp_path, default_model_path)
     weights = load_file(path / "model.safetensors")
     assert {w.dtype for w in weights.values()} == {torch.float32}
-    read_into = []
-    real = model_runner.load_safetensors
-
-    def load(module, *args, **kwargs):
-        read_into.extend(p.dtype for p in module.parameters())
-        return real(module, *args, **kwargs)
-
-    monkeypatch.setattr(model_runner, "load_safetensors", load)
     llm = LLM(model=str(path), dtype="bfloat16", num_kv_blocks=16, quantization=quantization)
     model = llm.engine.runner.model
     assert read_into and set(read_into) == {torch.bfloat16}
@@ -237,6 +243,22 @@ def test_bf16_weights_are_read_straight_into_bf16(
     assert torch.equal(embedding, weights["model.embed_tokens.weight"].to(torch.bfloat16))
     norm = model.norm.weight
     assert torch.equal(norm, weights["model.norm.weight"].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float32])
+def test_int8_reads_a_checkpoint_in_the_model_dtype_only_where_it_is_stored_so(
+    tmp_path, default_model_path, read_into, stored
+):
+    """`quantization="int8"` quantizes from the checkpoint's values: a bf16 checkpoint is read
+    straight into a bf16 model (an fp32 copy first peaked at 2.7x the weights for a 1B), an
+    fp32 one into fp32 (read into bf16, its values would round before they are quantized)."""
+    from safetensors.torch import save_file
+
+    path = make_tiny_model(tmp_path, default_model_path)
+    weights = load_file(path / "model.safetensors")
+    save_file({k: v.to(stored) for k, v in weights.items()}, path / "model.safetensors")
+    LLM(model=str(path), dtype="bfloat16", num_kv_blocks=16, quantization="int8")
+    assert read_into and set(read_into) == {stored}
 
 
 def test_missing_path_is_named(tmp_path):

@@ -148,11 +148,16 @@ def quantize_linears_q8_0_(model: nn.Module) -> None:
         blocks = quantize(weight.detach().float().numpy(), "Q8_0")
         return QuantWeight("Q8_0", torch.from_numpy(blocks), weight.shape[1])
 
-    for name, child in list(model.named_modules()):
-        if isinstance(child, nn.Linear) and child.in_features % 32 == 0:
-            parent, _, attr = name.rpartition(".")
-            linear = QuantLinear([q8_0(child.weight)], child.bias)
-            setattr(model.get_submodule(parent), attr, linear)
+    names = [
+        name
+        for name, child in model.named_modules()
+        if isinstance(child, nn.Linear) and child.in_features % 32 == 0
+    ]
+    for name in names:  # by name: each original is freed as its blocks replace it
+        child = model.get_submodule(name)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, QuantLinear([q8_0(child.weight)], child.bias))
+        del child
     head = getattr(model, "lm_head", False)
     if head is None:
         model.cpu_head = QuantLinear([q8_0(model.embed_tokens.weight)])
