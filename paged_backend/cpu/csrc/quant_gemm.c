@@ -38,6 +38,19 @@ static vnni_strip vnni_strip_at(uint8_t *buf, int64_t k) {
     return s;
 }
 
+/* 16 rows' levels of the chunk of inputs at `first` (levels[j]: row j's 256) into block b of the
+ * strip: 16 x 16 int32 transposes make each 4 inputs' 16 outputs adjacent. */
+static inline __attribute__((always_inline)) void vnni_store_levels(
+    const uint8_t levels[16][CHUNK], const vnni_strip *s, int64_t first, int b) {
+    for (int seg = 0; seg < 4; seg++) {
+        __m512i r[16];
+        for (int j = 0; j < 16; j++) r[j] = _mm512_load_si512(levels[j] + 64 * seg);
+        transpose16x16(r);
+        for (int p = 0; p < 16; p++)
+            _mm512_store_si512(s->levels + ((first / 4 + seg * 16 + p) * 2 + b) * 64, r[p]);
+    }
+}
+
 /* A row's super-block header as 16 int32 lanes: Q6_K's 16 scales; Q4_K / Q5_K's 8 scales, then
  * their 8 mins (`k_header_of`'s bits); its d and mfac into dm. */
 static inline __attribute__((always_inline)) __m512i vnni_row_header(int type, const uint8_t *blk,
@@ -89,12 +102,7 @@ static inline __attribute__((always_inline)) void vnni_pack_of(int type, const u
                 r[j] = vnni_row_header(type, blk, dm + j, dm + 32 + j);
             }
             vnni_scales(type, r, s, sb, b);
-            for (int seg = 0; seg < 4; seg++) {
-                for (int j = 0; j < 16; j++) r[j] = _mm512_load_si512(levels[j] + 64 * seg);
-                transpose16x16(r);
-                for (int p = 0; p < 16; p++)
-                    _mm512_store_si512(s->levels + ((sb * 64 + seg * 16 + p) * 2 + b) * 64, r[p]);
-            }
+            vnni_store_levels(levels, s, sb * CHUNK, b);
         }
 }
 
@@ -226,12 +234,7 @@ static inline __attribute__((always_inline)) void vnni_pack_legacy_of(
                 _mm512_store_si512(legacy_scales(s) + at, r[g]);
                 _mm512_store_si512(legacy_offsets(s, kc) + at, r[8 + g]);
             }
-            for (int seg = 0; seg < 4; seg++) {
-                for (int j = 0; j < 16; j++) r[j] = _mm512_load_si512(levels[j] + 64 * seg);
-                transpose16x16(r);
-                for (int p = 0; p < 16; p++)
-                    _mm512_store_si512(s->levels + ((first / 4 + seg * 16 + p) * 2 + b) * 64, r[p]);
-            }
+            vnni_store_levels(levels, s, first, b);
         }
 }
 
