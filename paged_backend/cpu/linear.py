@@ -36,6 +36,8 @@ than packed bf16 from two, and it moved greedy text.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -154,16 +156,31 @@ def replace_linears_(
     copy `int4` holds under its name from `quantize_linears_int4(module)`, and the C GEMM for
     the steps `gemm_rows` gives its weight's shape)."""
     int4 = int4 or {}
-    # By name, so that each replaced linear (and a weight its copies replace) is freed before
-    # the next is copied: a list of the modules kept every original beside every copy until the
-    # end (a 1B bf16 model's load peaked at +1.9 GB over its weights).
-    names = [name for name, child in module.named_modules() if isinstance(child, nn.Linear)]
+
+    def cpu_linear(name: str, child: nn.Linear) -> CpuLinear:
+        rows = None if gemm_rows is None else gemm_rows[tuple(child.weight.shape)]
+        return CpuLinear(child.weight, child.bias, pack, fp16_copy, int4.get(name), rows)
+
+    swap_linears_(module, cpu_linear)
+
+
+def swap_linears_(
+    module: nn.Module,
+    make: Callable[[str, nn.Linear], nn.Module],
+    where: Callable[[nn.Linear], bool] | None = None,
+) -> None:
+    """Replace, in place, each `nn.Linear` below `module` (each `where` accepts, where given)
+    with `make(its name, it)`. By name, so that each replaced linear (and a weight its copies
+    replace) is freed before the next is made: a list of the modules kept every original beside
+    every copy until the end (a 1B bf16 model's load peaked at +1.9 GB over its weights)."""
+    names = [
+        name
+        for name, child in module.named_modules()
+        if isinstance(child, nn.Linear) and (where is None or where(child))
+    ]
     for name in names:
         parent, _, attr = name.rpartition(".")
-        child = module.get_submodule(name)
-        rows = None if gemm_rows is None else gemm_rows[tuple(child.weight.shape)]
-        linear = CpuLinear(child.weight, child.bias, pack, fp16_copy, int4.get(name), rows)
-        setattr(module.get_submodule(parent), attr, linear)
+        setattr(module.get_submodule(parent), attr, make(name, module.get_submodule(name)))
 
 
 def linear_shapes(module: nn.Module) -> set[tuple[int, int]]:

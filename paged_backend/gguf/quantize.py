@@ -29,6 +29,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
 from torch import nn
 
+from paged_backend.cpu.linear import swap_linears_
 from paged_backend.cpu.quant import QuantLinear, QuantWeight
 
 QK_K = 256  # weights in a K-quant super-block
@@ -148,16 +149,11 @@ def quantize_linears_q8_0_(model: nn.Module) -> None:
         blocks = quantize(weight.detach().float().numpy(), "Q8_0")
         return QuantWeight("Q8_0", torch.from_numpy(blocks), weight.shape[1])
 
-    names = [
-        name
-        for name, child in model.named_modules()
-        if isinstance(child, nn.Linear) and child.in_features % 32 == 0
-    ]
-    for name in names:  # by name: each original is freed as its blocks replace it
-        child = model.get_submodule(name)
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, QuantLinear([q8_0(child.weight)], child.bias))
-        del child
+    swap_linears_(
+        model,
+        lambda _, child: QuantLinear([q8_0(child.weight)], child.bias),
+        where=lambda child: child.in_features % 32 == 0,
+    )
     head = getattr(model, "lm_head", False)
     if head is None:
         model.cpu_head = QuantLinear([q8_0(model.embed_tokens.weight)])
