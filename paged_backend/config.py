@@ -132,7 +132,8 @@ class EngineConfig:
     fp16_decode_weights: bool | None = None
     # None: a GGUF file's weights stay in its block formats on CPU (but for the embedded default
     # model's, which runs dequantized); "none": dequantized to `dtype`; "int4": int4 copies for
-    # small steps (CPU, bf16); "int8": linears as Q8_0 blocks (int8, a scale per 32; CPU).
+    # small steps (CPU, bf16); "int8": linears as int8 blocks (a scale a 256 inputs, Q8_256,
+    # where they are whole super-blocks, else a 32, Q8_0; CPU).
     quantization: str | None = None
     cpu_kernels: bool | None = None
     cpu_gemm_max_rows: int | None = None

@@ -233,9 +233,9 @@ class ModelRunner:
                 _parameters_in_(model, self.dtype)
             load_safetensors(model, model_path, model.checkpoint_name_map)
         if config.quantization == "int8":
-            from paged_backend.gguf.quantize import quantize_linears_q8_0_
+            from paged_backend.gguf.quantize import quantize_linears_int8_
 
-            quantize_linears_q8_0_(model)
+            quantize_linears_int8_(model)
             return self._blocks_model(config, model, ops)
         # From the full-precision weights: a Q4 grid survives only until the cast.
         int4 = quantize_linears_int4(model.layers) if config.quantization == "int4" else None

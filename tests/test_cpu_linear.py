@@ -316,17 +316,20 @@ def test_each_int8_linear_is_freed_before_the_next_is_quantized(monkeypatch):
     from paged_backend.cpu.quant import QuantLinear
     from paged_backend.gguf import quantize as quantize_module
 
-    model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4)))
+    # Q8_0 (64 inputs) and Q8_256 (256) linears
+    model = nn.Sequential(*(nn.Linear(k, k, bias=False) for k in (64, 64, 256, 256)))
     originals = [weakref.ref(m) for m in model]
     alive_at_quantize = []
-    real = quantize_module.quantize
+    real = quantize_module.int8_weight
 
     def counting(*args, **kwargs):
         gc.collect()
         alive_at_quantize.append(sum(ref() is not None for ref in originals))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(quantize_module, "quantize", counting)
-    quantize_module.quantize_linears_q8_0_(model)
+    monkeypatch.setattr(quantize_module, "int8_weight", counting)
+    quantize_module.quantize_linears_int8_(model)
     assert alive_at_quantize == [4, 3, 2, 1]
     assert all(isinstance(m, QuantLinear) for m in model)
+    formats = [m.weights[0].format.removesuffix("_VNNI") for m in model]
+    assert formats == ["Q8_0", "Q8_0", "Q8_256", "Q8_256"]

@@ -183,17 +183,25 @@ def test_k_quant_greedy_tokens_start_as_the_dequantized_weights_do(k_quant_check
     assert_all_blocks_free(quantized.engine)
 
 
-def test_int8_linears_are_q8_0_blocks_of_the_float_weights(llm_fp32):
-    """quantization="int8" (any checkpoint): every linear as Q8_0 blocks (tied head too), the
-    embedding table kept for lookups, at most half the bytes of bf16 for the layers."""
+def test_int8_linears_are_int8_blocks_of_the_float_weights(llm_fp32):
+    """quantization="int8" (any checkpoint): every linear as int8 blocks (tied head too), Q8_0
+    for the default model's 576 inputs, Q8_256 for its down projection's 1536, the embedding
+    table kept for lookups, at most half the bytes of bf16 for the layers."""
+    from paged_backend.cpu.quant import vnni_gemm_built
+
     int8 = LLM(dtype="float32", quantization="int8", num_kv_blocks=256)
     model, reference = int8.engine.runner.model, llm_fp32.engine.runner.model
-    qkv = model.layers[0].self_attn.qkv_proj
+    qkv, down = model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.down_proj
     assert isinstance(qkv, QuantLinear) and [w.format for w in qkv.weights] == ["Q8_0"]
+    q8_256 = "Q8_256_VNNI" if vnni_gemm_built() else "Q8_256"  # 576 outputs: 18 strips
+    assert isinstance(down, QuantLinear) and [w.format for w in down.weights] == [q8_256]
     assert isinstance(model.cpu_head, QuantLinear)
-    x = torch.randn(3, qkv.in_features)
-    expected = reference.layers[0].self_attn.qkv_proj(x)
-    assert F.cosine_similarity(qkv(x), expected, dim=-1).min() > 0.999
+    for ours, full in (
+        (qkv, reference.layers[0].self_attn.qkv_proj),
+        (down, reference.layers[0].mlp.down_proj),
+    ):
+        x = torch.randn(3, ours.in_features)
+        assert F.cosine_similarity(ours(x), full(x), dim=-1).min() > 0.999
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     ours = int8.generate(PROMPTS, params, use_tqdm=False)
     full = llm_fp32.generate(PROMPTS, params, use_tqdm=False)

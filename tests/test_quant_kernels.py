@@ -22,7 +22,10 @@ from paged_backend.cpu.quant import (
     quant_gemm_bf16,
     quant_matmul,
     quantize_activations,
+    vnni_gemm_built,
+    vnni_strips,
 )
+from paged_backend.gguf.quantize import int8_weight, q8_256_blocks
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
 
@@ -39,17 +42,32 @@ FP16_FIELDS = {
 }
 
 
+# The formats whose bytes are rows of blocks (Q8_256_VNNI: Q8_256's, laid out in strips)
+ROW_FORMATS = [fmt for fmt in BLOCK_FORMATS if fmt != "Q8_256_VNNI"]
+needs_vnni = pytest.mark.skipif(
+    not cpu.available() or not vnni_gemm_built(), reason="no AVX512-VNNI GEMM"
+)
+
+
 def random_weight(fmt: str, rows: int, k: int, seed: int = 0) -> QuantWeight:
     _, per_block, size = BLOCK_FORMATS[fmt]
     rng = np.random.default_rng(seed)
     data = rng.integers(0, 256, size=(rows, k // per_block, size), dtype=np.uint8)
-    for at in FP16_FIELDS[fmt]:
+    for at in FP16_FIELDS.get(fmt, ()):
         scales = (rng.standard_normal((rows, k // per_block)) * 0.01).astype(np.float16)
         data[..., at : at + 2] = scales.view(np.uint8).reshape(rows, k // per_block, 2)
+    if fmt == "Q8_256":  # its fp32 scale after the levels (-128: the level the quantizer avoids)
+        scales = (rng.standard_normal((rows, k // per_block)) * 0.01).astype(np.float32)
+        data[..., 256:] = scales.view(np.uint8).reshape(rows, k // per_block, 4)
     return QuantWeight(fmt, torch.from_numpy(data.reshape(rows, -1)), k)
 
 
 def reference_weight(w: QuantWeight) -> np.ndarray:
+    if w.format == "Q8_256":  # not a ggml type: its definition, levels times the block's scale
+        blocks = w.data.numpy().reshape(w.out_features, -1, 260)
+        levels = blocks[..., :256].view(np.int8).astype(np.float32)
+        scales = np.ascontiguousarray(blocks[..., 256:]).view(np.float32)
+        return (levels * scales).reshape(w.out_features, -1)
     return gguf_dequantize(w.data.numpy(), GGMLQuantizationType[w.format])
 
 
@@ -66,7 +84,7 @@ def dequantized_activations(x: torch.Tensor, fmt: str) -> np.ndarray:
     return levels * np.repeat(xd.double().numpy(), 32, axis=1)[:, :k]
 
 
-@pytest.mark.parametrize("fmt", list(BLOCK_FORMATS))
+@pytest.mark.parametrize("fmt", ROW_FORMATS)
 def test_dequantized_rows_are_the_gguf_packages(fmt):
     w = random_weight(fmt, 24, in_features(fmt))
     reference = reference_weight(w)
@@ -110,7 +128,7 @@ def test_activations_are_int8_blocks_of_32_with_level_sums():
     assert xq.abs().max() <= 127
 
 
-@pytest.mark.parametrize("fmt", list(BLOCK_FORMATS))
+@pytest.mark.parametrize("fmt", ROW_FORMATS)
 @pytest.mark.parametrize("rows", [1, 3, 37])
 def test_matmul_is_the_product_with_the_dequantized_weight(fmt, rows):
     """Exact but for float rounding: the kernels' integer dot products of levels, scaled, are
@@ -149,7 +167,7 @@ needs_bf16_gemm = pytest.mark.skipif(
 
 
 @needs_bf16_gemm
-@pytest.mark.parametrize("fmt", list(BLOCK_FORMATS))
+@pytest.mark.parametrize("fmt", ROW_FORMATS)
 @pytest.mark.parametrize(("rows", "threads"), [(1, 1), (9, 2), (70, 2)])
 def test_dequantized_gemm_is_the_bf16_product_with_the_dequantized_weight(fmt, rows, threads):
     """Each weight rounded to bf16 (nearest even), exact bf16 products, fp32 sums: the bf16
@@ -216,7 +234,7 @@ def test_outputs_do_not_depend_on_threads_or_batching(fmt, k):
     assert torch.equal(one, alone)
 
 
-@pytest.mark.parametrize("fmt", list(BLOCK_FORMATS))
+@pytest.mark.parametrize("fmt", ROW_FORMATS)
 def test_rows_have_the_bits_of_one_row_in_steps_of_any_size(fmt):
     """Outputs a multiple of 32, as the VNNI GEMM takes them (where it is built; steps of 4 rows
     on): each row's result has the one-row kernel's bits in every step size (2: below the GEMM;
@@ -251,3 +269,55 @@ def test_rows_have_the_bits_of_one_row_in_steps_of_any_size(fmt):
 def test_malformed_weights_are_refused(fmt, k, data, match):
     with pytest.raises(ValueError, match=match):
         QuantWeight(fmt, data, k)
+
+
+def test_q8_256_blocks_round_each_weight_to_its_super_blocks_grid():
+    """`quantization="int8"`'s Q8_256: each 256 inputs of a row on the grid of their largest
+    |w| / 127 (levels within +-127, a block of zeros all zeros), read back by the kernels'
+    dequantizer; inputs not whole super-blocks take Q8_0."""
+    w = torch.randn(5, 768)
+    w[1, 256:512] = 0.0
+    w[2, 10] = 40.0  # an outlier coarsens its own block only
+    q = q8_256_blocks(w)
+    assert q.format == "Q8_256" and q.data.shape == (5, 3 * 260)
+    step = w.view(5, 3, 256).abs().amax(-1, keepdim=True) / 127
+    error = (dequantize(q) - w).view(5, 3, 256).abs()
+    assert torch.all(error <= step / 2 * (1 + 1e-5))
+    assert not dequantize(q)[1, 256:512].any()
+    levels = q.data.view(5, 3, 260)[..., :256].view(torch.int8)
+    assert levels.abs().amax(-1).tolist() == [[127] * 3, [127, 0, 127], *[[127] * 3] * 3]
+    assert int8_weight(w[:, :96]).format == "Q8_0"
+    assert int8_weight(w).format == "Q8_256"  # 5 outputs: not whole strips of 32
+    strips = "Q8_256_VNNI" if vnni_gemm_built() else "Q8_256"
+    assert int8_weight(torch.randn(64, 256)).format == strips
+    with pytest.raises(ValueError, match="multiple of 256"):
+        q8_256_blocks(w[:, :96])
+
+
+@needs_vnni
+def test_q8_256_in_vnni_strips_gives_the_bits_of_its_rows_in_any_step():
+    """Q8_256_VNNI (`vnni_strips`: Q8_256's bytes as the VNNI GEMM reads them, no unpacking a
+    step) is the same weight, and every step of it (one row included, which it also serves)
+    gives the row-major blocks' bits, on one or two threads (3 strips), fp32 and bf16 out."""
+    rows_major = random_weight("Q8_256", 96, 768, seed=6)
+    strips = vnni_strips(rows_major)
+    assert strips.format == "Q8_256_VNNI" and strips.data.shape == rows_major.data.shape
+    assert torch.equal(dequantize(strips), dequantize(rows_major))
+    ids = torch.tensor([95, 0, 33])
+    assert torch.equal(dequantize(strips, ids), dequantize(rows_major)[ids])
+    assert not can_dequantize_to_bf16([strips])
+    x = torch.randn(11, 768)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in (1, 3, 4, 11):
+                for dtype in (torch.float32, torch.bfloat16):
+                    expected = quant_matmul(x[:rows], [rows_major], dtype)
+                    assert torch.equal(quant_matmul(x[:rows], [strips], dtype), expected)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="multiple of 32 rows"):
+        QuantWeight("Q8_256_VNNI", rows_major.data[:48], 768)
+    with pytest.raises(ValueError, match="Q8_256 weights of 32k rows"):
+        vnni_strips(random_weight("Q8_256", 48, 768))

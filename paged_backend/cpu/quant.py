@@ -24,7 +24,11 @@ from torch import nn
 
 from paged_backend.cpu.library import load_library
 
-# ggml type id -> (weights a block, bytes a block), for the formats the kernels read
+# type id -> (weights a block, bytes a block), for the formats the kernels read: ggml's, and
+# ours for `quantization="int8"`, which no GGUF file holds: Q8_256 (256 int8 levels, then their
+# fp32 scale: a K-quant's integer super-block sums with no group scales, so its VNNI GEMM runs
+# `vpdpbusd` and little else) and Q8_256_VNNI (`vnni_strips`: the same bytes laid out as that
+# GEMM reads them, so no step unpacks them)
 BLOCK_FORMATS = {
     "Q4_0": (2, 32, 18),
     "Q4_1": (3, 32, 20),
@@ -34,6 +38,8 @@ BLOCK_FORMATS = {
     "Q4_K": (12, 256, 144),
     "Q5_K": (13, 256, 176),
     "Q6_K": (14, 256, 210),
+    "Q8_256": (64, 256, 260),
+    "Q8_256_VNNI": (65, 256, 260),
 }
 _CHUNK = 256  # a super-block: the kernels' unit along the inputs
 
@@ -63,6 +69,16 @@ class QuantWeight:
             )
         if self.data.shape[1] != row or self.data.stride(1) != 1:
             raise ValueError(f"{self.format} rows of {self.in_features} inputs take {row} bytes")
+        if self.format == "Q8_256_VNNI" and not (
+            vnni_gemm_built()
+            and self.out_features % 32 == 0
+            and self.data.is_contiguous()
+            and self.data.data_ptr() % 64 == 0
+        ):
+            raise ValueError(
+                "Q8_256_VNNI weights need the VNNI GEMM (AVX512-VNNI), a multiple of 32 rows, "
+                "and contiguous 64-byte-aligned bytes"
+            )
 
     @property
     def out_features(self) -> int:
@@ -75,6 +91,38 @@ class QuantWeight:
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+
+def vnni_gemm_built() -> bool:
+    """Whether the kernels were built with the VNNI GEMM (AVX512-VNNI and -BW)."""
+    return load_library().has("vnni_matmul")
+
+
+def vnni_strips(weight: QuantWeight) -> QuantWeight:
+    """A Q8_256 weight (rows a multiple of 32) as Q8_256_VNNI: the same bytes, each 32 rows
+    (a strip) per super-block as its 16 x 16-output blocks' levels plus 128, inputs 4q..4q+3 of
+    block b at byte (2q + b) * 64 (16 outputs x 4 inputs), then the 32 rows' scales (fp32): what
+    `csrc/quant_gemm.c`'s GEMM would otherwise unpack each step, for every strip."""
+    if weight.format != "Q8_256" or weight.out_features % 32:
+        raise ValueError(f"vnni_strips takes Q8_256 weights of 32k rows, not {weight.format}")
+    n, blocks = weight.out_features, weight.in_features // 256
+    rows = weight.data.reshape(n // 32, 2, 16, blocks, 260)
+    levels = rows[..., :256].reshape(n // 32, 2, 16, blocks, 64, 4) ^ 0x80
+    levels = levels.permute(0, 3, 4, 1, 2, 5).reshape(n // 32, blocks, 8192)
+    scales = rows[..., 256:].permute(0, 3, 1, 2, 4).reshape(n // 32, blocks, 128)
+    data = torch.cat([levels, scales], dim=-1).reshape(n, -1)
+    return QuantWeight("Q8_256_VNNI", data, weight.in_features)
+
+
+def _strips_dequantized(weight: QuantWeight) -> torch.Tensor:
+    """`vnni_strips`' inverse, dequantized: fp32 [out_features, in_features]."""
+    n, blocks = weight.out_features, weight.in_features // 256
+    strips = weight.data.reshape(n // 32, blocks, 8320)
+    levels = (strips[..., :8192] ^ 0x80).view(torch.int8).reshape(n // 32, blocks, 64, 2, 16, 4)
+    levels = levels.permute(0, 3, 4, 1, 2, 5).reshape(n, blocks, 256)
+    scales = strips[..., 8192:].contiguous().view(torch.float32).reshape(n // 32, blocks, 2, 16)
+    scales = scales.permute(0, 2, 3, 1).reshape(n, blocks, 1)
+    return (levels.float() * scales).reshape(n, -1)
 
 
 def activation_block(fmt: str) -> int:
@@ -169,9 +217,10 @@ def quant_matmul(
 
 def can_dequantize_to_bf16(weights: list[QuantWeight]) -> bool:
     """Whether `quant_gemm_bf16` takes these weights (with bf16 rows): the AVX512-BF16 kernels
-    built, and weights of whole blocks of 16 outputs and 32 inputs."""
+    built, and weights of whole blocks of 16 outputs and 32 inputs, in a row-major format."""
     return load_library().has("quant_gemm_bf16") and all(
-        w.out_features % 16 == 0 and w.in_features % 32 == 0 for w in weights
+        w.out_features % 16 == 0 and w.in_features % 32 == 0 and w.format != "Q8_256_VNNI"
+        for w in weights
     )
 
 
@@ -277,6 +326,9 @@ def dequantize(weight: QuantWeight, rows: torch.Tensor | None = None) -> torch.T
     ):
         raise IndexError(f"row ids must lie in [0, {weight.out_features})")
     count = weight.out_features if ids is None else ids.numel()
+    if weight.format == "Q8_256_VNNI":
+        whole = _strips_dequantized(weight)
+        return whole if ids is None else whole[ids]
     out = torch.empty(count, weight.in_features)
     load_library().dequantize_rows(
         type=weight.type_id,

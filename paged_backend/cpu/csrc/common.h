@@ -131,8 +131,11 @@ static inline uint16_t f32_to_f16(float value) {
 
 typedef uint16_t bf16;
 
-/* GGUF (ggml) block types, by their type ids. */
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+/* GGUF (ggml) block types, by their type ids, and ours for `quantization="int8"` (no ggml types,
+ * ids past theirs): Q8_256, a super-block of 256 int8 levels, then its fp32 scale; Q8_256_VNNI,
+ * the same bytes for 32 outputs at a time laid out as the VNNI GEMM reads them (quant_gemm.c). */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q8_256 = 64,
+       Q8_256_VNNI = 65 };
 
 /* Bytes of one block, by type (0: not a block type the kernels read). */
 static inline int64_t block_bytes(int type) {
@@ -145,6 +148,7 @@ static inline int64_t block_bytes(int type) {
     case Q4_K: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;
+    case Q8_256: case Q8_256_VNNI: return 260;
     default: return 0;
     }
 }

@@ -69,8 +69,19 @@ static inline void k4_scales_mins(const uint8_t *blk, uint64_t *sc, uint64_t *mi
             (uint64_t)(((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4)) << 32;
 }
 
-/* A K-quant super-block's 16 group scales and offsets. */
+/* Q8_256's scale, after its levels. */
+static inline float q8_256_scale(const uint8_t *blk) {
+    float d;
+    memcpy(&d, blk + 256, 4);
+    return d;
+}
+
+/* A super-block's 16 group scales and offsets. */
 static inline void superblock_scales(int type, const uint8_t *blk, group_scales *s) {
+    if (type == Q8_256) {
+        for (int g = 0; g < 16; g++) s->a[g] = q8_256_scale(blk);
+        return;
+    }
     if (type == Q6_K) {
         const int8_t *scales = (const int8_t *)(blk + 192);
         float d = f16_to_f32(blk + 208);
@@ -103,8 +114,12 @@ static inline void block32_levels(int type, const uint8_t *blk, uint8_t *q) {
     }
 }
 
-/* The levels of a Q4_K / Q5_K / Q6_K super-block into q[256]. */
+/* The levels of a Q4_K / Q5_K / Q6_K super-block into q[256]; Q8_256's signed bytes. */
 static inline void superblock_levels(int type, const uint8_t *blk, uint8_t *q) {
+    if (type == Q8_256) {
+        memcpy(q, blk, CHUNK);
+        return;
+    }
     if (type == Q6_K) {
         for (int h = 0; h < 2; h++) {
             const uint8_t *l8 = blk + 64 * h, *h8 = blk + 128 + 32 * h;
@@ -135,7 +150,7 @@ static inline __attribute__((always_inline)) void unpack_chunk(int type, const u
                                                                chunk *c) {
     const uint8_t *blk = row + (first >> (type >= Q4_K ? 8 : 5)) * block_bytes(type); /* no division */
     c->groups = (int)(count / 32);
-    c->is_signed = type == Q8_0;
+    c->is_signed = type == Q8_0 || type == Q8_256;
     memset(&c->s, 0, sizeof c->s);
     if (type >= Q4_K) {
         superblock_levels(type, blk, c->q);
@@ -205,6 +220,7 @@ static inline __m256i q6k_bits(__m256i qh, int shift) {
 /* Level register g (0..7: weights 32g..32g+31) of a K-quant super-block. With `type` a constant
  * and g unrolled, the loads shared by two or four registers are made once. */
 static inline __attribute__((always_inline)) __m256i k_level(int type, const uint8_t *blk, int g) {
+    if (type == Q8_256) return _mm256_loadu_si256((const __m256i *)(blk + 32 * g)); /* signed */
     if (type == Q6_K) { /* halves of 128: low nibbles of l0, l1, then high nibbles; 2 bits from qh */
         int h = g / 4, j = g % 4;
         __m256i l = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (j % 2)));

@@ -18,11 +18,29 @@
  *   mv + ((8s + h) * 2 + b) * 32;
  * - dm: super-block s's d at dm + (4s + b) * 16, mfac at dm + (4s + 2 + b) * 16. */
 typedef struct {
-    uint8_t *levels;
+    const uint8_t *levels;
     int32_t *scale;
     int16_t *mv;
     float *dm;
+    int64_t levels_step, dm_step; /* bytes, floats from a super-block's to the next's */
 } vnni_strip;
+
+/* Strip st of a Q8_256_VNNI weight (w 64-byte aligned), which needs no unpacking: its 32 rows'
+ * bytes hold, for each super-block, the levels (plus 128) as the strip's (8,192 bytes), then
+ * the 32 outputs' scales as its dm (128 bytes). */
+static vnni_strip vnni_strip_of(const uint8_t *w, int64_t row_bytes, int64_t st) {
+    vnni_strip s = {0};
+    s.levels = w + 32 * st * row_bytes;
+    s.levels_step = 32 * block_bytes(Q8_256_VNNI);
+    s.dm = (float *)(s.levels + 64 * 128);
+    s.dm_step = s.levels_step / 4;
+    return s;
+}
+
+/* The pack asks for each block this many super-blocks ahead of the one it reads: the hardware
+ * prefetcher does not follow 32 interleaved rows (a 4-row Q8_256 product ran up to ~1.25x
+ * faster with it, in a noisy A/B). */
+#define VNNI_PREFETCH 4
 
 static inline int k_groups(int type) { return type == Q6_K ? 16 : 8; }
 
@@ -32,6 +50,8 @@ static inline int64_t vnni_strip_bytes(int64_t k) { return 32 * k + 8 * k + 4 * 
 static vnni_strip vnni_strip_at(uint8_t *buf, int64_t k) {
     vnni_strip s;
     s.levels = buf;
+    s.levels_step = 64 * 128;
+    s.dm_step = 64;
     s.scale = (int32_t *)(buf + 32 * k);
     s.mv = (int16_t *)(buf + 40 * k);
     s.dm = (float *)(buf + 44 * k);
@@ -47,7 +67,7 @@ static inline __attribute__((always_inline)) void vnni_store_levels(
         for (int j = 0; j < 16; j++) r[j] = _mm512_load_si512(levels[j] + 64 * seg);
         transpose16x16(r);
         for (int p = 0; p < 16; p++)
-            _mm512_store_si512(s->levels + ((first / 4 + seg * 16 + p) * 2 + b) * 64, r[p]);
+            _mm512_store_si512((uint8_t *)s->levels + ((first / 4 + seg * 16 + p) * 2 + b) * 64, r[p]);
     }
 }
 
@@ -55,6 +75,11 @@ static inline __attribute__((always_inline)) void vnni_store_levels(
  * their 8 mins (`k_header_of`'s bits); its d and mfac into dm. */
 static inline __attribute__((always_inline)) __m512i vnni_row_header(int type, const uint8_t *blk,
                                                                      float *d, float *mfac) {
+    if (type == Q8_256) {
+        *d = q8_256_scale(blk);
+        *mfac = 0.0f;
+        return _mm512_setzero_si512();
+    }
     if (type == Q6_K) {
         *d = f16_to_f32(blk + 208);
         *mfac = *d * 32.0f;
@@ -97,11 +122,16 @@ static inline __attribute__((always_inline)) void vnni_pack_of(int type, const u
             float *dm = s->dm + 64 * sb + 16 * b;
             for (int j = 0; j < 16; j++) {
                 const uint8_t *blk = w + (j0 + 16 * b + j) * row_bytes + sb * block_bytes(type);
-                for (int g = 0; g < 8; g++)
-                    _mm256_store_si256((__m256i *)(levels[j] + 32 * g), k_level(type, blk, g));
+                for (int64_t i = 0; i < block_bytes(type); i += 64)
+                    _mm_prefetch((const char *)blk + VNNI_PREFETCH * block_bytes(type) + i, _MM_HINT_T0);
+                for (int g = 0; g < 8; g++) {
+                    __m256i q = k_level(type, blk, g);
+                    if (type == Q8_256) q = _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80));
+                    _mm256_store_si256((__m256i *)(levels[j] + 32 * g), q);
+                }
                 r[j] = vnni_row_header(type, blk, dm + j, dm + 32 + j);
             }
-            vnni_scales(type, r, s, sb, b);
+            if (type != Q8_256) vnni_scales(type, r, s, sb, b);
             vnni_store_levels(levels, s, sb * CHUNK, b);
         }
 }
@@ -111,6 +141,7 @@ static __attribute__((noinline)) void vnni_pack(int type, const uint8_t *w, int6
     switch (type) {
     case Q4_K: vnni_pack_of(Q4_K, w, row_bytes, j0, k, s); break;
     case Q5_K: vnni_pack_of(Q5_K, w, row_bytes, j0, k, s); break;
+    case Q8_256: vnni_pack_of(Q8_256, w, row_bytes, j0, k, s); break;
     default: vnni_pack_of(Q6_K, w, row_bytes, j0, k, s);
     }
 }
@@ -122,29 +153,50 @@ static inline __m512 product(__m512 a, __m512 b) {
 }
 
 /* out[r][0..32) = rows r < R of the activations times the strip, super-block by super-block in
- * `k_add`'s float sequence; groups of 32 inputs (16 for Q6_K: `groups` 16). */
+ * `k_add`'s float sequence; groups of 32 inputs (16 for Q6_K: `groups` 16). `unit`: Q8_256,
+ * whose groups all weigh 1 and whose levels are stored plus 128 (unsigned for `vpdpbusd`), so a
+ * super-block's integer sum is less 128 times the activations' sum, and it has no offsets. */
 static inline __attribute__((always_inline)) void vnni_tile_of(
-    const int groups, const int R, const vnni_strip *s, int64_t k, const int8_t *xq,
+    const int groups, const int unit, const int R, const vnni_strip *s, int64_t k, const int8_t *xq,
     const float *xd, const int16_t *bsum, int64_t kp, float out[VNNI_ROWS][32]) {
     const int quads = CHUNK / 4 / groups; /* 4-input steps a group */
     __m512 acc[VNNI_ROWS][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < k / CHUNK; sb++) {
-        __m512i isum[VNNI_ROWS][2], t[VNNI_ROWS][2];
+        __m512i isum[VNNI_ROWS][2], t[VNNI_ROWS][2], odd[2];
         for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
         for (int g = 0; g < groups; g++) {
-            const uint8_t *lv = s->levels + (sb * 64 + g * quads) * 128;
+            const uint8_t *lv = s->levels + sb * s->levels_step + g * quads * 128;
             const int8_t *x = xq + sb * CHUNK + g * 4 * quads;
-            for (int r = 0; r < R; r++) t[r][0] = t[r][1] = _mm512_setzero_si512();
+            if (!unit || g == 0) {
+                for (int r = 0; r < R; r++) t[r][0] = t[r][1] = _mm512_setzero_si512();
+                odd[0] = odd[1] = _mm512_setzero_si512();
+            }
             for (int q = 0; q < quads; q++) {
                 __m512i w0 = _mm512_load_si512(lv + 128 * q), w1 = _mm512_load_si512(lv + 128 * q + 64);
                 for (int r = 0; r < R; r++) {
                     int32_t four;
                     memcpy(&four, x + r * kp + 4 * q, 4);
                     __m512i a = _mm512_set1_epi32(four);
-                    t[r][0] = _mm512_dpbusd_epi32(t[r][0], w0, a);
-                    t[r][1] = _mm512_dpbusd_epi32(t[r][1], w1, a);
+                    /* one row: odd steps into their own sums, two more dependency chains (a
+                     * one-row Q8_256_VNNI product was 0.8x the unpacking kernels' without) */
+                    __m512i *sum = R == 1 && q % 2 ? odd : t[r];
+                    sum[0] = _mm512_dpbusd_epi32(sum[0], w0, a);
+                    sum[1] = _mm512_dpbusd_epi32(sum[1], w1, a);
                 }
+            }
+            if (R == 1 && (!unit || g == groups - 1)) {
+                t[0][0] = _mm512_add_epi32(t[0][0], odd[0]);
+                t[0][1] = _mm512_add_epi32(t[0][1], odd[1]);
+            }
+            if (unit) {
+                for (int r = 0; r < R && g == groups - 1; r++) {
+                    const int16_t *bs = bsum + r * (kp / 16) + sb * 16;
+                    int sum = _mm512_reduce_add_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)bs)));
+                    isum[r][0] = _mm512_sub_epi32(t[r][0], _mm512_set1_epi32(sum * 128));
+                    isum[r][1] = _mm512_sub_epi32(t[r][1], _mm512_set1_epi32(sum * 128));
+                }
+                continue;
             }
             const int32_t *sc = s->scale + (sb * groups + g) * 32;
             __m512i sc0 = _mm512_load_si512(sc), sc1 = _mm512_load_si512(sc + 16);
@@ -154,7 +206,7 @@ static inline __attribute__((always_inline)) void vnni_tile_of(
             }
         }
         for (int r = 0; r < R; r++) t[r][0] = t[r][1] = _mm512_setzero_si512();
-        for (int h = 0; h < 8; h++) {
+        for (int h = 0; h < 8 * !unit; h++) {
             const int16_t *mv = s->mv + (8 * sb + h) * 64;
             __m512i mv0 = _mm512_load_si512(mv), mv1 = _mm512_load_si512(mv + 32);
             for (int r = 0; r < R; r++) {
@@ -165,14 +217,15 @@ static inline __attribute__((always_inline)) void vnni_tile_of(
                 t[r][1] = _mm512_dpwssd_epi32(t[r][1], mv1, bb);
             }
         }
-        const float *dm = s->dm + 64 * sb;
+        const float *dm = s->dm + sb * s->dm_step;
         for (int r = 0; r < R; r++) {
             __m512 xs = _mm512_set1_ps(xd[r * (kp / 32) + sb * 8]);
             for (int b = 0; b < 2; b++) {
                 __m512 dd = _mm512_mul_ps(_mm512_load_ps(dm + 16 * b), xs);
                 __m512 mm = _mm512_mul_ps(_mm512_load_ps(dm + 32 + 16 * b), xs);
-                __m512 v = _mm512_sub_ps(product(_mm512_cvtepi32_ps(isum[r][b]), dd),
-                                         product(_mm512_cvtepi32_ps(t[r][b]), mm));
+                __m512 v = product(_mm512_cvtepi32_ps(isum[r][b]), dd);
+                if (!unit) /* Q8_256: k_add's p0 - p1 with p1 = 0 * mfac, +0, is p0 */
+                    v = _mm512_sub_ps(v, product(_mm512_cvtepi32_ps(t[r][b]), mm));
                 acc[r][b] = _mm512_add_ps(acc[r][b], v);
             }
         }
@@ -188,12 +241,17 @@ static __attribute__((noinline)) void vnni_tile(int type, int rows, const vnni_s
                                                 int64_t k, const int8_t *xq, const float *xd,
                                                 const int16_t *bsum, int64_t kp,
                                                 float out[VNNI_ROWS][32]) {
-#define TILE(G, R) vnni_tile_of(G, R, s, k, xq, xd, bsum, kp, out)
+#define TILE(G, U, R) vnni_tile_of(G, U, R, s, k, xq, xd, bsum, kp, out)
+#define TILES(G, U) \
+    if (rows == 4) TILE(G, U, 4); else if (rows == 3) TILE(G, U, 3); else if (rows == 2) TILE(G, U, 2); else TILE(G, U, 1)
     if (type == Q6_K) {
-        if (rows == 4) TILE(16, 4); else if (rows == 3) TILE(16, 3); else if (rows == 2) TILE(16, 2); else TILE(16, 1);
+        TILES(16, 0);
+    } else if (type == Q8_256) {
+        TILES(8, 1); /* the K-quants' loop, its 8 groups' sums added, not scaled */
     } else {
-        if (rows == 4) TILE(8, 4); else if (rows == 3) TILE(8, 3); else if (rows == 2) TILE(8, 2); else TILE(8, 1);
+        TILES(8, 0);
     }
+#undef TILES
 #undef TILE
 }
 
@@ -340,6 +398,18 @@ static __attribute__((noinline)) void vnni_legacy_tile(int type, int rows, const
 #undef TILE
 }
 
+/* out[at..at + 16) = v, as `store_output` stores each (its rounding to bf16, in 16 lanes). */
+static inline void store_outputs16(void *out, int out_bf16, int64_t at, __m512 v) {
+    if (!out_bf16) {
+        _mm512_storeu_ps((float *)out + at, v);
+        return;
+    }
+    __m512i u = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16)));
+}
+
 /* Each thread's strip buffer, grown to the largest k it has served. */
 static __thread uint8_t *vnni_buffer;
 static __thread int64_t vnni_buffer_bytes;
@@ -355,23 +425,25 @@ static uint8_t *vnni_buffer_for(int64_t k) {
 }
 
 /* `quant_matmul` for weights of n a multiple of 32 (K-quants: k of 256) on the VNNI GEMM (see
- * above): the threads split the strips. Returns 0 where a thread could not get its buffer
+ * above): the threads split the strips, Q8_256_VNNI's read as they are, the others unpacked. Returns 0 where a thread could not get its buffer
  * (nothing written then is wrong: the caller's kernel recomputes every output). */
 int vnni_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
                        const int8_t *xq, const float *xd, const int16_t *bsum, int64_t rows,
                        void *out, int out_bf16, int64_t out_stride, int threads) {
     int64_t kp = act_stride(k), strips = n / 32, kc = (k + CHUNK - 1) / CHUNK * CHUNK;
-    int legacy = type < Q4_K, tile_rows = legacy ? 2 : VNNI_ROWS, ok = 1;
+    int legacy = type < Q4_K, packed = type == Q8_256_VNNI, tile_rows = legacy ? 2 : VNNI_ROWS, ok = 1;
 #pragma omp parallel num_threads(threads) if (threads > 1) reduction(&& : ok)
     {
         int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();
-        uint8_t *buf = vnni_buffer_for(kc);
-        if (!buf) {
+        uint8_t *buf = packed ? NULL : vnni_buffer_for(kc);
+        if (!buf && !packed) {
             ok = 0;
         } else {
-            vnni_strip s = vnni_strip_at(buf, kc);
+            vnni_strip s = packed ? vnni_strip_of(w, row_bytes, 0) : vnni_strip_at(buf, kc);
             for (int64_t st = strips * t / parts; st < strips * (t + 1) / parts; st++) {
-                if (legacy)
+                if (packed)
+                    s = vnni_strip_of(w, row_bytes, st);
+                else if (legacy)
                     vnni_pack_legacy(type, w, row_bytes, 32 * st, k, &s);
                 else
                     vnni_pack(type, w, row_bytes, 32 * st, k, &s);
@@ -384,10 +456,11 @@ int vnni_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_by
                     if (legacy)
                         vnni_legacy_tile(type, mt, &s, k, x, x_d, x_sum, kp, tile);
                     else
-                        vnni_tile(type, mt, &s, k, x, x_d, x_sum, kp, tile);
+                        vnni_tile(packed ? Q8_256 : type, mt, &s, k, x, x_d, x_sum, kp, tile);
                     for (int r = 0; r < mt; r++)
-                        for (int j = 0; j < 32; j++)
-                            store_output(out, out_bf16, (r0 + r) * out_stride + 32 * st + j, tile[r][j]);
+                        for (int h = 0; h < 2; h++)
+                            store_outputs16(out, out_bf16, (r0 + r) * out_stride + 32 * st + 16 * h,
+                                            _mm512_loadu_ps(tile[r] + 16 * h));
                 }
             }
         }

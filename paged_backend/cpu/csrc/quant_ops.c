@@ -12,6 +12,8 @@
  *   gathered into one vector, scaled in float once a chunk.
  * - K-quants (activations in blocks of 256): a and b are small integers times a super-block
  *   factor, so a super-block sums in integers (`vpmaddwd` by the group's scale) and converts once.
+ *   Q8_256 (ours, for `quantization="int8"`: signed levels, one scale a super-block) is read as
+ *   a K-quant whose groups all weigh 1 and whose offsets are 0.
  * A chunk of 256 weights is unpacked once for all rows of a step, so a batch reuses it from
  * registers and L1; with AVX512-VNNI, steps of a few rows on unpack a strip of outputs once
  * into a layout for `vpdpbusd` (`quant_gemm.c`). Without AVX2 a scalar loop computes the same
@@ -203,6 +205,11 @@ static inline __m256i spread_lanes(int lo, int hi) {
 
 static inline __attribute__((always_inline)) void k_header_of(int type, const uint8_t *blk,
                                                               k_header *h) {
+    if (type == Q8_256) { /* no group scales, no offsets: msum is 0 */
+        h->lo = h->hi = h->mv = _mm256_setzero_si256();
+        h->dm = _mm_setr_ps(q8_256_scale(blk), 0.0f, 0.0f, 0.0f);
+        return;
+    }
     if (type == Q6_K) {
         __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
         h->lo = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc8));
@@ -227,14 +234,18 @@ static inline __attribute__((always_inline)) void k_header_of(int type, const ui
 
 /* The scales of level register g: int16 lanes 0-7 weigh its first 16 weights, 8-15 the next. */
 static inline __attribute__((always_inline)) __m256i k_scale(int type, const k_header *h, int g) {
+    if (type == Q8_256) return h->lo;
     if (type == Q6_K) return _mm256_shuffle_epi8(g < 4 ? h->lo : h->hi, spread_lanes(2 * g % 8, (2 * g + 1) % 8));
     return _mm256_shuffle_epi8(h->lo, spread_lanes(g, g));
 }
 
-/* Level register g's products with the activations x (32 bytes), weighted by its scales. */
-static inline __attribute__((always_inline)) __m256i k_group_dot(__m256i q, __m256i scale,
+/* Level register g's products with the activations x (32 bytes), weighted by its scales
+ * (Q8_256's signed levels: weighted by 1). */
+static inline __attribute__((always_inline)) __m256i k_group_dot(int type, __m256i q, __m256i scale,
                                                                  const int8_t *x) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)x)), scale);
+    __m256i xv = _mm256_loadu_si256((const __m256i *)x);
+    if (type == Q8_256) return dot_bytes(q, xv, 1);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), scale);
 }
 
 /* acc (lane 0) + a super-block's value from its integer sums (sumi: 8 lanes of isum's parts),
@@ -281,7 +292,7 @@ static inline __attribute__((always_inline)) void dot_rows_k(
         const int8_t *x = xq + m * kp;
         __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         for (int g = 0; g < 8; g++)
-            part[g % 2] = _mm256_add_epi32(part[g % 2], k_group_dot(c.q[g], c.sc[g], x + 32 * g));
+            part[g % 2] = _mm256_add_epi32(part[g % 2], k_group_dot(type, c.q[g], c.sc[g], x + 32 * g));
         __m256i sumi = _mm256_add_epi32(part[0], part[1]);
         acc[m] = _mm256_castps128_ps256(
             k_add(_mm256_castps256_ps128(acc[m]), &c.h, sumi, bsum + m * (kp / 16), xd[m * (kp / 32)]));
@@ -302,7 +313,7 @@ static inline __attribute__((always_inline)) float dot_one_k_of(
         __m256i part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         for (int g = 0; g < 8; g++)
             part[g % 2] = _mm256_add_epi32(
-                part[g % 2], k_group_dot(k_level(type, row, g), k_scale(type, &h, g), x + first + 32 * g));
+                part[g % 2], k_group_dot(type, k_level(type, row, g), k_scale(type, &h, g), x + first + 32 * g));
         sum = k_add(sum, &h, _mm256_add_epi32(part[0], part[1]), bsum + first / 16, xd[first / 32]);
     }
     return _mm_cvtss_f32(sum);
@@ -343,6 +354,7 @@ static __attribute__((noinline)) void row_outputs(int type, const uint8_t *w, in
     case Q4_K: row_outputs_of(Q4_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16); break;
     case Q5_K: row_outputs_of(Q5_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16); break;
     case Q6_K: row_outputs_of(Q6_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16); break;
+    case Q8_256: row_outputs_of(Q8_256, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16); break;
     case Q4_0: row_outputs_of(Q4_0, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16); break;
     case Q8_0: row_outputs_of(Q8_0, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16); break;
     default: row_outputs_of(type, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16);
@@ -412,6 +424,8 @@ static __attribute__((noinline)) void tile_outputs(int type, const uint8_t *w, i
         tile_outputs_of(Q5_K, w, row_bytes, j0, nj, k, xq, xd, bsum, kp, rows, acc);
     else if (type == Q6_K)
         tile_outputs_of(Q6_K, w, row_bytes, j0, nj, k, xq, xd, bsum, kp, rows, acc);
+    else if (type == Q8_256)
+        tile_outputs_of(Q8_256, w, row_bytes, j0, nj, k, xq, xd, bsum, kp, rows, acc);
     else if (type == Q4_0)
         tile_outputs_of(Q4_0, w, row_bytes, j0, nj, k, xq, xd, bsum, kp, rows, acc);
     else if (type == Q8_0)
@@ -422,7 +436,8 @@ static __attribute__((noinline)) void tile_outputs(int type, const uint8_t *w, i
 
 /* out [rows][n] (rows `out_stride` apart; fp32, or bf16 where `out_bf16`) = activations (from
  * `quantize_activations`, in blocks of 256 for the K-quants and 32 for the others) times the
- * weight w [n][row_bytes] of `type`, k inputs a row. `threads` threads split the outputs; each
+ * weight w [n][row_bytes] of `type`, k inputs a row (Q8_256_VNNI: VNNI builds only, every step
+ * on the VNNI GEMM). `threads` threads split the outputs; each
  * unpacks a chunk of a weight row once for up to ROW_TILE rows, so at a few rows the step
  * streams the weight from memory once. */
 void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
@@ -430,7 +445,7 @@ void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_
                   int64_t rows, void *out, int out_bf16, int64_t out_stride, int threads) {
     int64_t kp = act_stride(k);
 #ifdef VNNI_GEMM
-    if (rows >= VNNI_MIN_ROWS && n % 32 == 0 && (type < Q4_K || k % CHUNK == 0) &&
+    if ((type == Q8_256_VNNI || (rows >= VNNI_MIN_ROWS && n % 32 == 0 && (type < Q4_K || k % CHUNK == 0))) &&
         vnni_matmul(type, w, n, k, row_bytes, xq, xd, bsum, rows, out, out_bf16, out_stride, threads))
         return;
 #endif
