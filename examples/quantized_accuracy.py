@@ -3,8 +3,8 @@ agreement and perplexity, teacher-forced, on held-out text and on the reference'
 
 The reference is `quantization="none"` (a GGUF file dequantized: the values transformers'
 conversion gives). `--quantization gguf` (default) serves a GGUF file's blocks as they are,
-`--quantization int8` the linears as Q8_0 blocks (`paged_backend.cpu.quant`); both quantize
-activations to int8. Every position of a sequence is scored in one forward pass.
+`--quantization int8` the linears as int8 blocks (Q8_256 or Q8_0, `paged_backend.cpu.quant`);
+both quantize activations to int8. Every position of a sequence is scored in one forward pass.
 
     python examples/quantized_accuracy.py [--model FILE.gguf | DIR] [--quantization gguf|int8]
                                           [--tokens 2000] [--dtype float32] [--llama-cpp]
