@@ -16,6 +16,7 @@ from paged_backend.cpu.linear import GemmRows, can_pack, quantize_linears_int4
 from paged_backend.cpu.memory import (
     advise_huge_pages,
     huge_page_tokens,
+    move_to_huge_pages_,
     release_freed_heap,
     resident_bytes,
 )
@@ -112,6 +113,11 @@ class ModelRunner:
                 config, model_config, model_path, gguf, max_model_len, ops, bf16_kernels
             )
         self.model = model.eval().requires_grad_(False)
+        if self.device.type == "cpu" and model_config.impl != "transformers":
+            # one-row steps stream the weights: from 2 MiB pages (`move_to_huge_pages_`)
+            move_to_huge_pages_(_weight_tensors(model))
+            if getattr(model, "fused_decode", None) is not None:  # a table of old addresses
+                model.fuse_decode_()
         quantized = any(isinstance(m, QuantLinear) for m in model.modules())
         self.kv_dtype = config.resolve_kv_cache_dtype(self.dtype, self.device, quantized)
         self.num_blocks = self._num_blocks(config, max_model_len)

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_tiny_model
+from torch import nn
 
 from paged_backend import LLM, SamplingParams, cpu
 from paged_backend.attention import AttentionMetadata
@@ -29,6 +30,7 @@ from paged_backend.cpu.features import cpu_flags
 from paged_backend.cpu.memory import (
     advise_huge_pages,
     huge_page_tokens,
+    move_to_huge_pages_,
     release_freed_heap,
     resident_bytes,
     zeros_on_huge_pages,
@@ -880,6 +882,36 @@ def test_the_kv_cache_is_advised_onto_huge_pages_only_when_asked():
     if "THPeligible" in fields:
         assert _mapping_of(cache[3].data_ptr())["THPeligible"] == "1"
     assert huge_page_tokens(64, torch.bfloat16) == 16384
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="no /proc")
+def test_weights_move_onto_huge_pages_in_place_and_leave_their_file_pages(tmp_path):
+    """`move_to_huge_pages_`: every storage once into one region (a view keeps its place in
+    its base, a parameter stays a parameter, values and dtypes as they were), and the pages of
+    a file mapping the process read them from leave its resident set (re-read from the file
+    if touched again)."""
+    base = torch.randn(512, 1024)
+    view = base[100:200, 8:]
+    weight = nn.Parameter(torch.randn(300, 700).to(torch.bfloat16), requires_grad=False)
+    path = tmp_path / "blocks.bin"
+    expected = np.random.default_rng(0).integers(0, 256, 8 << 20, dtype=np.uint8)
+    expected.tofile(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="c")
+    blocks = torch.from_numpy(mapped[4096:])
+    before = [t.clone() for t in (base, view, weight, blocks)]
+    assert int(_mapping_of(blocks.data_ptr())["Rss"]) >= 8000  # kB: read in by the clone
+    moved = move_to_huge_pages_([base, view, weight, blocks])
+    assert moved >= base.nbytes + weight.nbytes + blocks.nbytes
+    assert len({t.untyped_storage().data_ptr() for t in (base, view, weight, blocks)}) == 1
+    assert view.data_ptr() - base.data_ptr() == (100 * 1024 + 8) * 4
+    assert isinstance(weight, nn.Parameter) and weight.dtype == torch.bfloat16
+    for tensor, old in zip((base, view, weight, blocks), before, strict=True):
+        assert torch.equal(tensor, old)
+    assert int(_mapping_of(mapped.ctypes.data)["Rss"]) <= 8  # kB: at most its first page
+    assert np.array_equal(mapped, expected)  # the file's bytes, read again
+    if THP.exists() and "[never]" not in THP.read_text():
+        fields = _mapping_of(base.data_ptr())
+        assert fields.get("THPeligible", "1") == "1"
 
 
 def _rss_mib() -> int:

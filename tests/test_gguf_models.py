@@ -56,6 +56,26 @@ def test_linears_and_embedding_keep_the_files_blocks(quantized):
     assert weights < 100_000  # only norms: no dequantized copy of any linear
 
 
+@pytest.mark.parametrize("served", ["quantized", "llm_fp32"])
+def test_a_models_weights_leave_the_file_for_one_region(served, request):
+    """Every weight a CPU model keeps (the file's blocks, or full-precision copies) lies in one
+    region (`move_to_huge_pages_`: 2 MiB pages where Linux gives them), none in the GGUF file's
+    mapping; the fused decode step's table was rebuilt for it (its tokens are the modules')."""
+    from paged_backend.model_runner import _weight_tensors
+
+    llm = request.getfixturevalue(served)
+    model = llm.engine.runner.model
+    tensors = [t for t in _weight_tensors(model) if t.layout == torch.strided]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    if served == "quantized":
+        assert model.fused_decode is not None
+        table = model.fused_decode.weights
+        lo = min(t.data_ptr() for t in tensors)
+        hi = max(t.data_ptr() + t.nbytes for t in tensors)
+        qkv = model.layers[0].self_attn.qkv_proj.weights[0].data.data_ptr()
+        assert lo <= qkv < hi and qkv in table.flatten().tolist()
+
+
 def test_dequantized_load_gives_the_converted_models_tokens(llm_fp32):
     """quantization="none" reads the same file into full-precision weights: the same values as
     transformers' conversion, so the same greedy tokens (checks names, q/k order, norms)."""
