@@ -97,8 +97,8 @@ def move_to_huge_pages_(tensors) -> int:
 
 
 def _file_mappings() -> list[tuple[int, int]]:
-    """The address ranges of this process's mappings of regular files other than shared
-    libraries (Linux's /proc/self/maps; none elsewhere)."""
+    """The address ranges of this process's mappings of files (Linux's /proc/self/maps; none
+    elsewhere)."""
     try:
         with open("/proc/self/maps") as maps:
             lines = maps.read().splitlines()
@@ -107,7 +107,7 @@ def _file_mappings() -> list[tuple[int, int]]:
     ranges = []
     for line in lines:
         fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[4] != "0" and ".so" not in fields[5]:
+        if len(fields) == 6 and fields[4] != "0":  # an inode: a file's pages
             low, high = (int(a, 16) for a in fields[0].split("-"))
             ranges.append((low, high))
     return ranges
