@@ -177,8 +177,7 @@ class ModelRunner:
 
     def memory(self) -> dict[str, int]:
         """Bytes of the weights (every copy the linears keep) and of the KV cache, and how many of
-        them are resident: a GGUF file's weights are its mapped pages, read in as they are used,
-        and the KV cache commits memory as blocks are first written."""
+        them are resident: the KV cache commits memory as blocks are first written."""
         weights, weights_resident = resident_bytes(_weight_tensors(self.model))
         kv, kv_resident = resident_bytes(t for layer in self.kv_caches for t in layer)
         return {

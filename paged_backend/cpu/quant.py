@@ -1,14 +1,13 @@
 """Linears and embeddings whose weights stay in GGUF's block formats (`csrc/quant_ops.c`, and
 `csrc/quant_gemm.c` for steps of many rows).
 
-A Q4_K_M file of an 8B model is ~4.9 GB; dequantized to bf16 it is ~16 GB, and a decode step
-reads every weight once, so a dequantized copy costs both memory and one-stream speed. Here a
-weight is its file's bytes, [out rows, bytes a row] (a view of the memory-mapped file where
-nothing had to move), and the C kernels compute with them directly: activations are quantized
-to int8 per block of 32, or of 256 for the K-quants (as llama.cpp does), and the integer dot
-products are scaled back (see the C file for the scheme). With AVX512-VNNI, steps of 4 rows on
-run a GEMM on `vpdpbusd` with the same bits a row. Embedding rows are dequantized as they are
-looked up.
+A Q4_K_M file of an 8B model is ~4.9 GB; dequantized to bf16 it is ~16 GB, and a decode step reads
+every weight once, so a dequantized copy costs both memory and one-stream speed. Here a weight is
+its file's bytes, [out rows, bytes a row] (read from the memory-mapped file, then moved onto 2 MiB
+pages with every weight), and the C kernels compute with them directly: activations are quantized to
+int8 per block of 32, or of 256 for the K-quants (as llama.cpp does), and the integer dot products
+are scaled back (see the C file for the scheme). With AVX512-VNNI, steps of 4 rows on run a GEMM on
+`vpdpbusd` with the same bits a row. Embedding rows are dequantized as they are looked up.
 
 `QuantLinear` can hold several weights side by side (a fused qkv or gate/up projection whose
 parts a Q4_K_M file stores in different formats): they share one quantization of the

@@ -1,13 +1,14 @@
 """A GGUF file's tensors into our modules, the weights staying in their block formats.
 
-The file is memory-mapped copy-on-write: a weight the kernels read as it is stays the file's own
-pages (resident as they are read, shared with the page cache, never a second copy). Only what
-must change is copied: the q and k rows of a `llama` file, which llama.cpp's converter permuted
-for its interleaved rotary, are put back in Hugging Face's order. Linears and the embedding
-table in a format of `BLOCK_FORMATS` become `QuantLinear` / `QuantEmbedding`; a fused
-projection's parts (q, k, v; gate, up) stay separate weights of one `QuantLinear`, as a Q4_K_M
-file stores them in different formats. Any other tensor (norms, biases, weights in formats the
-kernels do not read) is dequantized into its parameter.
+The file is memory-mapped copy-on-write and a weight the kernels read as it is loads as a view of
+the file's pages; the model runner then copies every weight once onto 2 MiB pages, dropping the
+file's pages as it goes (`cpu.memory.move_to_huge_pages_`), so a weight is resident once. Only what
+must change is copied here: the q and k rows of a `llama` file, which llama.cpp's converter permuted
+for its interleaved rotary, are put back in Hugging Face's order. Linears and the embedding table in
+a format of `BLOCK_FORMATS` become `QuantLinear` / `QuantEmbedding`; a fused projection's parts (q,
+k, v; gate, up) stay separate weights of one `QuantLinear`, as a Q4_K_M file stores them in
+different formats. Any other tensor (norms, biases, weights in formats the kernels do not read) is
+dequantized into its parameter.
 """
 
 from __future__ import annotations
