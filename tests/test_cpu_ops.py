@@ -892,20 +892,22 @@ def test_weights_move_onto_huge_pages_in_place_and_leave_their_file_pages(tmp_pa
     if touched again)."""
     base = torch.randn(512, 1024)
     view = base[100:200, 8:]
+    reshaped = torch.randn(64, 4, 1024).reshape(256, 1024)  # its `_base` holds the storage too
     weight = nn.Parameter(torch.randn(300, 700).to(torch.bfloat16), requires_grad=False)
     path = tmp_path / "blocks.bin"
     expected = np.random.default_rng(0).integers(0, 256, 8 << 20, dtype=np.uint8)
     expected.tofile(path)
     mapped = np.memmap(path, dtype=np.uint8, mode="c")
     blocks = torch.from_numpy(mapped[4096:])
-    before = [t.clone() for t in (base, view, weight, blocks)]
+    before = [t.clone() for t in (base, view, weight, blocks, reshaped)]
     assert int(_mapping_of(blocks.data_ptr())["Rss"]) >= 8000  # kB: read in by the clone
-    moved = move_to_huge_pages_([base, view, weight, blocks])
-    assert moved >= base.nbytes + weight.nbytes + blocks.nbytes
-    assert len({t.untyped_storage().data_ptr() for t in (base, view, weight, blocks)}) == 1
+    moved = move_to_huge_pages_([base, view, weight, blocks, reshaped])
+    assert moved >= base.nbytes + weight.nbytes + blocks.nbytes + reshaped.nbytes
+    both = (base, view, weight, blocks, reshaped, reshaped._base)  # the old storage: freed
+    assert len({t.untyped_storage().data_ptr() for t in both}) == 1
     assert view.data_ptr() - base.data_ptr() == (100 * 1024 + 8) * 4
     assert isinstance(weight, nn.Parameter) and weight.dtype == torch.bfloat16
-    for tensor, old in zip((base, view, weight, blocks), before, strict=True):
+    for tensor, old in zip((base, view, weight, blocks, reshaped), before, strict=True):
         assert torch.equal(tensor, old)
     assert int(_mapping_of(mapped.ctypes.data)["Rss"]) <= 8  # kB: at most its first page
     assert np.array_equal(mapped, expected)  # the file's bytes, read again

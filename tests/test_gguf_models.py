@@ -66,7 +66,7 @@ def test_a_models_weights_leave_the_file_for_one_region(served, request):
     llm = request.getfixturevalue(served)
     model = llm.engine.runner.model
     tensors = [t for t in _weight_tensors(model) if t.layout == torch.strided]
-    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    assert _storages(tensors) == 1
     if served == "quantized":
         assert model.fused_decode is not None
         table = model.fused_decode.weights
@@ -74,6 +74,13 @@ def test_a_models_weights_leave_the_file_for_one_region(served, request):
         hi = max(t.data_ptr() + t.nbytes for t in tensors)
         qkv = model.layers[0].self_attn.qkv_proj.weights[0].data.data_ptr()
         assert lo <= qkv < hi and qkv in table.flatten().tolist()
+
+
+def _storages(tensors: list[torch.Tensor]) -> int:
+    """How many storages hold `tensors` and the tensors they are views of (`_base`, which would
+    keep a moved weight's old storage alive)."""
+    bases = [t._base for t in tensors if t._base is not None]
+    return len({t.untyped_storage().data_ptr() for t in tensors + bases})
 
 
 def test_dequantized_load_gives_the_converted_models_tokens(llm_fp32):
@@ -216,6 +223,9 @@ def test_int8_linears_are_int8_blocks_of_the_float_weights(llm_fp32):
     q8_256 = "Q8_256_VNNI" if vnni_gemm_built() else "Q8_256"  # 576 outputs: 18 strips
     assert isinstance(down, QuantLinear) and [w.format for w in down.weights] == [q8_256]
     assert isinstance(model.cpu_head, QuantLinear)
+    from paged_backend.model_runner import _weight_tensors
+
+    assert _storages([t for t in _weight_tensors(model) if t.layout == torch.strided]) == 1
     for ours, full in (
         (qkv, reference.layers[0].self_attn.qkv_proj),
         (down, reference.layers[0].mlp.down_proj),

@@ -74,7 +74,9 @@ def move_to_huge_pages_(tensors) -> int:
         if tensor.device.type == "cpu" and tensor.layout == torch.strided:
             storage = tensor.untyped_storage()
             views = by_storage.setdefault(storage.data_ptr(), (storage, {}))[1]
-            views[id(tensor)] = tensor
+            # a view keeps the tensor it was made from (`_base`), and that its storage
+            for view in (tensor, tensor._base) if tensor._base is not None else (tensor,):
+                views[id(view)] = view
     starts, total = {}, 0
     for key, (storage, _) in by_storage.items():
         starts[key] = total
