@@ -282,25 +282,32 @@ def test_int4_engine_with_biases_and_an_untied_head(tmp_path, default_model_path
     assert all(0 <= t < model.config.vocab_size for t in got)
 
 
-def test_each_replaced_linear_is_freed_before_the_next_is_copied(monkeypatch):
-    """Replacing a model's linears never holds every original beside every copy (a load's
-    peak): when a copy is made, the linears replaced before it are gone."""
+def _alive_at_each_call(monkeypatch, owner, name: str, model: nn.Module) -> list[int]:
+    """How many of `model`'s modules are still alive at each call of `owner.name` from now on
+    (garbage collected first)."""
     import gc
     import weakref
 
-    from paged_backend.cpu import linear as cpu_linear
-
-    model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4))).to(torch.bfloat16)
     originals = [weakref.ref(m) for m in model]
-    alive_at_copy = []
-    real = cpu_linear.CpuLinear
+    alive, real = [], getattr(owner, name)
 
     def counting(*args, **kwargs):
         gc.collect()
-        alive_at_copy.append(sum(ref() is not None for ref in originals))
+        alive.append(sum(ref() is not None for ref in originals))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_linear, "CpuLinear", counting)
+    monkeypatch.setattr(owner, name, counting)
+    return alive
+
+
+def test_each_replaced_linear_is_freed_before_the_next_is_copied(monkeypatch):
+    """Replacing a model's linears never holds every original beside every copy (a load's
+    peak): when a copy is made, the linears replaced before it are gone."""
+    from paged_backend.cpu import linear as cpu_linear
+
+    model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4))).to(torch.bfloat16)
+    real = cpu_linear.CpuLinear
+    alive_at_copy = _alive_at_each_call(monkeypatch, cpu_linear, "CpuLinear", model)
     replace_linears_(model, pack=False, fp16_copy=True)
     assert alive_at_copy == [4, 3, 2, 1]
     assert all(isinstance(m, real) for m in model)
@@ -310,24 +317,12 @@ def test_each_int8_linear_is_freed_before_the_next_is_quantized(monkeypatch):
     """`quantization="int8"` replaces a model's linears one by one: when one is quantized, the
     linears replaced before it are gone (a list of the modules kept every original beside its
     blocks, the whole float model, until the end)."""
-    import gc
-    import weakref
-
     from paged_backend.cpu.quant import QuantLinear
     from paged_backend.gguf import quantize as quantize_module
 
     # Q8_0 (64 inputs) and Q8_256 (256) linears
     model = nn.Sequential(*(nn.Linear(k, k, bias=False) for k in (64, 64, 256, 256)))
-    originals = [weakref.ref(m) for m in model]
-    alive_at_quantize = []
-    real = quantize_module.int8_weight
-
-    def counting(*args, **kwargs):
-        gc.collect()
-        alive_at_quantize.append(sum(ref() is not None for ref in originals))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(quantize_module, "int8_weight", counting)
+    alive_at_quantize = _alive_at_each_call(monkeypatch, quantize_module, "int8_weight", model)
     quantize_module.quantize_linears_int8_(model)
     assert alive_at_quantize == [4, 3, 2, 1]
     assert all(isinstance(m, QuantLinear) for m in model)

@@ -4,6 +4,7 @@ where Linux allows once the cache is well used; and how much of a set of tensors
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import mmap
 
@@ -182,6 +183,7 @@ def release_freed_heap() -> None:
     trim(0)
 
 
+@functools.cache
 def _libc(name: str, third: type):
     """libc's `name`(void *addr, size_t length, `third`), or None where there is none."""
     try:

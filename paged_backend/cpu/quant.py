@@ -97,6 +97,12 @@ def vnni_gemm_built() -> bool:
     return load_library().has("vnni_matmul")
 
 
+# A strip's bytes, [strip, block of 16 outputs, output, super-block, 4-input step, 4] in row-major
+# Q8_256 (scales: one "step" of 4 bytes), to `vnni_strips`' order: it swaps (block, output) with
+# (super-block, step), so it is its own inverse
+_STRIP_AXES = (0, 3, 4, 1, 2, 5)
+
+
 def vnni_strips(weight: QuantWeight) -> QuantWeight:
     """A Q8_256 weight (rows a multiple of 32) as Q8_256_VNNI: the same bytes, each 32 rows
     (a strip) per super-block as its 16 x 16-output blocks' levels plus 128, inputs 4q..4q+3 of
@@ -106,22 +112,23 @@ def vnni_strips(weight: QuantWeight) -> QuantWeight:
         raise ValueError(f"vnni_strips takes Q8_256 weights of 32k rows, not {weight.format}")
     n, blocks = weight.out_features, weight.in_features // 256
     rows = weight.data.reshape(n // 32, 2, 16, blocks, 260)
-    levels = rows[..., :256].reshape(n // 32, 2, 16, blocks, 64, 4) ^ 0x80
-    levels = levels.permute(0, 3, 4, 1, 2, 5).reshape(n // 32, blocks, 8192)
-    scales = rows[..., 256:].permute(0, 3, 1, 2, 4).reshape(n // 32, blocks, 128)
-    data = torch.cat([levels, scales], dim=-1).reshape(n, -1)
-    return QuantWeight("Q8_256_VNNI", data, weight.in_features)
+    levels = (rows[..., :256] ^ 0x80).reshape(n // 32, 2, 16, blocks, 64, 4).permute(_STRIP_AXES)
+    scales = rows[..., 256:].reshape(n // 32, 2, 16, blocks, 1, 4).permute(_STRIP_AXES)
+    parts = [levels.reshape(n // 32, blocks, 8192), scales.reshape(n // 32, blocks, 128)]
+    return QuantWeight("Q8_256_VNNI", torch.cat(parts, dim=-1).reshape(n, -1), weight.in_features)
 
 
-def _strips_dequantized(weight: QuantWeight) -> torch.Tensor:
-    """`vnni_strips`' inverse, dequantized: fp32 [out_features, in_features]."""
+def _rows_of_strips(weight: QuantWeight) -> QuantWeight:
+    """`vnni_strips`' inverse: the Q8_256 weight whose bytes a Q8_256_VNNI one lays out."""
     n, blocks = weight.out_features, weight.in_features // 256
     strips = weight.data.reshape(n // 32, blocks, 8320)
-    levels = (strips[..., :8192] ^ 0x80).view(torch.int8).reshape(n // 32, blocks, 64, 2, 16, 4)
-    levels = levels.permute(0, 3, 4, 1, 2, 5).reshape(n, blocks, 256)
-    scales = strips[..., 8192:].contiguous().view(torch.float32).reshape(n // 32, blocks, 2, 16)
-    scales = scales.permute(0, 2, 3, 1).reshape(n, blocks, 1)
-    return (levels.float() * scales).reshape(n, -1)
+    levels = (strips[..., :8192] ^ 0x80).reshape(n // 32, blocks, 64, 2, 16, 4)
+    scales = strips[..., 8192:].reshape(n // 32, blocks, 1, 2, 16, 4)
+    parts = [
+        levels.permute(_STRIP_AXES).reshape(n // 32, 2, 16, blocks, 256),
+        scales.permute(_STRIP_AXES).reshape(n // 32, 2, 16, blocks, 4),
+    ]
+    return QuantWeight("Q8_256", torch.cat(parts, dim=-1).reshape(n, -1), weight.in_features)
 
 
 def activation_block(fmt: str) -> int:
@@ -325,9 +332,8 @@ def dequantize(weight: QuantWeight, rows: torch.Tensor | None = None) -> torch.T
     ):
         raise IndexError(f"row ids must lie in [0, {weight.out_features})")
     count = weight.out_features if ids is None else ids.numel()
-    if weight.format == "Q8_256_VNNI":
-        whole = _strips_dequantized(weight)
-        return whole if ids is None else whole[ids]
+    if weight.format == "Q8_256_VNNI":  # the C kernels read its blocks row by row
+        weight = _rows_of_strips(weight)
     out = torch.empty(count, weight.in_features)
     load_library().dequantize_rows(
         type=weight.type_id,
