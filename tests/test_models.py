@@ -16,6 +16,7 @@ from paged_backend import LLM, SamplingParams, cpu, model_runner
 from paged_backend.cpu import ops as cpu_ops
 from paged_backend.model_loader import resolve_model_path
 from paged_backend.models.config import ModelConfig
+from paged_backend.models.gemma import softcap_
 from paged_backend.models.llama import ROPE_CHUNK, RotaryEmbedding, rope_inv_freq
 
 PROMPTS = [
@@ -376,6 +377,16 @@ def test_pickle_beside_safetensors_is_ignored(tmp_path, tiny_model, monkeypatch)
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=8)
     params = SamplingParams(temperature=0, max_tokens=4)
     assert llm.generate("Hi", params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_final_logits_are_capped_in_place():
+    """Gemma 2's final soft cap rewrites the step's logits rather than copying them (32 rows of
+    a 262,144-token vocabulary are 32 MiB a copy), with transformers' values."""
+    logits = torch.randn(4, 1000) * 60
+    expected = torch.tanh(logits / 30.0) * 30.0
+    assert softcap_(logits, 30.0) is logits
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+    assert softcap_(logits, None) is logits
 
 
 @pytest.mark.skipif(not cpu.has_bf16_kernels(), reason="no AVX512-BF16 (or no C compiler)")

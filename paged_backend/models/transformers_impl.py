@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from paged_backend.models.gemma import softcap
+from paged_backend.models.gemma import softcap_
 
 _STEP: contextvars.ContextVar[tuple] = contextvars.ContextVar("paged_step")
 ATTENTION = "paged"
@@ -90,4 +90,4 @@ class TransformersForCausalLM(nn.Module):
         finally:
             _STEP.reset(token)
         logits = self.model.get_output_embeddings()(hidden[logits_indices]).float()
-        return softcap(logits, self.logit_softcap)
+        return softcap_(logits, self.logit_softcap)
