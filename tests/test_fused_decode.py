@@ -55,7 +55,7 @@ def generate_counting(
         ("MistralForCausalLM", {"sliding_window": 6}),
         # Phi-4-mini: a partial rotary, and LongRoPE tables past the original length (16).
         ("Phi3ForCausalLM", {"partial_rotary_factor": 0.75, "pad_token_id": 0, **longrope(12)}),
-        ("Qwen2ForCausalLM", {}),  # q/k/v biases: fp32 only
+        ("Qwen2ForCausalLM", {}),  # q/k/v biases
         ("Qwen3ForCausalLM", {}),  # q/k norms
         # GeGLU, sandwich norms, soft-capped scores and logits, a query scale, windows
         (
@@ -86,8 +86,6 @@ def generate_counting(
 def test_fused_steps_give_the_modules_bits(
     tmp_path, default_model_path, monkeypatch, architecture, overrides, dtype, kv_cache_dtype
 ):
-    if dtype == "bfloat16" and architecture == "Qwen2ForCausalLM":
-        pytest.skip("the bf16 fused step takes no biases")
     path = make_tiny_model(
         tmp_path, default_model_path, architecture, vector_noise=0.3, **overrides
     )
@@ -217,7 +215,6 @@ def test_bf16_steps_past_the_int8_rows_dequantize_through_the_modules(tmp_path, 
 @pytest.mark.parametrize(
     ("architecture", "engine_args", "dtype"),
     [
-        pytest.param("Qwen2ForCausalLM", {}, "bfloat16", marks=needs_bf16),  # q/k/v biases
         *[
             pytest.param(arch, args, dtype, marks=needs_bf16 if dtype == "bfloat16" else needs_ops)
             for arch, args in [
@@ -265,7 +262,7 @@ def test_fp32_steps_with_a_shared_prefix_run_the_modules(tmp_path, default_model
         ("default", "float32"),
         ("tiny", "bfloat16"),
         ("default", "bfloat16"),
-        ("tiny-qwen2", "bfloat16"),  # biases: bf16's fused step takes none
+        ("tiny-qwen2", "bfloat16"),  # biases added to rounded products
         ("tiny-gemma3", "float32"),
         ("tiny-gemma3", "bfloat16"),
         ("tiny-qwen3", "bfloat16"),
@@ -279,7 +276,7 @@ def test_gguf_blocks_run_fused_with_the_modules_bits(
     """Steps over a GGUF file's blocks (Q4_K and Q6_K parts of one projection, Qwen2's biases;
     Gemma 3's and Qwen3's layers; the default model's Q4_1; `quantization="int8"`'s Q8_0 of a
     model with an untied head) run in one call with the modules' bits: fp32's, and bf16's (a
-    bf16 CPU's dtype; any build, as no C GEMM copy is needed) without biases."""
+    bf16 CPU's dtype; any build, as no C GEMM copy is needed)."""
     args = {}
     if shape == "default":
         path = default_model_file()
@@ -289,9 +286,6 @@ def test_gguf_blocks_run_fused_with_the_modules_bits(
         path = write_checkpoint(shape, tmp_path, ("q4_k_m",))[0]
     llm = LLM(model=str(path), dtype=dtype, enable_prefix_caching=False, num_kv_blocks=64, **args)
     model = llm.engine.runner.model
-    if dtype == "bfloat16" and shape == "tiny-qwen2":
-        assert model.fused_decode is None
-        return
     assert model.fused_decode is not None
     assert isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
     fused, steps = generate_counting(llm, monkeypatch, [20, 12, 16])

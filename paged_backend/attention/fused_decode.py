@@ -8,8 +8,8 @@ a sequence), whose linears all run in C (GGUF blocks, the C fp32 linear, or bf16
 AVX512-BF16), call the same C ops in the same order from C instead, with the same arguments: the
 outputs are the same bits. A shared prefix's cascade runs as `TorchAttention` runs it (its
 packed K/V copies come from the backend, kept across steps; bf16 on AVX512-BF16 only: other
-steps with one run the modules). Everything else (longer prefill chunks, bf16
-biases, steps too large for the C linears, torch's elementwise ops) runs the modules. Llama's
+steps with one run the modules). Everything else (longer prefill chunks, steps too large for
+the C linears, torch's elementwise ops) runs the modules. Llama's
 layers and those of the families built on them take it (Qwen3's q/k norms, Gemma's sandwich
 norms, GeGLU and local rope tables), where each elementwise op is a C op the step knows.
 """
@@ -51,6 +51,7 @@ class FusedDecode:
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim, self.rotary_dim = config.head_dim, config.rotary_dim
         self.eps = config.rms_norm_eps
+        self.bias_copies: list[torch.Tensor] = []  # (`_fp32_bias`) alive as long as the words
         linears = [self._linears(layer) for layer in model.layers]
         self.max_rows = min(self._rows(lin) for layer in linears for lin in layer)
         words = [self._layer_words(*pair) for pair in zip(model.layers, linears, strict=True)]
@@ -126,18 +127,25 @@ class FusedDecode:
             parts = [(0, weight.data_ptr(), weight.shape[0], weight.stride(0) * 4)]
         else:
             parts = [(0, linear.gemm.data_ptr(), linear.gemm.shape[0] * 16, 0)]
-        words = [len(parts), 0 if linear.bias is None else linear.bias.data_ptr()]
+        words = [len(parts), 0 if linear.bias is None else self._fp32_bias(linear).data_ptr()]
         for part in parts + [(0, 0, 0, 0)] * (MAX_PARTS - len(parts)):
             words.extend(part)
         return words
+
+    def _fp32_bias(self, linear: nn.Module) -> torch.Tensor:
+        """The linear's bias in fp32, as `fused_linear` reads it (a bf16 model's: a copy, kept
+        here; the same values)."""
+        bias = linear.bias.detach()
+        if bias.dtype != torch.float32:
+            bias = bias.float()
+            self.bias_copies.append(bias)
+        return bias
 
     @staticmethod
     def _fits(linear: nn.Module, f32: bool) -> bool:
         """Whether the fused step can run this linear: quantized weights of up to `MAX_PARTS`
         parts, an fp32 weight the C fp32 linear serves, or a bf16 one with a C GEMM copy
-        (AVX512-BF16); biases in fp32 only."""
-        if linear.bias is not None and not f32:
-            return False
+        (AVX512-BF16)."""
         if isinstance(linear, QuantLinear):
             return len(linear.weights) <= MAX_PARTS
         if f32:
@@ -148,8 +156,8 @@ class FusedDecode:
     def build(cls, model: nn.Module) -> FusedDecode | None:
         """For a model whose elementwise ops are the C ones the step knows (`NORM_OFFSETS`,
         `HEAD_NORM_OFFSETS`, `GELU`) and whose layer linears all run in C: an fp32 model's on
-        the C fp32 linear or on GGUF blocks (biases too), a bf16 one's on C GEMM copies
-        (AVX512-BF16) or GGUF blocks, without biases; else None."""
+        the C fp32 linear or on GGUF blocks, a bf16 one's on C GEMM copies (AVX512-BF16) or
+        GGUF blocks, biases or not; else None."""
         f32 = model.norm.weight.dtype == torch.float32
         for layer in model.layers:
             norms = [layer.input_layernorm, *filter(None, layer.sublayer_norms())]

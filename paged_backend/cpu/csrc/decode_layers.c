@@ -14,7 +14,8 @@
 
 /* A layer linear of the fused steps, from its descriptor of LINEAR_WORDS words: the number of
  * parts (weights side by side in the output: a fused qkv or gate/up projection), the bias address
- * (0: none; fp32 only), then each part's (type, address, outputs, row bytes): type 0 a float
+ * (0: none; fp32 values whatever the rows' dtype), then each part's (type, address, outputs, row
+ * bytes): type 0 a float
  * weight, a negative one an fp32 weight in GGUF blocks of type -type (`linear_blocks_f32`: the
  * bits of `linear_f32` on their values), else a GGUF block type for `quant_matmul`, on
  * activations quantized into `act` (for the
@@ -52,10 +53,16 @@ static void fused_linear(const int64_t *d, const void *x, int bf16_io, int64_t r
         column += part[2];
     }
     const float *bias = (const float *)d[1];
-    float *yf = y;
-    if (bias)
+    if (bias) /* bf16: added to the rounded product and rounded again, as `out + bias` is */
         for (int64_t r = 0; r < rows; r++)
-            for (int64_t i = 0; i < n_total; i++) yf[r * n_total + i] += bias[i];
+            for (int64_t i = 0; i < n_total; i++) {
+                if (bf16_io) {
+                    bf16 *v = (bf16 *)y + r * n_total + i;
+                    *v = to_bf16(to_f32(*v) + bias[i]);
+                } else {
+                    ((float *)y)[r * n_total + i] += bias[i];
+                }
+            }
 }
 
 /* A layer's words in `decode_layers`' weights: its input norm's address, q_norm's and k_norm's
