@@ -14,8 +14,8 @@
  *   factor, so a super-block sums in integers (`vpmaddwd` by the group's scale) and converts once.
  *   Q8_256 (ours, for `quantization="int8"`: signed levels, one scale a super-block) is read as
  *   a K-quant whose groups all weigh 1 and whose offsets are 0.
- * One row of a 4- or 5-bit legacy format takes its blocks apart with byte permutes where the CPU
- * has AVX512-VBMI (`dot_one_legacy_vbmi`).
+ * Steps of 1-3 rows of a 4- or 5-bit legacy format take its blocks apart with byte permutes where
+ * the CPU has AVX512-VBMI (`dot_rows_legacy_vbmi`).
  * A chunk of 256 weights is unpacked once for all rows of a step, so a batch reuses it from
  * registers and L1; with AVX512-VNNI, steps of a few rows on unpack a strip of outputs once
  * into a layout for `vpdpbusd` (`quant_gemm.c`). Without AVX2 a scalar loop computes the same
@@ -347,7 +347,7 @@ static inline __attribute__((always_inline)) float dot_one_legacy_of(
 
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && \
     defined(__AVX512BITALG__)
-/* One row of Q4_0, Q4_1, Q5_0 or Q5_1 on 512-bit registers (Zen 4, Ice Lake and later): byte
+/* Steps of 1-3 rows of Q4_0, Q4_1, Q5_0 or Q5_1 on 512-bit registers (Zen 4, Ice Lake on): byte
  * permutes (VBMI) take the nibbles, fifth bits and fp16 scales of a chunk's 8 blocks straight
  * from its bytes, and 4 `vpdpbusd` give the blocks' integer sums, against 8 register-wide
  * unpacks, 8 scale loads and the horizontal adds of `lane_sums8` on 256-bit ones. The row's
@@ -356,8 +356,11 @@ static inline __attribute__((always_inline)) float dot_one_legacy_of(
  * 128-bit quarter holds one d for 4 blocks, and quarters add up into the block sums. Those are
  * the same integers, and `legacy_value` the same floats: the same bits as the other kernels.
  * One-row products of a 16384 x 8192 weight on 2 Zen 4 threads went from 25 to 37 GB/s (Q4_0),
- * 20 to 35 (Q5_0), 22 to 42 (Q4_1), 21 to 41 (Q5_1); Q4_K's runs at ~38. */
+ * 20 to 35 (Q5_0), 22 to 42 (Q4_1), 21 to 41 (Q5_1); Q4_K's runs at ~38. A chunk is taken
+ * apart once for a step's rows: 2 and 3 rows of a 4864 x 896 Q5_0 weight took 159 and 203 us
+ * against 254 and 301 on 256-bit registers (one: 122); from 4 rows the VNNI GEMM is as fast. */
 #define LEGACY_VBMI 1
+#define LEGACY_VBMI_ROWS 3 /* steps of up to this many rows run on it */
 
 typedef struct {
     __m512i nibbles[2], fifth[2], select[2], halves[2];
@@ -391,8 +394,9 @@ static legacy_perm legacy_perm_of(int type) {
 }
 
 /* Activations x (k inputs, zeros after them up to the next chunk) into xt as
- * `dot_one_legacy_vbmi` reads them: per chunk blocks 0-3's inputs at their low nibbles, at their high nibbles, then 4-7's, each
- * 64 bytes with lane 4d + g holding block g's inputs 4d..4d+3 (16 + 4d.. for the high ones). */
+ * `dot_rows_legacy_vbmi` reads them: per chunk blocks 0-3's inputs at their low nibbles, at their
+ * high nibbles, then 4-7's, each 64 bytes with lane 4d + g holding block g's inputs 4d..4d+3
+ * (16 + 4d.. for the high ones). */
 static void legacy_x_layout(const int8_t *x, int64_t k, int8_t *xt) {
     int32_t idx[2][16];
     for (int high = 0; high < 2; high++)
@@ -425,63 +429,124 @@ static inline __mmask64 first_bytes(int64_t n) {
     return n >= 64 ? ~(__mmask64)0 : n <= 0 ? 0 : ((__mmask64)1 << n) - 1;
 }
 
-/* A chunk's value as `legacy_chunk_dot` gives it (lane g: block g's), from the `bytes` of its
- * blocks at c (fewer than 8 blocks at a row's end: the missing ones read as zeros, as the
- * 256-bit kernel's are) and its activations in `legacy_x_layout`'s order at xc. */
-static inline __attribute__((always_inline)) __m256 legacy_chunk_vbmi(
-    int type, const legacy_perm *p, const uint8_t *c, int64_t bytes, const int8_t *xc,
-    const float *xd, const int16_t *bs) {
+/* A legacy chunk taken apart for `vpdpbusd`: lane 4d + g of lo[h] holds block 4h + g's weights
+ * 4d..4d+3, of hi[h] its 16 + 4d..; d8, off8 as `kernel_chunk`'s. */
+typedef struct {
+    __m512i lo[2], hi[2];
+    __m256 d8, off8;
+} legacy_vbmi_chunk;
+
+/* The chunk of `bytes` at c (fewer than 8 blocks at a row's end: the missing ones read as zeros,
+ * as the 256-bit kernel's are). */
+static inline __attribute__((always_inline)) void legacy_unpack_vbmi(int type, const legacy_perm *p,
+                                                                     const uint8_t *c, int64_t bytes,
+                                                                     legacy_vbmi_chunk *u) {
     __m512i r0 = _mm512_maskz_loadu_epi8(first_bytes(bytes), c);
     __m512i r1 = _mm512_maskz_loadu_epi8(first_bytes(bytes - 64), c + 64);
     __m512i r2 = _mm512_maskz_loadu_epi8(first_bytes(bytes - 128), c + 128);
-    __m512i lo[2], hi[2], f[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    __m512i f[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
     if (type == Q5_0 || type == Q5_1) {
         f[0] = _mm512_permutex2var_epi8(r0, p->fifth[0], r1);
         f[1] = _mm512_permutex2var_epi8(r1, p->fifth[1], r2);
     }
-    legacy_levels(type, p, _mm512_permutex2var_epi8(r0, p->nibbles[0], r1), f[0], &lo[0], &hi[0]);
-    legacy_levels(type, p, _mm512_permutex2var_epi8(r1, p->nibbles[1], r2), f[1], &lo[1], &hi[1]);
+    legacy_levels(type, p, _mm512_permutex2var_epi8(r0, p->nibbles[0], r1), f[0], &u->lo[0], &u->hi[0]);
+    legacy_levels(type, p, _mm512_permutex2var_epi8(r1, p->nibbles[1], r2), f[1], &u->lo[1], &u->hi[1]);
+    __m512i halves = _mm512_or_si512(_mm512_maskz_permutex2var_epi8(0x00ff00ffULL, r0, p->halves[0], r1),
+                                     _mm512_maskz_permutex2var_epi8(0xff00ff00ULL, r1, p->halves[1], r2));
+    u->d8 = _mm256_cvtph_ps(_mm512_castsi512_si128(halves));
+    u->off8 = type == Q4_1 || type == Q5_1
+                  ? _mm256_cvtph_ps(_mm512_extracti32x4_epi32(halves, 1))
+                  : _mm256_mul_ps(u->d8, _mm256_set1_ps(type == Q5_0 ? -16.0f : -8.0f));
+}
+
+/* The chunk's value for one row, as `legacy_chunk_dot` gives it (lane g: block g's), from its
+ * activations in `legacy_x_layout`'s order at xc. */
+static inline __attribute__((always_inline)) __m256 legacy_chunk_vbmi(int type,
+                                                                      const legacy_vbmi_chunk *u,
+                                                                      const int8_t *xc,
+                                                                      const float *xd,
+                                                                      const int16_t *bs) {
     __m512i s[2];
     for (int h = 0; h < 2; h++) {
-        __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[h], _mm512_loadu_si512(xc + 128 * h));
-        s[h] = _mm512_dpbusd_epi32(acc, hi[h], _mm512_loadu_si512(xc + 128 * h + 64));
+        __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u->lo[h], _mm512_loadu_si512(xc + 128 * h));
+        s[h] = _mm512_dpbusd_epi32(acc, u->hi[h], _mm512_loadu_si512(xc + 128 * h + 64));
     }
     /* quarters (one d each) of s[0] (blocks 0-3) and s[1] (4-7) added: lane g, block g's sum */
     __m512i v = _mm512_add_epi32(_mm512_shuffle_i64x2(s[0], s[1], 0x44),
                                  _mm512_shuffle_i64x2(s[0], s[1], 0xee));
     __m512i sums = _mm512_add_epi32(_mm512_shuffle_i64x2(v, v, 0x88), _mm512_shuffle_i64x2(v, v, 0xdd));
-    __m512i halves = _mm512_or_si512(_mm512_maskz_permutex2var_epi8(0x00ff00ffULL, r0, p->halves[0], r1),
-                                     _mm512_maskz_permutex2var_epi8(0xff00ff00ULL, r1, p->halves[1], r2));
-    __m256 d8 = _mm256_cvtph_ps(_mm512_castsi512_si128(halves));
-    __m256 off8 = type == Q4_1 || type == Q5_1
-                      ? _mm256_cvtph_ps(_mm512_extracti32x4_epi32(halves, 1))
-                      : _mm256_mul_ps(d8, _mm256_set1_ps(type == Q5_0 ? -16.0f : -8.0f));
-    return legacy_value(type, _mm512_castsi512_si256(sums), d8, off8, xd, bs);
+    return legacy_value(type, _mm512_castsi512_si256(sums), u->d8, u->off8, xd, bs);
 }
 
-/* `dot_one_legacy_of` on 512-bit registers, xt the row's activations in `legacy_x_layout`'s
- * order: the same bits. */
-static inline __attribute__((always_inline)) float dot_one_legacy_vbmi(
-    int type, const legacy_perm *p, const uint8_t *row, int64_t k, const int8_t *xt,
-    const float *xd, const int16_t *bsum) {
+/* acc[m] = row m's value of a row of a legacy weight, for `rows` rows of activations (their
+ * `legacy_x_layout`s kp apart in xt), each chunk taken apart once for all of them: each row's
+ * chunks add up in order, as `dot_one_legacy_of` adds them, so a row has its one-row bits. */
+static inline __attribute__((always_inline)) void dot_rows_legacy_vbmi(
+    int type, const legacy_perm *p, const uint8_t *row, int64_t k, int64_t rows, const int8_t *xt,
+    const float *xd, const int16_t *bsum, int64_t kp, float *acc) {
     const int64_t bb = block_bytes(type);
-    float sum = 0.0f;
+    float sum[LEGACY_VBMI_ROWS] = {0}; /* in registers where `rows` is a constant */
     for (int64_t first = 0; first < k; first += CHUNK) {
         const uint8_t *c = row + (first >> 5) * bb;
         prefetch_ahead(c, 8 * bb);
-        int64_t bytes = (k - first < CHUNK ? k - first : CHUNK) / 32 * bb;
-        sum += hsum8(legacy_chunk_vbmi(type, p, c, bytes, xt + first, xd + first / 32, bsum + first / 16));
+        legacy_vbmi_chunk u;
+        legacy_unpack_vbmi(type, p, c, (k - first < CHUNK ? k - first : CHUNK) / 32 * bb, &u);
+        for (int64_t m = 0; m < rows; m++)
+            sum[m] += hsum8(legacy_chunk_vbmi(type, &u, xt + m * kp + first, xd + m * (kp / 32) + first / 32,
+                                              bsum + m * (kp / 16) + first / 16));
     }
-    return sum;
+    for (int64_t m = 0; m < rows; m++) acc[m] = sum[m];
 }
 
-/* Outputs [j0, j1) of a legacy 4- or 5-bit weight for one row (`dot_one_legacy_vbmi`). */
-static inline __attribute__((always_inline)) void row_outputs_vbmi_of(
-    int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t j1, int64_t k,
-    const int8_t *x, const int8_t *xt, const float *xd, const int16_t *bsum, void *out, int out_bf16) {
+/* Outputs [j0, j1) of a legacy 4- or 5-bit weight for `rows` rows of activations
+ * (`dot_rows_legacy_vbmi`). */
+static inline __attribute__((always_inline)) void rows_vbmi_of(
+    int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t j1, int64_t k, int64_t rows,
+    const int8_t *xt, const float *xd, const int16_t *bsum, int64_t kp, void *out, int out_bf16,
+    int64_t out_stride) {
     legacy_perm p = legacy_perm_of(type);
-    for (int64_t j = j0; j < j1; j++)
-        store_output(out, out_bf16, j, dot_one_legacy_vbmi(type, &p, w + j * row_bytes, k, xt, xd, bsum));
+    for (int64_t j = j0; j < j1; j++) {
+        float acc[LEGACY_VBMI_ROWS];
+        if (rows == 1) /* a constant: the one-stream loop without a loop over rows */
+            dot_rows_legacy_vbmi(type, &p, w + j * row_bytes, k, 1, xt, xd, bsum, kp, acc);
+        else
+            dot_rows_legacy_vbmi(type, &p, w + j * row_bytes, k, rows, xt, xd, bsum, kp, acc);
+        for (int64_t m = 0; m < rows; m++) store_output(out, out_bf16, m * out_stride + j, acc[m]);
+    }
+}
+
+static __attribute__((noinline)) void rows_vbmi(int type, const uint8_t *w, int64_t row_bytes,
+                                                int64_t j0, int64_t j1, int64_t k, int64_t rows,
+                                                const int8_t *xt, const float *xd,
+                                                const int16_t *bsum, int64_t kp, void *out,
+                                                int out_bf16, int64_t out_stride) {
+#define ROWS_VBMI(t) rows_vbmi_of(t, w, row_bytes, j0, j1, k, rows, xt, xd, bsum, kp, out, out_bf16, out_stride)
+    switch (type) {
+    case Q4_0: ROWS_VBMI(Q4_0); break;
+    case Q4_1: ROWS_VBMI(Q4_1); break;
+    case Q5_0: ROWS_VBMI(Q5_0); break;
+    default: ROWS_VBMI(Q5_1);
+    }
+#undef ROWS_VBMI
+}
+
+
+/* `quant_matmul` on `rows_vbmi` where it serves the step; 0 where it does not. */
+static int legacy_matmul_vbmi(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
+                              const int8_t *xq, const float *xd, const int16_t *bsum, int64_t rows,
+                              void *out, int out_bf16, int64_t out_stride, int threads) {
+    if (rows > LEGACY_VBMI_ROWS || !(type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1))
+        return 0;
+    int64_t kp = act_stride(k);
+    int8_t *xt = aligned_alloc(64, (size_t)(rows * kp));
+    if (!xt) return 0;
+    for (int64_t m = 0; m < rows; m++) legacy_x_layout(xq + m * kp, k, xt + m * kp);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int t = 0; t < threads; t++)
+        rows_vbmi(type, w, row_bytes, n * t / threads, n * (t + 1) / threads, k, rows, xt, xd, bsum,
+                  kp, out, out_bf16, out_stride);
+    free(xt);
+    return 1;
 }
 #endif
 
@@ -498,22 +563,10 @@ static inline __attribute__((always_inline)) void row_outputs_of(
     }
 }
 
-/* xt: the row's activations in `legacy_x_layout`'s order where LEGACY_VBMI serves `type`, else
- * NULL. */
 static __attribute__((noinline)) void row_outputs(int type, const uint8_t *w, int64_t row_bytes,
                                                   int64_t j0, int64_t j1, int64_t k,
-                                                  const int8_t *x, const int8_t *xt, const float *xd,
+                                                  const int8_t *x, const float *xd,
                                                   const int16_t *bsum, void *out, int out_bf16) {
-#ifdef LEGACY_VBMI
-    switch (xt ? type : -1) {
-    case Q4_0: row_outputs_vbmi_of(Q4_0, w, row_bytes, j0, j1, k, x, xt, xd, bsum, out, out_bf16); return;
-    case Q4_1: row_outputs_vbmi_of(Q4_1, w, row_bytes, j0, j1, k, x, xt, xd, bsum, out, out_bf16); return;
-    case Q5_0: row_outputs_vbmi_of(Q5_0, w, row_bytes, j0, j1, k, x, xt, xd, bsum, out, out_bf16); return;
-    case Q5_1: row_outputs_vbmi_of(Q5_1, w, row_bytes, j0, j1, k, x, xt, xd, bsum, out, out_bf16); return;
-    }
-#else
-    (void)xt;
-#endif
     switch (type) {
     case Q4_K: row_outputs_of(Q4_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16); break;
     case Q5_K: row_outputs_of(Q5_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16); break;
@@ -608,6 +661,11 @@ void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_
                   const int8_t *xq, const float *xd, const int16_t *bsum,
                   int64_t rows, void *out, int out_bf16, int64_t out_stride, int threads) {
     int64_t kp = act_stride(k);
+#ifdef LEGACY_VBMI
+    if (legacy_matmul_vbmi(type, w, n, k, row_bytes, xq, xd, bsum, rows, out, out_bf16, out_stride,
+                           threads))
+        return;
+#endif
 #ifdef VNNI_GEMM
     if ((type == Q8_256_VNNI || (rows >= VNNI_MIN_ROWS && n % 32 == 0 && (type < Q4_K || k % CHUNK == 0))) &&
         vnni_matmul(type, w, n, k, row_bytes, xq, xd, bsum, rows, out, out_bf16, out_stride, threads))
@@ -615,18 +673,10 @@ void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_
 #endif
 #ifdef QUANT_AVX2
     if (rows == 1) { /* each thread's outputs in one call */
-        int8_t *xt = NULL;
-#ifdef LEGACY_VBMI
-        if (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1) {
-            xt = aligned_alloc(64, (size_t)kp);
-            if (xt) legacy_x_layout(xq, k, xt);
-        }
-#endif
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
         for (int t = 0; t < threads; t++)
-            row_outputs(type, w, row_bytes, n * t / threads, n * (t + 1) / threads, k, xq, xt, xd,
+            row_outputs(type, w, row_bytes, n * t / threads, n * (t + 1) / threads, k, xq, xd,
                         bsum, out, out_bf16);
-        free(xt);
         return;
     }
 #endif
