@@ -266,6 +266,8 @@ def test_fp32_steps_with_a_shared_prefix_run_the_modules(tmp_path, default_model
         ("tiny-gemma3", "float32"),
         ("tiny-gemma3", "bfloat16"),
         ("tiny-qwen3", "bfloat16"),
+        ("tiny-phi3", "float32"),  # fused qkv and gate/up tensors
+        ("tiny-phi3", "bfloat16"),
         ("int8", "float32"),
         ("int8", "bfloat16"),
     ],

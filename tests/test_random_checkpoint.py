@@ -380,7 +380,7 @@ def test_unknown_shapes_and_formats_are_named():
 
 
 # The other families, each written once (bf16 and Q4_K_M) for the tests below.
-FAMILIES = ("tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-gemma3")
+FAMILIES = ("tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-gemma3", "tiny-phi3")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -402,12 +402,14 @@ LAYER_TENSORS["qwen3"] += ("attn_output", "ffn_norm")
 LAYER_TENSORS["gemma2"] += ("ffn_norm", "post_ffw_norm")
 LAYER_TENSORS["gemma3"] += ("attn_output", "post_attention_norm", "ffn_norm", "post_ffw_norm")
 LAYER_TENSORS = {k: (*v, "ffn_gate", "ffn_up", "ffn_down") for k, v in LAYER_TENSORS.items()}
+# Phi-3's fused projections: attn_qkv, and ffn_up holding gate and up
+LAYER_TENSORS["phi3"] = ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down")
 
 
 def test_family_tensors_are_llama_cpp_s_names_and_q4_k_m_types(family):
     """Names from gguf's own table of the architecture's tensors; Q4_K_M's types as llama.cpp
     picks them: Q6_K for the output (the embeddings where tied) and for attn_v and ffn_down on
-    `use_more_bits` layers, F32 norms."""
+    `use_more_bits` layers, Q5_K for a fused attn_qkv, F32 norms."""
     import gguf
 
     shape, _, path = family
@@ -422,6 +424,7 @@ def test_family_tensors_are_llama_cpp_s_names_and_q4_k_m_types(family):
         for part in LAYER_TENSORS[shape.gguf_arch]:
             more = part in ("attn_v", "ffn_down") and rc.use_more_bits(i, shape.layers)
             kind = "F32" if part.endswith("norm") else "Q6_K" if more else "Q4_K"
+            kind = "Q5_K" if part == "attn_qkv" else kind
             expected[f"blk.{i}.{part}.weight"] = kind
     assert types == expected
 
@@ -453,6 +456,15 @@ FAMILY_METADATA = {
         "gemma2.attn_logit_softcapping": 40.0,
         "gemma2.final_logit_softcapping": 20.0,
         "gemma2.attention.sliding_window": 16,
+    },
+    "tiny-phi3": {  # Phi3MiniModel's keys: no key_length, a window of 0 (none)
+        "phi3.context_length": 4096,
+        "phi3.rope.scaling.original_context_length": 4096,
+        "phi3.attention.head_count_kv": 2,
+        "phi3.rope.freq_base": 1e4,
+        "phi3.attention.layer_norm_rms_epsilon": float(np.float32(1e-5)),
+        "phi3.rope.dimension_count": 64,
+        "phi3.attention.sliding_window": 0,
     },
     "tiny-gemma3": {
         "gemma3.block_count": 6,

@@ -3,4 +3,4 @@ shapes."""
 
 # The general.architecture values whose tensors we load into our modules as they are (the names
 # `gguf.weights.hf_name` maps); other GGUF files go through transformers' conversion.
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")

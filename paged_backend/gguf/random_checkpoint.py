@@ -84,6 +84,7 @@ GGUF_ARCHS = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 # Soft-caps (attention scores, final logits): not Gemma 2's 50 and 30, which transformers' GGUF
 # loader assumes (it reads neither key), so that a reader dropping them is caught.
@@ -166,6 +167,9 @@ SHAPES = {
     # reach past them.
     "tiny-qwen3": Shape("Qwen3ForCausalLM", 256, 2, 4, 2, 512, 40960, 1e6, 1e-6, key_length=192),
     "tiny-mistral": Shape("MistralForCausalLM", 256, 2, 4, 2, 512, 32768, 1e6, 1e-5, tied=False),
+    # Phi-3 (mini-4k's layout): q, k and v in one tensor, gate and up in another, as its
+    # checkpoints and llama.cpp's files hold them; untied.
+    "tiny-phi3": Shape("Phi3ForCausalLM", 256, 2, 4, 2, 512, 4096, 1e4, 1e-5, tied=False),
     "tiny-gemma2": Shape(
         "Gemma2ForCausalLM", 256, 2, 4, 2, 512, 8192, 1e4, 1e-6, key_length=256, sliding_window=16
     ),
@@ -220,7 +224,10 @@ def _layer_plan(shape: Shape, i: int) -> list[TensorSpec]:
     h, f, d = shape.hidden, shape.intermediate, shape.head_dim
     q_rows, kv_rows = shape.heads * d, shape.kv_heads * d
     names = [("input_layernorm.weight", "attn_norm.weight", (h,))]
-    for proj, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+    fused = shape.gguf_arch == "phi3"
+    if fused:
+        names.append(("self_attn.qkv_proj.weight", "attn_qkv.weight", (q_rows + 2 * kv_rows, h)))
+    for proj, rows in () if fused else (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
         names.append((f"self_attn.{proj}_proj.weight", f"attn_{proj}.weight", (rows, h)))
         if shape.gguf_arch == "qwen2":  # Qwen2's q, k and v have biases
             names.append((f"self_attn.{proj}_proj.bias", f"attn_{proj}.bias", (rows,)))
@@ -233,11 +240,14 @@ def _layer_plan(shape: Shape, i: int) -> list[TensorSpec]:
         names.append(("pre_feedforward_layernorm.weight", "ffn_norm.weight", (h,)))
     else:
         names.append(("post_attention_layernorm.weight", "ffn_norm.weight", (h,)))
-    names += [
-        ("mlp.gate_proj.weight", "ffn_gate.weight", (f, h)),
-        ("mlp.up_proj.weight", "ffn_up.weight", (f, h)),
-        ("mlp.down_proj.weight", "ffn_down.weight", (h, f)),
-    ]
+    if fused:  # llama.cpp's ffn_up holds Phi-3's gate_up_proj: gate's rows, then up's
+        names.append(("mlp.gate_up_proj.weight", "ffn_up.weight", (2 * f, h)))
+    else:
+        names += [
+            ("mlp.gate_proj.weight", "ffn_gate.weight", (f, h)),
+            ("mlp.up_proj.weight", "ffn_up.weight", (f, h)),
+        ]
+    names.append(("mlp.down_proj.weight", "ffn_down.weight", (h, f)))
     if shape.gemma:
         names.append(("post_feedforward_layernorm.weight", "post_ffw_norm.weight", (h,)))
     ones = not shape.gemma  # Gemma's norms hold offsets from one
@@ -266,6 +276,8 @@ def gguf_type(spec: TensorSpec, shape: Shape, fmt: str) -> str:
         spec.layer, shape.layers
     )
     chosen = "Q6_K" if output or more_bits else base
+    if spec.role == "attn_qkv.weight":  # a fused qkv (Phi-3): llama.cpp gives it Q5_K in _M
+        chosen = "Q5_K"
     return chosen if spec.shape[-1] % QK_K == 0 else _K_FALLBACK[chosen]
 
 
@@ -324,6 +336,13 @@ def family_config(shape: Shape) -> dict:
         }
     if shape.architecture == "MistralForCausalLM":  # v0.3's
         return {"sliding_window": window}
+    if shape.gguf_arch == "phi3":  # Phi-3-mini-4k's, without its window of 2047
+        return {
+            "original_max_position_embeddings": shape.max_positions,
+            "rope_scaling": None,
+            "sliding_window": None,
+            "attention_bias": False,
+        }
     if not shape.gemma:  # Qwen2.5's and Qwen3's: sliding-window fields, the window off
         qwen3 = {"head_dim": shape.head_dim, "attention_bias": False, "rope_scaling": None}
         return {
@@ -401,6 +420,7 @@ def _metadata(writer: gguf.GGUFWriter, shape: Shape, fmt: str, name: str, tokeni
     """The keys convert_hf_to_gguf.py writes for the shape's config: TextModel's (key/value
     lengths where config.json has head_dim, which Llama 3.2's, Qwen3's and Gemma's have and
     Qwen2.5's and Mistral's have not), then LlamaModel's vocab size and rope dimensions,
+    Phi3MiniModel's rope dimensions, original context and window (0: none),
     Gemma2Model's (no rope base: llama.cpp's default is Gemma 2's; soft-caps, window) or
     Gemma3Model's window and linear rope scaling; the file type llama-quantize sets, and the
     default model's tokenizer."""
@@ -420,7 +440,11 @@ def _metadata(writer: gguf.GGUFWriter, shape: Shape, fmt: str, name: str, tokeni
         writer.add_value_length(shape.head_dim)
     if shape.gguf_arch == "llama":
         writer.add_vocab_size(shape.vocab)
+    if shape.gguf_arch in ("llama", "phi3"):
         writer.add_rope_dimension_count(shape.head_dim)
+    if shape.gguf_arch == "phi3":  # Phi3MiniModel's: no window written as 0
+        writer.add_rope_scaling_orig_ctx_len(shape.max_positions)
+        writer.add_sliding_window(0)
     if shape.rope_scaling and shape.rope_scaling["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(shape.rope_scaling["factor"])

@@ -63,6 +63,12 @@ _LAYER = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Phi-3's projections stay fused in its files, as in its checkpoints: ffn_up is gate_up_proj.
+_PHI3_LAYER = {
+    **{k: v for k, v in _LAYER.items() if k not in ("attn_q", "attn_k", "attn_v", "ffn_gate")},
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_up": "mlp.gate_up_proj",
+}
 _FLOAT_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
 _IGNORED = ("rope_freqs.weight",)  # llama3's rotary factors: `read_metadata` reads them
 # Llama 3.1/3.2's llama3 RoPE scaling but for its factor: what every such file was made with.
@@ -160,7 +166,8 @@ def config_fixes(reader: GGUFReader, arch: str, path: Path) -> dict:
       llama.cpp's converter keeps as a `rope_freqs` tensor (each rotary frequency's divisor)
       rather than as its parameters: the parameters that give those divisors are found here;
     - "query_pre_attn_scalar" of the 27B Gemmas, hidden // heads where the smaller ones have
-      head_dim: GGUF does not store it, llama.cpp tells them by their layer count."""
+      head_dim: GGUF does not store it, llama.cpp tells them by their layer count;
+    - Phi-3's window and rotary share (`_phi3_fixes`)."""
 
     def value(key: str):
         field = reader.fields.get(f"{arch}.{key}")
@@ -183,8 +190,26 @@ def config_fixes(reader: GGUFReader, arch: str, path: Path) -> dict:
         if not np.allclose(llama3_factors(scaling, theta, 2 * len(factors)), factors, rtol=1e-3):
             raise ValueError(f"{path}: its rope_freqs are not llama3 RoPE scaling's")
         fixes["rope_scaling"] = scaling
-    if _GEMMA_27B_LAYERS.get(arch) == value("block_count"):
+    if arch in _GEMMA_27B_LAYERS and _GEMMA_27B_LAYERS[arch] == value("block_count"):
         fixes["query_pre_attn_scalar"] = value("embedding_length") // value("attention.head_count")
+    if arch == "phi3":
+        fixes |= _phi3_fixes(reader, value, path)
+    return fixes
+
+
+def _phi3_fixes(reader: GGUFReader, value, path: Path) -> dict:
+    """Phi-3's window (0: none; Phi-3-mini-4k's is 2047) and its rotary share of each head
+    (Phi-4-mini's 0.75), which transformers' phi3 keys leave out. Its long-context files' rope
+    factors (LongRoPE tensors) are refused: nothing here reads them."""
+    if any(t.name.startswith("rope_factors") for t in reader.tensors):
+        raise ValueError(f"{path}: Phi-3 LongRoPE files (rope_factors tensors) are not supported")
+    fixes = {}
+    if value("attention.sliding_window"):
+        fixes["sliding_window"] = int(value("attention.sliding_window"))
+    head_dim = value("embedding_length") // value("attention.head_count")
+    rotary = value("rope.dimension_count")
+    if rotary is not None and rotary != head_dim:
+        fixes["partial_rotary_factor"] = rotary / head_dim
     return fixes
 
 
@@ -216,7 +241,7 @@ def hf_name(name: str, arch: str) -> str | None:
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if m is None:
         return None
-    part = _LAYER.get(m[2])
+    part = (_PHI3_LAYER if arch == "phi3" else _LAYER).get(m[2])
     if m[2] == "ffn_norm":  # the norm before the MLP: Gemma's sandwich names it "pre"
         part = "pre_feedforward_layernorm" if arch in _GEMMA else "post_attention_layernorm"
     return None if part is None else f"model.layers.{m[1]}.{part}.{m[3]}"
