@@ -12,7 +12,7 @@ from paged_backend.attention import AttentionMetadata, check_block_tables, get_b
 from paged_backend.block_pool import FREED_BLOCK
 from paged_backend.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from paged_backend.cpu import kernel_choice
-from paged_backend.cpu.linear import GemmRows, can_pack, quantize_linears_int4
+from paged_backend.cpu.linear import EVERY_STEP, GemmRows, can_pack, quantize_linears_int4
 from paged_backend.cpu.memory import (
     advise_huge_pages,
     huge_page_tokens,
@@ -249,6 +249,9 @@ class ModelRunner:
         if pack or fp16_copy or int4:
             if bf16_kernels and fp16_copy:
                 self.gemm_rows = self._gemm_rows(config, model, kernel_choice.gemm_max_rows)
+            if bf16_kernels and self._one_gemm_copy(config, model):
+                pack, fp16_copy = False, True
+                self.gemm_rows = dict.fromkeys(model.linear_shapes(), EVERY_STEP)
             model.use_cpu_linears_(pack, fp16_copy, int4, self.gemm_rows)
         elif self._c_f32_linears(config, ops):
             self.gemm_rows = self._gemm_rows(config, model, kernel_choice.f32_max_rows)
@@ -350,6 +353,20 @@ class ModelRunner:
             return pack, config.fp16_decode_weights
         size = sum(p.numel() for p in model.parameters()) * torch.finfo(self.dtype).bits // 8
         return pack, self.bf16_cpu and size <= FP16_COPY_MAX_BYTES
+
+    @staticmethod
+    def _one_gemm_copy(config: EngineConfig, model: torch.nn.Module) -> bool:
+        """Whether a bf16 model's weights become only the C GEMM's copy, which serves steps of
+        every size: by default past `FP16_COPY_MAX_BYTES`, where a second copy for small steps
+        beside oneDNN's packed one would cost that much memory again. The one copy keeps the
+        one-call decode step (which runs on it) and goes on 2 MiB pages (oneDNN's opaque
+        packing does not move); oneDNN's GEMM was 3-13% faster only at 128-512 rows."""
+        if config.quantization is not None or config.cpu_gemm_max_rows is not None:
+            return False
+        if config.pack_weights is not None or config.fp16_decode_weights is not None:
+            return False
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        return size > FP16_COPY_MAX_BYTES
 
     def _num_blocks(self, config: EngineConfig, max_model_len: int) -> int:
         if config.num_kv_blocks is not None:

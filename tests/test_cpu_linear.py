@@ -16,6 +16,7 @@ from torch import nn
 from paged_backend import LLM, EngineConfig, SamplingParams, cpu
 from paged_backend.cpu import ops as cpu_ops
 from paged_backend.cpu.linear import (
+    EVERY_STEP,
     FP16_MAX_ROWS,
     INT4_MAX_ROWS,
     CpuLinear,
@@ -91,6 +92,47 @@ def test_the_gemm_copy_serves_steps_of_up_to_64_rows(pack):
     odd = nn.Linear(96, 100).to(torch.bfloat16)  # 100 outputs: not whole blocks of 16
     layer = CpuLinear(odd.weight, None, pack=pack, fp16_copy=True, gemm_rows=8)
     assert layer.gemm is None and layer.fp16 is not None
+
+
+@pytest.mark.skipif(not cpu.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")
+def test_a_gemm_copy_for_every_step_is_the_only_copy():
+    """A weight whose C GEMM copy serves every step (`EVERY_STEP`, a large model's) keeps no
+    plain or packed weight; steps of any size (past the 64 rows timed), strided inputs too,
+    give its exact-product sums, each row the same bits alone or in the step."""
+    linear = _linear(bias=True)
+    layer = CpuLinear(linear.weight, linear.bias, pack=False, fp16_copy=True, gemm_rows=EVERY_STEP)
+    assert layer.gemm is not None and layer.weight is None and layer.packed is None
+    x = torch.randn(130, 192, dtype=torch.bfloat16)[:, ::2]
+    with torch.inference_mode():
+        exact = F.linear(x.float(), linear.weight.float(), linear.bias.float())
+        got = layer(x, out_dtype=torch.float32)
+        torch.testing.assert_close(got, exact)
+        assert torch.equal(layer(x[-1:], out_dtype=torch.float32), got[-1:])
+
+
+@pytest.mark.skipif(not cpu.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")
+def test_a_large_bf16_model_keeps_one_gemm_copy_and_its_fused_step(monkeypatch):
+    """Past `FP16_COPY_MAX_BYTES` (here: any model) a bf16 model's linears and head keep only
+    the C GEMM's copy, which serves every step, and the one-call decode step runs on it; its
+    greedy text is the packed engine's but for near ties. Asking for packing keeps oneDNN's."""
+    from paged_backend import model_runner
+
+    monkeypatch.setattr(model_runner, "FP16_COPY_MAX_BYTES", 0)
+    args = {"dtype": "bfloat16", "num_kv_blocks": 96, "enable_prefix_caching": False}
+    one_copy = LLM(**args)
+    model = one_copy.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, CpuLinear)]
+    assert linears and all(
+        m.weight is None and m.packed is None and m.gemm_rows == EVERY_STEP for m in linears
+    )
+    assert model.fused_decode is not None
+    packed = LLM(pack_weights=True, fp16_decode_weights=False, **args)
+    assert packed.engine.runner.model.cpu_head.packed is not None
+    prompt = packed.engine.apply_chat_template([{"role": "user", "content": "Describe a river."}])
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    got = one_copy.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    want = packed.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    _assert_same_text_but_for_ties(got, want)
 
 
 @pytest.mark.skipif(not cpu.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")

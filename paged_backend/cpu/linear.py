@@ -50,6 +50,7 @@ INT4_GROUP = 32
 
 Int4Weight = tuple[torch.Tensor, torch.Tensor]  # (packed 4-bit weight, scales and zeros)
 GemmRows = dict[tuple[int, int], int]  # weight shape -> most rows a step runs in the C GEMM
+EVERY_STEP = 1 << 62  # as `GemmRows`: the C GEMM runs steps of any size
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -107,7 +108,9 @@ class CpuLinear(nn.Module):
         self.gemm = cpu_ops.pack_gemm_weight(weight) if self.gemm_rows else None
         self.fp16 = weight.detach().to(torch.float16) if small_copy and not gemm else None
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if pack else None
-        self.weight = None if pack else weight
+        # the weight itself goes where a copy serves every step (`ModelRunner._one_gemm_copy`)
+        every_step = self.gemm is not None and self.gemm_rows >= EVERY_STEP
+        self.weight = None if pack or every_step else weight
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """The product in `out_dtype` (default `x`'s). Logits ask for fp32 so that the fp16
@@ -129,8 +132,8 @@ class CpuLinear(nn.Module):
         if self.int4 is not None and rows <= INT4_MAX_ROWS:
             packed, scales = self.int4
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales)
-        if self.gemm is not None and rows <= self.gemm_rows and x.stride(1) == 1:
-            return cpu_ops.gemm(x, self.gemm, out_dtype)
+        if self.gemm is not None and rows <= self.gemm_rows:
+            return cpu_ops.gemm(x if x.stride(1) == 1 else x.contiguous(), self.gemm, out_dtype)
         if self.fp16 is not None and rows <= FP16_MAX_ROWS:
             return F.linear(x.to(torch.float16), self.fp16)
         return None

@@ -511,7 +511,7 @@ def prefill_attention(
     )
 
 
-GEMM_MAX_ROWS = 64  # the most rows `gemm` takes (`kernel_choice` times it against oneDNN)
+GEMM_MAX_ROWS = 64  # the most rows `kernel_choice` times `gemm` at against oneDNN
 
 
 def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -521,8 +521,8 @@ def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """`x @ weight.T` for bf16 rows x [rows <= GEMM_MAX_ROWS, k] (unit stride within a row) and
-    a `pack_gemm_weight`, in `out_dtype` (bf16: rounded once; or fp32)."""
+    """`x @ weight.T` for bf16 rows x [rows, k] (unit stride within a row) and a
+    `pack_gemm_weight`, in `out_dtype` (bf16: rounded once; or fp32)."""
     rows, k = x.shape
     n = packed.shape[0] * 16
     out = torch.empty(rows, n, dtype=out_dtype)
