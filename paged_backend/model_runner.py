@@ -361,7 +361,7 @@ class ModelRunner:
         beside oneDNN's packed one would cost that much memory again. The one copy keeps the
         one-call decode step (which runs on it) and goes on 2 MiB pages (oneDNN's opaque
         packing does not move); oneDNN's GEMM was 3-13% faster only at 128-512 rows."""
-        if config.quantization is not None or config.cpu_gemm_max_rows is not None:
+        if config.quantization not in (None, "none") or config.cpu_gemm_max_rows is not None:
             return False
         if config.pack_weights is not None or config.fp16_decode_weights is not None:
             return False

@@ -25,6 +25,7 @@ from paged_backend.cpu.linear import (
     quantize_int4,
     replace_linears_,
 )
+from paged_backend.default_model import default_model_file
 
 CPU = torch.device("cpu")
 needs_packing = pytest.mark.skipif(
@@ -113,8 +114,9 @@ def test_a_gemm_copy_for_every_step_is_the_only_copy():
 @pytest.mark.skipif(not cpu.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")
 def test_a_large_bf16_model_keeps_one_gemm_copy_and_its_fused_step(monkeypatch):
     """Past `FP16_COPY_MAX_BYTES` (here: any model) a bf16 model's linears and head keep only
-    the C GEMM's copy, which serves every step, and the one-call decode step runs on it; its
-    greedy text is the packed engine's but for near ties. Asking for packing keeps oneDNN's."""
+    the C GEMM's copy, which serves every step, and the one-call decode step runs on it (a GGUF
+    file read dequantized too); its greedy text is the packed engine's but for near ties.
+    Asking for packing keeps oneDNN's."""
     from paged_backend import model_runner
 
     monkeypatch.setattr(model_runner, "FP16_COPY_MAX_BYTES", 0)
@@ -126,6 +128,8 @@ def test_a_large_bf16_model_keeps_one_gemm_copy_and_its_fused_step(monkeypatch):
         m.weight is None and m.packed is None and m.gemm_rows == EVERY_STEP for m in linears
     )
     assert model.fused_decode is not None
+    dequantized = LLM(model=str(default_model_file()), quantization="none", **args)
+    assert dequantized.engine.runner.model.cpu_head.gemm_rows == EVERY_STEP  # a GGUF read as bf16
     packed = LLM(pack_weights=True, fp16_decode_weights=False, **args)
     assert packed.engine.runner.model.cpu_head.packed is not None
     prompt = packed.engine.apply_chat_template([{"role": "user", "content": "Describe a river."}])
