@@ -226,7 +226,7 @@ class ModelRunner:
             return self._blocks_model(config, model, ops)
         if config.quantization == "int8" and self.device.type != "cpu":
             raise ValueError(f"quantization='int8' runs on CPU only, not {self.device.type}")
-        pack, fp16_copy = self._cpu_linears(config, model)
+        pack, fp16_copy, every_step = self._cpu_linears(config, model, bf16_kernels)
         if gguf is not None:
             load_gguf(model, file, self.dtype, arch, table, quantized=False)
         else:
@@ -247,11 +247,10 @@ class ModelRunner:
         int4 = quantize_linears_int4(model.layers) if config.quantization == "int4" else None
         model.to(self.dtype)
         if pack or fp16_copy or int4:
-            if bf16_kernels and fp16_copy:
-                self.gemm_rows = self._gemm_rows(config, model, kernel_choice.gemm_max_rows)
-            if bf16_kernels and self._one_gemm_copy(config, model):
-                pack, fp16_copy = False, True
+            if every_step:
                 self.gemm_rows = dict.fromkeys(model.linear_shapes(), EVERY_STEP)
+            elif bf16_kernels and fp16_copy:
+                self.gemm_rows = self._gemm_rows(config, model, kernel_choice.gemm_max_rows)
             model.use_cpu_linears_(pack, fp16_copy, int4, self.gemm_rows)
         elif self._c_f32_linears(config, ops):
             self.gemm_rows = self._gemm_rows(config, model, kernel_choice.f32_max_rows)
@@ -326,12 +325,17 @@ class ModelRunner:
             return dict.fromkeys(shapes, config.cpu_gemm_max_rows)
         return timed(shapes)
 
-    def _cpu_linears(self, config: EngineConfig, model: torch.nn.Module) -> tuple[bool, bool]:
+    def _cpu_linears(
+        self, config: EngineConfig, model: torch.nn.Module, bf16_kernels: bool
+    ) -> tuple[bool, bool, bool]:
         """(pack the weights, keep a copy for small steps: bf16 for the C GEMM where the C
-        kernels have AVX512-BF16, else fp16), see `paged_backend.cpu.linear`. By default packed
-        wherever that works, since it gives the same outputs faster; the copy by default for
-        bf16 models on CPU with at most `FP16_COPY_MAX_BYTES` of weights, since it costs that
-        much memory again."""
+        kernels have AVX512-BF16, else fp16; that copy serves every step), see
+        `paged_backend.cpu.linear`. By default packed wherever that works, since it gives the
+        same outputs faster, and the copy kept for bf16 models on CPU with at most
+        `FP16_COPY_MAX_BYTES` of weights, since it costs that much memory again. Past it, with
+        the C kernels and nothing asked of the copies, the C GEMM's copy is the only one: the
+        one-call decode step runs on it and it goes on 2 MiB pages (oneDNN's opaque packing
+        does not move), and oneDNN's GEMM was 3-13% faster only at 128-512 rows."""
         packable = can_pack(self.dtype, self.device)
         if config.pack_weights and not packable:
             raise ValueError(
@@ -350,23 +354,17 @@ class ModelRunner:
                 )
         pack = packable if config.pack_weights is None else config.pack_weights
         if config.fp16_decode_weights is not None:
-            return pack, config.fp16_decode_weights
+            return pack, config.fp16_decode_weights, False
         size = sum(p.numel() for p in model.parameters()) * torch.finfo(self.dtype).bits // 8
-        return pack, self.bf16_cpu and size <= FP16_COPY_MAX_BYTES
-
-    @staticmethod
-    def _one_gemm_copy(config: EngineConfig, model: torch.nn.Module) -> bool:
-        """Whether a bf16 model's weights become only the C GEMM's copy, which serves steps of
-        every size: by default past `FP16_COPY_MAX_BYTES`, where a second copy for small steps
-        beside oneDNN's packed one would cost that much memory again. The one copy keeps the
-        one-call decode step (which runs on it) and goes on 2 MiB pages (oneDNN's opaque
-        packing does not move); oneDNN's GEMM was 3-13% faster only at 128-512 rows."""
-        if config.quantization not in (None, "none") or config.cpu_gemm_max_rows is not None:
-            return False
-        if config.pack_weights is not None or config.fp16_decode_weights is not None:
-            return False
-        size = sum(p.numel() * p.element_size() for p in model.parameters())
-        return size > FP16_COPY_MAX_BYTES
+        if size <= FP16_COPY_MAX_BYTES:
+            return pack, self.bf16_cpu, False
+        one_copy = (
+            bf16_kernels
+            and config.pack_weights is None
+            and config.cpu_gemm_max_rows is None
+            and config.quantization in (None, "none")
+        )
+        return (False, True, True) if one_copy else (pack, False, False)
 
     def _num_blocks(self, config: EngineConfig, max_model_len: int) -> int:
         if config.num_kv_blocks is not None:

@@ -108,7 +108,7 @@ class CpuLinear(nn.Module):
         self.gemm = cpu_ops.pack_gemm_weight(weight) if self.gemm_rows else None
         self.fp16 = weight.detach().to(torch.float16) if small_copy and not gemm else None
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if pack else None
-        # the weight itself goes where a copy serves every step (`ModelRunner._one_gemm_copy`)
+        # the weight itself goes where a copy serves every step (`ModelRunner._cpu_linears`)
         every_step = self.gemm is not None and self.gemm_rows >= EVERY_STEP
         self.weight = None if pack or every_step else weight
 
