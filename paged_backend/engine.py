@@ -346,6 +346,17 @@ class LLMEngine:
             sampled_requests = [scheduled[i][0] for i in sampling]
             self._inject_fault("sample", sampled_requests)
             new_tokens, logprobs = self._sample(logits, sampled_requests, sched.drafts)
+            # A step that prefilled hands the heap's freed pages back (glibc keeps them
+            # resident): its activations, and its sampling's, freed in another order than the
+            # next step asks for them, piled up as heap (Gemma 3 270M Q4_K_M, 32 x ~250
+            # tokens: +16 MB a 2,048-token step, 60 MB at the peak). Decode steps keep theirs:
+            # they ask again for the same sizes (a 262,144-token vocabulary's logits, 1 MB a
+            # row), which a trim would have faulted in again every step.
+            del logits
+            if self.runner.trims_heap and any(
+                n > 1 and r not in sched.drafts for r, n in scheduled
+            ):
+                release_freed_heap()
         except Exception as exc:  # one bad step fails its requests, never the engine
             logger.exception("engine step failed")
             failed = dict.fromkeys((r.parent_id for r in sched.num_scheduled), exc)

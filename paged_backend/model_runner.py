@@ -17,7 +17,6 @@ from paged_backend.cpu.memory import (
     advise_huge_pages,
     huge_page_tokens,
     move_to_huge_pages_,
-    release_freed_heap,
     resident_bytes,
 )
 from paged_backend.cpu.quant import QuantLinear, QuantWeight, can_dequantize_to_bf16
@@ -40,12 +39,6 @@ FP16_COPY_MAX_BYTES = 1 << 30  # the default small-step copy is kept for models 
 _DEFAULT_KV_FRACTION = 0.1
 _DEFAULT_KV_CAP = 2 << 30
 HUGE_PAGES_A_REGION = 4  # the KV cache's 2 MiB pages wait for this much use (see `__init__`)
-# On CPU a step whose rows' MLP activations (rows x gate and up, summed over its forwards) reach
-# this many bytes hands the heap's freed pages back after its forwards: glibc keeps them
-# resident, and the chunks of one prefill step, freed in another order than the next step asks
-# for them, piled up as more heap (Gemma 3 270M Q4_K_M, 32 x ~250 tokens: +240 MB retained at the
-# end, +80 MB at the peak). Decode steps (few rows) keep theirs: they reuse the same sizes.
-TRIM_AFTER_ACTIVATION_BYTES = 16 << 20
 # On CPU a step runs as forwards of at most this many tokens (llama.cpp's physical batch, its
 # n_ubatch, is 512 too): a forward's activations, freed and allocated again layer by layer, took
 # ~80 KB a token of resident memory (Gemma 3 270M), 160 MB for a 2,048-token step.
@@ -137,13 +130,12 @@ class ModelRunner:
         # a region: at most 1.25x the bytes 4 KiB pages hold (from one page a region, a 1B batch
         # of 32 x ~280 tokens committed 1,024 MB of KV cache for 590 MB of tokens; from two,
         # Gemma 3 270M's 32 x ~280 tokens 198 MB for 163 MB, at the same decode step time).
-        self.huge_pages_from_blocks = self.trim_from_rows = self.forward_tokens = None
+        self.huge_pages_from_blocks = self.forward_tokens = None
+        self.trims_heap = self.device.type == "cpu"  # after steps that prefill (`LLMEngine`)
         if self.device.type == "cpu":
             tokens = HUGE_PAGES_A_REGION * huge_page_tokens(mc.head_dim, self.kv_dtype)
             self.huge_pages_from_blocks = -(-tokens // config.block_size)
             self.forward_tokens = FORWARD_TOKENS
-            row_bytes = 2 * mc.intermediate_size * self.dtype.itemsize
-            self.trim_from_rows = max(1, TRIM_AFTER_ACTIVATION_BYTES // row_bytes)
 
     def _c_decode_rows(self, rows: list[tuple[Request, int]], drafts: dict) -> int:
         """The most rows a sequence may have for the C decode kernel to run a forward of these
@@ -416,15 +408,16 @@ class ModelRunner:
         if held is not None and sum(len(t) for t in block_tables) >= held:
             advise_huge_pages([t for layer in self.kv_caches for t in layer])
             self.huge_pages_from_blocks = None
-        logits, sampling = [], []
+        # The head runs once for the step's rows of every forward: once a forward, it read its
+        # weights again for each (a 262,144-token vocabulary's: 135 MB), and concatenating the
+        # forwards' logits held them twice.
+        hidden, sampling = [], []
         for piece in self._pieces(scheduled, drafts):
-            piece_logits, piece_sampling = self._forward(scheduled, block_tables, drafts, piece)
-            logits.append(piece_logits)
+            piece_hidden, piece_sampling = self._forward(scheduled, block_tables, drafts, piece)
+            hidden.append(piece_hidden)
             sampling.extend(piece_sampling)
-        tokens = sum(n for _, n in scheduled)
-        if self.trim_from_rows is not None and tokens >= self.trim_from_rows:
-            release_freed_heap()
-        return (logits[0] if len(logits) == 1 else torch.cat(logits)), sampling
+        x = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
+        return self.model.logits(x).cpu(), sampling
 
     def _pieces(
         self, scheduled: list[tuple[Request, int]], drafts: dict[Request, list[int]]
@@ -461,7 +454,8 @@ class ModelRunner:
         drafts: dict[Request, list[int]],
         piece: list[tuple[int, int, int]],
     ) -> tuple[torch.Tensor, list[int]]:
-        """One forward over a piece of the step (`_pieces`): its logits and sampling indices."""
+        """One forward over a piece of the step (`_pieces`): the final hidden rows it samples
+        from, and their indices into `scheduled`."""
         bs = self.block_size
         ids, positions, qsl, seq_lens, logit_rows, sampling = [], [], [0], [], [], []
         max_blocks = max(len(block_tables[i]) for i, _, _ in piece)
@@ -508,7 +502,7 @@ class ModelRunner:
             ),
         )
         self.backend.prepare(meta)
-        logits = self.model(
+        hidden = self.model(
             torch.tensor(ids, device=self.device),
             torch.from_numpy(rope_rows).to(self.device),
             self.kv_caches,
@@ -516,7 +510,7 @@ class ModelRunner:
             meta,
             torch.tensor(logit_rows, dtype=torch.long, device=self.device),
         )
-        return logits.cpu(), sampling
+        return hidden, sampling
 
 
 def _parameters_in_(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -439,32 +439,34 @@ def test_a_long_steps_mlp_runs_in_slices_of_rows_with_the_same_result(tiny_model
     torch.testing.assert_close(sliced, whole, rtol=1e-4, atol=1e-5)
 
 
-def test_a_long_step_hands_the_heaps_freed_pages_back_and_decode_steps_keep_theirs(
+def test_a_step_that_prefills_hands_the_heaps_freed_pages_back_and_decode_steps_keep_theirs(
     tiny_model, monkeypatch
 ):
-    """A step whose MLP activations reach TRIM_AFTER_ACTIVATION_BYTES trims the heap after its
-    forward (what its chunks freed would stay resident); a decode step, which asks again for
-    the same sizes next step, does not pay the trim and the faults after it."""
-    from paged_backend import model_runner
+    """A step that prefilled trims the heap once it has sampled (what its forwards and its
+    sampling freed would stay resident); a decode step, which asks again for the same sizes next
+    step, does not pay the trim and the faults after it."""
+    from paged_backend import engine as engine_module
 
-    config = ModelConfig.from_dir(tiny_model, "native")
-    row_bytes = 2 * config.intermediate_size * 4  # fp32
-    monkeypatch.setattr(model_runner, "TRIM_AFTER_ACTIVATION_BYTES", 20 * row_bytes)
-    trims = []
-    monkeypatch.setattr(model_runner, "release_freed_heap", lambda: trims.append(1))
+    events = []
+    monkeypatch.setattr(engine_module, "release_freed_heap", lambda: events.append("trim"))
     llm = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=64)
     engine = llm.engine
-    assert engine.runner.trim_from_rows == 20
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    engine.add_request(None, params, prompt_token_ids=[5, 6, 7, 8] * 4)  # 16 rows
+    sample = engine.sampler.__call__
+    engine.sampler = lambda logits, requests: events.append("sample") or sample(logits, requests)
+    events.clear()  # loading's own trim
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request(None, params, prompt_token_ids=[5, 6, 7])
     engine.step()
-    assert trims == []
-    engine.add_request(None, params, prompt_token_ids=list(range(3, 33)))  # 30 rows, with a decode
+    assert events == ["sample", "trim"]
     engine.step()
-    assert trims == [1]
+    assert events == ["sample", "trim", "sample"]  # a decode step
+    engine.add_request(None, params, prompt_token_ids=[9, 10])  # prefill with a decode
+    engine.step()
+    assert events[-2:] == ["sample", "trim"]
+    events.clear()
     while engine.has_unfinished_requests():
         engine.step()
-    assert trims == [1]  # the decode steps that followed kept their pages
+    assert events and "trim" not in events  # the decode steps that followed kept their pages
 
 
 def test_a_step_is_cut_into_forwards_of_at_most_forward_tokens_decodes_first():
@@ -490,7 +492,8 @@ def test_forwards_of_a_cut_step_give_the_whole_steps_outputs(
     """On CPU a step of more tokens than FORWARD_TOKENS (a forward's activations are a peak of
     resident memory) runs as forwards of at most that many: a prompt's later pieces read the
     earlier's K/V from the cache, and the step's tokens and logprobs are those of one forward,
-    with prefix hits, decodes beside prefills and drafts being verified."""
+    with prefix hits, decodes beside prefills and drafts being verified. The head runs once a
+    step, on the rows of all its forwards."""
     from paged_backend import model_runner
 
     prompts = [QUOTED, QUOTED + " The municipal archive", "Repeat: " + QUOTED, "guild books. The"]
@@ -503,7 +506,10 @@ def test_forwards_of_a_cut_step_give_the_whole_steps_outputs(
         model = llm.engine.runner.model
         rows = sizes.setdefault(limit, [])
         model.register_forward_pre_hook(lambda _m, args, rows=rows: rows.append(len(args[0])))
+        heads, head = [], model.logits
+        model.logits = lambda x, heads=heads, head=head: heads.append(len(x)) or head(x)
         results.append(llm.generate(prompts, params, use_tqdm=False))
+        assert len(heads) == llm.engine.num_steps and sum(heads) >= len(prompts) * 12
         assert llm.engine.num_draft_tokens > 0 if speculative else True
     assert max(sizes[5]) <= 5 < max(sizes[None]) and len(sizes[5]) > len(sizes[None])
     whole, cut = results

@@ -449,8 +449,9 @@ class LlamaForCausalLM(nn.Module):
         meta,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits (fp32) for the rows of `logits_indices` only: the rest are never sampled.
-        `positions`: each token's row in the rotary tables (`RotaryEmbedding.rows`)."""
+        """The final hidden rows (normed) of `logits_indices` only, the rest are never sampled,
+        for `logits`. `positions`: each token's row in the rotary tables
+        (`RotaryEmbedding.rows`)."""
         x = self.embed(input_ids)
 
         def tables(rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
@@ -468,7 +469,7 @@ class LlamaForCausalLM(nn.Module):
                 cos, sin = rope if layer.self_attn.window is None else local
                 x, residual = layer(x, residual, cos, sin, kv_cache, backend, meta)
         x, _ = self.norm(x[logits_indices], residual[logits_indices])
-        return self.logits(x)
+        return x
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input rows of tokens `input_ids`."""

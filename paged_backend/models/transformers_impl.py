@@ -81,7 +81,7 @@ class TransformersForCausalLM(nn.Module):
         self.logit_softcap = getattr(text, "final_logit_softcapping", None)  # Gemma
 
     def forward(self, input_ids, positions, kv_caches, backend, meta, logits_indices):
-        """Logits (fp32) for the rows of `logits_indices` only."""
+        """The final hidden rows of `logits_indices` only, for `logits`."""
         token = _STEP.set((kv_caches, backend, meta))
         try:
             hidden = self.model.base_model(
@@ -89,5 +89,8 @@ class TransformersForCausalLM(nn.Module):
             ).last_hidden_state[0]
         finally:
             _STEP.reset(token)
-        logits = self.model.get_output_embeddings()(hidden[logits_indices]).float()
-        return softcap_(logits, self.logit_softcap)
+        return hidden[logits_indices]
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The output head on final hidden rows `x`, in fp32."""
+        return softcap_(self.model.get_output_embeddings()(x).float(), self.logit_softcap)
