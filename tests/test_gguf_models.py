@@ -215,6 +215,38 @@ def test_k_quant_greedy_tokens_start_as_the_dequantized_weights_do(k_quant_check
     assert_all_blocks_free(quantized.engine)
 
 
+def test_block_formats_the_kernels_do_not_read_are_served_as_int8_blocks(tmp_path):
+    """A Q3_K_M file's Q3_K weights (q, k, gate and up; the untied embedding) become int8
+    blocks of their values, not a float copy: each linear computes what its dequantized weights
+    do, the greedy tokens are the dequantized load's, and the weights take ~1/4 of the bytes of
+    the fp32 load (the file's other formats stay as they are)."""
+    (path,) = write_checkpoint("tiny", tmp_path, ("q3_k_m",))
+    quantized = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
+    full = LLM(model=str(path), dtype="float32", quantization="none", num_kv_blocks=64)
+    model, reference = quantized.engine.runner.model, _weights(full)
+    assert model.embed_tokens.weight_q.format == "Q8_256"  # row-major: its rows are looked up
+    expected_embedding = reference["embed_tokens.weight"][:100]
+    torch.testing.assert_close(
+        model.embed_tokens(torch.arange(100)), expected_embedding, atol=2e-3, rtol=0
+    )
+    int8 = {"Q8_256", "Q8_256_VNNI"}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear) and name != "cpu_head":
+            x = torch.randn(5, module.in_features)
+            expected = F.linear(x, reference[f"{name}.weight"])
+            assert F.cosine_similarity(module(x), expected, dim=-1).min() > 0.999, name
+    formats = [w.format for w in model.layers[0].self_attn.qkv_proj.weights]
+    assert formats[:2] in (["Q8_256"] * 2, ["Q8_256_VNNI"] * 2) and formats[2] == "Q5_K"
+    assert {w.format for w in model.layers[1].mlp.gate_up_proj.weights} <= int8
+    assert [w.format for w in model.layers[1].mlp.down_proj.weights] == ["Q4_K"]
+    assert sum(p.numel() for p in model.parameters()) < 10_000  # norms only
+    assert quantized.stats()["weights_bytes"] < 0.3 * full.stats()["weights_bytes"]
+    runs = [llm.generate(PROMPTS, GREEDY, use_tqdm=False) for llm in (quantized, full)]
+    ours, theirs = ([o.outputs[0].token_ids for o in run] for run in runs)
+    assert sum(a[:3] == b[:3] for a, b in zip(ours, theirs, strict=True)) >= 3
+    assert_all_blocks_free(quantized.engine)
+
+
 def test_int8_linears_are_int8_blocks_of_the_float_weights(llm_fp32):
     """quantization="int8" (any checkpoint): every linear as int8 blocks (tied head too), Q8_0
     for the default model's 576 inputs, Q8_256 for its down projection's 1536, the embedding

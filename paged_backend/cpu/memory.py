@@ -122,6 +122,14 @@ def _file_mappings() -> list[tuple[int, int]]:
     return ranges
 
 
+def release_file_pages(array: np.ndarray) -> None:
+    """Take the whole pages of `array`, where it lies in a file mapping (a GGUF tensor read
+    once and converted), out of the resident set; nothing for memory of any other kind."""
+    address, size = array.ctypes.data, array.nbytes
+    if any(low <= address and address + size <= high for low, high in _file_mappings()):
+        _drop_pages(address, size)
+
+
 def _drop_pages(address: int, size: int) -> None:
     """Take the whole pages of [address, address + size), a file's mapped bytes the process no
     longer reads, out of its resident set (they are read from the file again if touched)."""

@@ -3,7 +3,7 @@
 the inputs are whole super-blocks, else Q8_0).
 
 The `gguf` package quantizes the legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) but only
-dequantizes the K-quants; Q4_K, Q5_K and Q6_K are packed here, in vectorized numpy, into
+dequantizes the K-quants; Q3_K, Q4_K, Q5_K and Q6_K are packed here, in vectorized numpy, into
 llama.cpp's block layouts (ggml-common.h), 256 weights a super-block:
 
 - block_q4_K: d (f16), dmin (f16), scales[12], qs[128]. Eight sub-blocks of 32 weights,
@@ -15,6 +15,12 @@ llama.cpp's block layouts (ggml-common.h), 256 weights a super-block:
   y = d * sc * (q - 32), q in 0..63; each half of 128 weights is four rows of 32: its ql byte l
   holds weight l of rows 0 and 2 (low, high nibble), byte 32 + l that of rows 1 and 3, and its
   qh byte l the top two bits of all four (row r at bit 2r).
+
+- block_q3_K: hmask[32], qs[64], scales[12], d (f16). Sixteen sub-blocks of 16 weights,
+  y = d * sc * q, q in -4..3 (stored + 4: two low bits in qs, the third in hmask), sc 6-bit
+  (stored + 32). Each half of 128 weights is four rows of 32, row j's low bits at bits 2j of its
+  32 qs bytes and its third bits at bit 4 * half + j of the hmask bytes; scale s's low nibble is
+  byte s % 8's (low for s < 8), its top two bits at bits 2 * (s // 4) of byte 8 + s % 4.
 
 The quantizer is the simple one: a sub-block's min and max (its signed peak for Q6_K) give its
 scale, and the scales are rounded onto multiples of the super-block's f16 scale. llama.cpp
@@ -34,7 +40,7 @@ from paged_backend.cpu.linear import swap_linears_
 from paged_backend.cpu.quant import QuantLinear, QuantWeight, vnni_gemm_built, vnni_strips
 
 QK_K = 256  # weights in a K-quant super-block
-TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 _CHUNK = 1 << 21  # weights quantized at once: bounds the temporaries of a large tensor
 
 
@@ -121,15 +127,37 @@ def _q5_k(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate([head, qh, _nibbles(q)], axis=1)
 
 
-def _q6_k(blocks: np.ndarray) -> np.ndarray:
-    """A sub-block's signed peak maps to q - 32 = -32, so that its whole range [-32, 31] serves."""
-    n = len(blocks)
-    x = blocks.reshape(n, 16, 16)
+def _signed_levels(blocks: np.ndarray, bits: int, scale_levels: int) -> tuple[np.ndarray, ...]:
+    """Q3_K's and Q6_K's shared part: (d, sc [n, 16], q + 2**(bits-1) [n, 16, 16]). A
+    sub-block's signed peak maps to the lowest level, -2**(bits-1), so that its whole range
+    serves."""
+    low_level = 1 << (bits - 1)
+    x = blocks.reshape(len(blocks), 16, 16)
     high, low = x.max(axis=-1), x.min(axis=-1)
     peak = np.where(high >= -low, high, low)
-    d, sc = _on_super_scale(peak / -32, 127, keep=True)
+    d, sc = _on_super_scale(peak / -low_level, scale_levels, keep=True)
     step = d.astype(np.float32)[:, None, None] * sc[..., None]
-    q = (np.clip(np.rint(_divide(x, step)), -32, 31) + 32).astype(np.uint8)
+    q = np.clip(np.rint(_divide(x, step)), -low_level, low_level - 1) + low_level
+    return d, sc, q.astype(np.uint8)
+
+
+def _q3_k(blocks: np.ndarray) -> np.ndarray:
+    n = len(blocks)
+    d, sc, q = _signed_levels(blocks, 3, 31)
+    rows = q.reshape(n, 2, 4, 32)  # two halves of four rows of 32
+    shifts = np.arange(4, dtype=np.uint8)[:, None]
+    qs = ((rows & 3) << (2 * shifts)).sum(axis=2, dtype=np.uint8)  # distinct bits: OR
+    third = (rows >> 2).reshape(n, 8, 32) << np.arange(8, dtype=np.uint8)[:, None]
+    hmask = third.sum(axis=1, dtype=np.uint8)
+    u = (sc + 32).astype(np.uint8)
+    low = (u[:, :8] & 15) | ((u[:, 8:] & 15) << 4)
+    top = ((u >> 4).reshape(n, 4, 4) << (2 * shifts)).sum(axis=1, dtype=np.uint8)
+    return np.concatenate([hmask, qs.reshape(n, 64), low, top, _f16_bytes(d)], axis=1)
+
+
+def _q6_k(blocks: np.ndarray) -> np.ndarray:
+    n = len(blocks)
+    d, sc, q = _signed_levels(blocks, 6, 127)
     rows = q.reshape(n, 2, 4, 32)  # two halves of four rows of 32
     ql = (rows[:, :, :2] & 15) | ((rows[:, :, 2:] & 15) << 4)
     qh = ((rows >> 4) << np.array([0, 2, 4, 6], np.uint8)[:, None]).sum(axis=2, dtype=np.uint8)
@@ -137,20 +165,20 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), scales, _f16_bytes(d)], axis=1)
 
 
-_K_PACKERS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+_K_PACKERS = {"Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
-def q8_256_blocks(weight: torch.Tensor) -> QuantWeight:
-    """`weight` [rows, cols] (cols a multiple of 256) as Q8_256 blocks: each 256 inputs of a row
-    as int8 levels round(w / d), d = their largest |w| / 127, then d (fp32). A few rows at a
-    time, so a large table (a tied head) is never copied whole in fp32."""
+def q8_256_blocks(weight) -> QuantWeight:
+    """`weight` [rows, cols] (cols a multiple of 256; see `int8_weight`) as Q8_256 blocks: each
+    256 inputs of a row as int8 levels round(w / d), d = their largest |w| / 127, then d (fp32).
+    A few rows at a time, so a large table (a tied head) is never copied whole in fp32."""
     rows, cols = weight.shape
     if cols % QK_K:
         raise ValueError(f"Q8_256 rows hold a multiple of {QK_K} weights, not {cols}")
     out = torch.empty(rows, cols // QK_K, QK_K + 4, dtype=torch.uint8)
     step = max(1, _CHUNK // cols)
     for start in range(0, rows, step):
-        w = weight[start : start + step].detach().float().view(-1, cols // QK_K, QK_K)
+        w = torch.as_tensor(weight[start : start + step]).float().view(-1, cols // QK_K, QK_K)
         d = w.abs().amax(-1, keepdim=True) / 127
         levels = torch.where(d > 0, w / d, 0.0).round_().clamp_(-127, 127)
         out[start : start + step, :, :QK_K] = levels.to(torch.int8).view(torch.uint8)
@@ -158,16 +186,21 @@ def q8_256_blocks(weight: torch.Tensor) -> QuantWeight:
     return QuantWeight("Q8_256", out.view(rows, -1), cols)
 
 
-def int8_weight(weight: torch.Tensor) -> QuantWeight:
+def int8_weight(weight, strips: bool = True) -> QuantWeight:
     """A float weight [out, in] as `quantization="int8"` serves it: Q8_256 where its inputs are
     whole super-blocks (its VNNI GEMM ran ~1.5x Q8_0's on a Zen 4, which spends float work on
-    every 32 inputs), laid out for that GEMM (`vnni_strips`) where it is built and the outputs
-    are whole strips of 32; else Q8_0 (inputs a multiple of 32)."""
-    if weight.shape[1] % QK_K == 0:
+    every 32 inputs), laid out for that GEMM (`vnni_strips`) where `strips`, it is built and the
+    outputs are whole strips of 32 (not for an embedding table, whose rows are looked up); else
+    Q8_0 (inputs a multiple of 32). `weight`: a tensor, or any [out, in] whose row slices are
+    float arrays (a GGUF tensor's rows, dequantized as they are sliced)."""
+    if isinstance(weight, torch.Tensor):
+        weight = weight.detach()
+    rows, cols = weight.shape
+    if cols % QK_K == 0:
         blocks = q8_256_blocks(weight)
-        return vnni_strips(blocks) if weight.shape[0] % 32 == 0 and vnni_gemm_built() else blocks
-    blocks = quantize(weight.detach().float().numpy(), "Q8_0")
-    return QuantWeight("Q8_0", torch.from_numpy(blocks), weight.shape[1])
+        return vnni_strips(blocks) if strips and rows % 32 == 0 and vnni_gemm_built() else blocks
+    values = weight.float().numpy() if isinstance(weight, torch.Tensor) else weight
+    return QuantWeight("Q8_0", torch.from_numpy(quantize(values, "Q8_0")), cols)
 
 
 def quantize_linears_int8_(model: nn.Module) -> None:

@@ -7,8 +7,9 @@ must change is copied here: the q and k rows of a `llama` file, which llama.cpp'
 for its interleaved rotary, are put back in Hugging Face's order. Linears and the embedding table in
 a format of `BLOCK_FORMATS` become `QuantLinear` / `QuantEmbedding`; a fused projection's parts (q,
 k, v; gate, up) stay separate weights of one `QuantLinear`, as a Q4_K_M file stores them in
-different formats. Any other tensor (norms, biases, weights in formats the kernels do not read) is
-dequantized into its parameter.
+different formats; one in a block format the kernels do not read (Q2_K, Q3_K, IQ*) becomes int8
+blocks of its values. Any other tensor (norms, biases, F16 / F32 weights) is dequantized into its
+parameter.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from gguf import GGMLQuantizationType, GGUFReader, gguf_reader
 from gguf.quants import dequantize as gguf_dequantize
 from torch import nn
 
+from paged_backend.cpu.memory import release_file_pages
 from paged_backend.cpu.quant import (
     BLOCK_FORMATS,
     EXACT_F32_FORMATS,
@@ -36,6 +38,7 @@ from paged_backend.cpu.quant import (
     place_block_linear_,
 )
 from paged_backend.gguf import ARCHITECTURES
+from paged_backend.gguf.quantize import int8_weight
 from paged_backend.models.llama import param_shard
 
 # Of `ARCHITECTURES`, those whose q/k rows llama.cpp's converter permutes and whose norms it
@@ -360,15 +363,48 @@ def _block_weight(tensor, rows: np.ndarray) -> QuantWeight | None:
     return QuantWeight(fmt, torch.from_numpy(np.ascontiguousarray(rows)), int(tensor.shape[0]))
 
 
+@dataclass
+class _DequantizedRows:
+    """A GGUF tensor's block rows, dequantized (fp32) as they are sliced: `int8_weight` reads
+    a few at a time, so a large table is never whole in fp32."""
+
+    tensor: object
+    rows: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows.shape[0], int(self.tensor.shape[0])
+
+    ndim = 2
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        return gguf_dequantize(self.rows[rows], self.tensor.tensor_type)
+
+
+def _served_weight(tensor, rows: np.ndarray, looked_up: bool) -> QuantWeight | None:
+    """The file's blocks where the kernels read their format. A weight in another block format
+    (Q2_K, Q3_K, the IQ types) as int8 blocks of its values (`int8_weight`, row-major where
+    `looked_up`, an embedding's): 8-8.5 bits a weight where the bf16 copy it got before took
+    16 (a Q3_K_M file holds Q3_K in most q, k, gate and up projections), the int8 error ~1/20
+    of a 3-bit format's own. None for float tensors (F16, F32)."""
+    weight = _block_weight(tensor, rows)
+    if weight is not None or tensor.tensor_type in _FLOAT_TYPES or rows.ndim != 2:
+        return weight
+    weight = int8_weight(_DequantizedRows(tensor, rows), strips=not looked_up)
+    release_file_pages(rows)  # read once: its pages would stay resident until loading ends
+    return weight
+
+
 def _quantize_(model: nn.Module, param_name: str, pieces, dtype: torch.dtype) -> bool:
     """Put the quantized pieces of a linear's or the embedding's weight in place of its module;
-    False (nothing done) where any piece is in a format the kernels do not read."""
+    False (nothing done) where any piece is a float tensor."""
     module_name, _, kind = param_name.rpartition(".")
     module = model.get_submodule(module_name)
     if kind != "weight" or not isinstance(module, (nn.Linear, nn.Embedding)):
         return False
     ordered = sorted(pieces, key=lambda piece: piece[0] or 0)
-    weights = [_block_weight(tensor, rows) for _, _, tensor, rows in ordered]
+    looked_up = isinstance(module, nn.Embedding)
+    weights = [_served_weight(tensor, rows, looked_up) for _, _, tensor, rows in ordered]
     if any(w is None for w in weights):
         return False
     if isinstance(module, nn.Linear):
