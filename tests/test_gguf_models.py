@@ -215,36 +215,71 @@ def test_k_quant_greedy_tokens_start_as_the_dequantized_weights_do(k_quant_check
     assert_all_blocks_free(quantized.engine)
 
 
-def test_block_formats_the_kernels_do_not_read_are_served_as_int8_blocks(tmp_path):
-    """A Q3_K_M file's Q3_K weights (q, k, gate and up; the untied embedding) become int8
-    blocks of their values, not a float copy: each linear computes what its dequantized weights
-    do, the greedy tokens are the dequantized load's, and the weights take ~1/4 of the bytes of
-    the fp32 load (the file's other formats stay as they are)."""
-    (path,) = write_checkpoint("tiny", tmp_path, ("q3_k_m",))
-    quantized = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
-    full = LLM(model=str(path), dtype="float32", quantization="none", num_kv_blocks=64)
+@pytest.fixture(scope="module")
+def q3_k_m(tmp_path_factory):
+    """The tiny Llama shape as a Q3_K_M file: Q3_K for q, k, gate, up and the (untied)
+    embedding, Q5_K for v, Q4_K for o and down, Q6_K for the output."""
+    (path,) = write_checkpoint("tiny", tmp_path_factory.mktemp("q3_k_m"), ("q3_k_m",))
+    return path, LLM(model=str(path), dtype="float32", quantization="none", num_kv_blocks=64)
+
+
+def _served_like_the_dequantized_file(quantized: LLM, full: LLM) -> None:
+    """Every block linear computes what its dequantized weights do; the embedding's rows are
+    theirs; the greedy tokens start as the dequantized load's."""
     model, reference = quantized.engine.runner.model, _weights(full)
-    assert model.embed_tokens.weight_q.format == "Q8_256"  # row-major: its rows are looked up
-    expected_embedding = reference["embed_tokens.weight"][:100]
     torch.testing.assert_close(
-        model.embed_tokens(torch.arange(100)), expected_embedding, atol=2e-3, rtol=0
+        model.embed_tokens(torch.arange(100)),
+        reference["embed_tokens.weight"][:100],
+        atol=2e-3,
+        rtol=0,
     )
-    int8 = {"Q8_256", "Q8_256_VNNI"}
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear) and name != "cpu_head":
             x = torch.randn(5, module.in_features)
             expected = F.linear(x, reference[f"{name}.weight"])
             assert F.cosine_similarity(module(x), expected, dim=-1).min() > 0.999, name
-    formats = [w.format for w in model.layers[0].self_attn.qkv_proj.weights]
-    assert formats[:2] in (["Q8_256"] * 2, ["Q8_256_VNNI"] * 2) and formats[2] == "Q5_K"
-    assert {w.format for w in model.layers[1].mlp.gate_up_proj.weights} <= int8
-    assert [w.format for w in model.layers[1].mlp.down_proj.weights] == ["Q4_K"]
     assert sum(p.numel() for p in model.parameters()) < 10_000  # norms only
-    assert quantized.stats()["weights_bytes"] < 0.3 * full.stats()["weights_bytes"]
     runs = [llm.generate(PROMPTS, GREEDY, use_tqdm=False) for llm in (quantized, full)]
     ours, theirs = ([o.outputs[0].token_ids for o in run] for run in runs)
     assert sum(a[:3] == b[:3] for a, b in zip(ours, theirs, strict=True)) >= 3
     assert_all_blocks_free(quantized.engine)
+
+
+def test_q3_k_m_files_keep_their_blocks(q3_k_m):
+    path, full = q3_k_m
+    quantized = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
+    model = quantized.engine.runner.model
+    assert model.embed_tokens.weight_q.format == "Q3_K"
+    assert [w.format for w in model.layers[0].self_attn.qkv_proj.weights] == [
+        "Q3_K",
+        "Q3_K",
+        "Q5_K",
+    ]
+    assert [w.format for w in model.layers[1].mlp.gate_up_proj.weights] == ["Q3_K"] * 2
+    assert quantized.stats()["weights_bytes"] <= 1.15 * path.stat().st_size
+    _served_like_the_dequantized_file(quantized, full)
+
+
+def test_block_formats_the_kernels_do_not_read_are_served_as_int8_blocks(q3_k_m, monkeypatch):
+    """A weight in a block format the kernels do not read (Q2_K, IQ*; here Q3_K, taken off
+    the formats read) becomes int8 blocks of its values, not a float copy: row-major for the
+    embedding, whose rows are looked up."""
+    from paged_backend.gguf import weights
+
+    path, full = q3_k_m
+    unread = {k: v for k, v in weights.BLOCK_FORMATS.items() if k != "Q3_K"}
+    monkeypatch.setattr(weights, "BLOCK_FORMATS", unread)
+    quantized = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
+    model = quantized.engine.runner.model
+    assert model.embed_tokens.weight_q.format == "Q8_256"
+    formats = [w.format for w in model.layers[0].self_attn.qkv_proj.weights]
+    assert formats[:2] in (["Q8_256"] * 2, ["Q8_256_VNNI"] * 2) and formats[2] == "Q5_K"
+    assert {w.format for w in model.layers[1].mlp.gate_up_proj.weights} <= {
+        "Q8_256",
+        "Q8_256_VNNI",
+    }
+    assert quantized.stats()["weights_bytes"] < 0.3 * full.stats()["weights_bytes"]
+    _served_like_the_dequantized_file(quantized, full)
 
 
 def test_int8_linears_are_int8_blocks_of_the_float_weights(llm_fp32):

@@ -35,6 +35,7 @@ FP16_FIELDS = {
     "Q4_1": (0, 2),
     "Q5_0": (0,),
     "Q5_1": (0, 2),
+    "Q3_K": (108,),
     "Q8_0": (0,),
     "Q4_K": (0, 2),
     "Q5_K": (0, 2),
@@ -212,7 +213,15 @@ def test_a_linear_dequantizes_steps_of_more_rows_than_the_int8_product_serves():
 
 @pytest.mark.parametrize(
     ("fmt", "k"),
-    [("Q5_K", 512), ("Q4_K", 1536), ("Q6_K", 768), ("Q4_1", 1536), ("Q8_0", 800), ("Q5_0", 352)],
+    [
+        ("Q5_K", 512),
+        ("Q4_K", 1536),
+        ("Q6_K", 768),
+        ("Q3_K", 1024),
+        ("Q4_1", 1536),
+        ("Q8_0", 800),
+        ("Q5_0", 352),
+    ],
 )
 def test_outputs_do_not_depend_on_threads_or_batching(fmt, k):
     """A row's result is the same alone (the one-row path) or in a batch, on any thread count:
@@ -260,7 +269,7 @@ def test_rows_have_the_bits_of_one_row_in_steps_of_any_size(fmt):
 @pytest.mark.parametrize(
     "fmt, k, data, match",
     [
-        ("Q3_K", 256, torch.zeros(2, 110, dtype=torch.uint8), "not one the CPU kernels read"),
+        ("Q2_K", 256, torch.zeros(2, 84, dtype=torch.uint8), "not one the CPU kernels read"),
         ("Q4_0", 48, torch.zeros(2, 27, dtype=torch.uint8), "multiple of 32"),
         ("Q4_0", 64, torch.zeros(2, 40, dtype=torch.uint8), "take 36 bytes"),
         ("Q8_0", 32, torch.zeros(2, 34), "uint8"),

@@ -43,7 +43,7 @@ static void fused_linear(const int64_t *d, const void *x, int bf16_io, int64_t r
             gemm_bf16(x, rows, k, (const uint16_t *)part[1], part[2], k, out, 1, threads);
 #endif
         } else {
-            int64_t need = type >= 12 ? 256 : 32; /* the K-quants' super-blocks (Q4_K = 12 on) */
+            int64_t need = is_superblock(type) ? 256 : 32;
             if (block != need)
                 quantize_activations(x, bf16_io, rows, k, k, need, xq, xd, bsum, threads);
             block = need;

@@ -69,6 +69,33 @@ static inline void k4_scales_mins(const uint8_t *blk, uint64_t *sc, uint64_t *mi
             (uint64_t)(((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4)) << 32;
 }
 
+/* Q3_K: a super-block's 16 6-bit scales less 32 (ggml's unpacking in dequantize_row_q3_K: scale
+ * g's low 4 bits are byte g % 8's low (g < 8) or high nibble, its top 2 bits at 2 * (g / 4) of
+ * byte 8 + g % 4). */
+static inline void q3k_scales(const uint8_t *blk, int8_t sc[16]) {
+    uint32_t a[4], top;
+    memcpy(a, blk + 96, 12);
+    top = a[2];
+    a[2] = ((a[0] >> 4) & 0x0f0f0f0fu) | (((top >> 4) & 0x03030303u) << 4);
+    a[3] = ((a[1] >> 4) & 0x0f0f0f0fu) | (((top >> 6) & 0x03030303u) << 4);
+    a[0] = (a[0] & 0x0f0f0f0fu) | ((top & 0x03030303u) << 4);
+    a[1] = (a[1] & 0x0f0f0f0fu) | (((top >> 2) & 0x03030303u) << 4);
+    memcpy(sc, a, 16);
+    for (int g = 0; g < 16; g++) sc[g] = (int8_t)(sc[g] - 32);
+}
+
+/* Q3_K's and Q6_K's group scales (int8), their d's offset in the block, and their levels'
+ * offset (w = d * sc * (q - offset)). */
+static inline const int8_t *signed_scales(int type, const uint8_t *blk, int8_t q3k[16]) {
+    if (type == Q6_K) return (const int8_t *)(blk + 192);
+    q3k_scales(blk, q3k);
+    return q3k;
+}
+
+static inline int signed_d_at(int type) { return type == Q6_K ? 208 : 108; }
+
+static inline float signed_offset(int type) { return type == Q6_K ? 32.0f : 4.0f; }
+
 /* Q8_256's scale, after its levels. */
 static inline float q8_256_scale(const uint8_t *blk) {
     float d;
@@ -82,12 +109,13 @@ static inline void superblock_scales(int type, const uint8_t *blk, group_scales 
         for (int g = 0; g < 16; g++) s->a[g] = q8_256_scale(blk);
         return;
     }
-    if (type == Q6_K) {
-        const int8_t *scales = (const int8_t *)(blk + 192);
-        float d = f16_to_f32(blk + 208);
+    if (has_16_groups(type)) {
+        int8_t q3k[16];
+        const int8_t *scales = signed_scales(type, blk, q3k);
+        float d = f16_to_f32(blk + signed_d_at(type));
         for (int g = 0; g < 16; g++) {
             s->a[g] = d * scales[g];
-            s->b[g] = -32.0f * s->a[g];
+            s->b[g] = -signed_offset(type) * s->a[g];
         }
         return;
     }
@@ -114,10 +142,19 @@ static inline void block32_levels(int type, const uint8_t *blk, uint8_t *q) {
     }
 }
 
-/* The levels of a Q4_K / Q5_K / Q6_K super-block into q[256]; Q8_256's signed bytes. */
+/* The levels of a Q3_K / Q4_K / Q5_K / Q6_K super-block into q[256]; Q8_256's signed bytes. */
 static inline void superblock_levels(int type, const uint8_t *blk, uint8_t *q) {
     if (type == Q8_256) {
         memcpy(q, blk, CHUNK);
+        return;
+    }
+    if (type == Q3_K) { /* rows of 32: two bits at 2j of half h's qs, the third at 4h + j of hmask */
+        const uint8_t *hmask = blk, *qs = blk + 32;
+        for (int g = 0; g < 8; g++) {
+            int h = g / 4, j = g % 4;
+            for (int l = 0; l < 32; l++)
+                q[32 * g + l] = ((qs[32 * h + l] >> (2 * j)) & 3) | (((hmask[l] >> (4 * h + j)) & 1) << 2);
+        }
         return;
     }
     if (type == Q6_K) {
@@ -148,11 +185,11 @@ static inline void superblock_levels(int type, const uint8_t *blk, uint8_t *q) {
 static inline __attribute__((always_inline)) void unpack_chunk(int type, const uint8_t *row,
                                                                int64_t first, int64_t count,
                                                                chunk *c) {
-    const uint8_t *blk = row + (first >> (type >= Q4_K ? 8 : 5)) * block_bytes(type); /* no division */
+    const uint8_t *blk = row + (first >> (is_superblock(type) ? 8 : 5)) * block_bytes(type); /* no division */
     c->groups = (int)(count / 32);
     c->is_signed = type == Q8_0 || type == Q8_256;
     memset(&c->s, 0, sizeof c->s);
-    if (type >= Q4_K) {
+    if (is_superblock(type)) {
         superblock_levels(type, blk, c->q);
         superblock_scales(type, blk, &c->s);
         return;
@@ -221,6 +258,14 @@ static inline __m256i q6k_bits(__m256i qh, int shift) {
  * and g unrolled, the loads shared by two or four registers are made once. */
 static inline __attribute__((always_inline)) __m256i k_level(int type, const uint8_t *blk, int g) {
     if (type == Q8_256) return _mm256_loadu_si256((const __m256i *)(blk + 32 * g)); /* signed */
+    if (type == Q3_K) { /* as `superblock_levels` */
+        int h = g / 4, j = g % 4;
+        __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * h));
+        __m256i hmask = _mm256_loadu_si256((const __m256i *)blk);
+        __m256i low = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * j), _mm256_set1_epi8(3));
+        __m256i third = _mm256_and_si256(_mm256_srli_epi16(hmask, 4 * h + j), _mm256_set1_epi8(1));
+        return _mm256_or_si256(low, _mm256_slli_epi16(third, 2));
+    }
     if (type == Q6_K) { /* halves of 128: low nibbles of l0, l1, then high nibbles; 2 bits from qh */
         int h = g / 4, j = g % 4;
         __m256i l = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (j % 2)));

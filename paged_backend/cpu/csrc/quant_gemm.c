@@ -13,7 +13,7 @@
 #ifdef VNNI_GEMM
 /* A strip of 32 outputs (blocks b = 0, 1 of 16) of a K-quant weight, k inputs:
  * - levels: inputs 4q..4q+3 of block b at levels + (2q + b) * 64, output-major (16 x 4 bytes);
- * - scale: group g's (of 32 inputs, 16 for Q6_K) int32 scales at scale + (2g + b) * 16;
+ * - scale: group g's (of 32 inputs, 16 for Q3_K and Q6_K) int32 scales at scale + (2g + b) * 16;
  * - mv: super-block s's 16s' offset weights, int16 pairs h (16s 2h, 2h + 1) of 16 outputs at
  *   mv + ((8s + h) * 2 + b) * 32;
  * - dm: super-block s's d at dm + (4s + b) * 16, mfac at dm + (4s + 2 + b) * 16. */
@@ -42,7 +42,7 @@ static vnni_strip vnni_strip_of(const uint8_t *w, int64_t row_bytes, int64_t st)
  * faster with it, in a noisy A/B). */
 #define VNNI_PREFETCH 4
 
-static inline int k_groups(int type) { return type == Q6_K ? 16 : 8; }
+static inline int k_groups(int type) { return has_16_groups(type) ? 16 : 8; }
 
 /* The strip's bytes for k inputs (each part 64-byte aligned). */
 static inline int64_t vnni_strip_bytes(int64_t k) { return 32 * k + 8 * k + 4 * k + k + 4 * 64; }
@@ -71,7 +71,7 @@ static inline __attribute__((always_inline)) void vnni_store_levels(
     }
 }
 
-/* A row's super-block header as 16 int32 lanes: Q6_K's 16 scales; Q4_K / Q5_K's 8 scales, then
+/* A row's super-block header as 16 int32 lanes: Q3_K's and Q6_K's 16 scales; Q4_K / Q5_K's 8 scales, then
  * their 8 mins (`k_header_of`'s bits); its d and mfac into dm. */
 static inline __attribute__((always_inline)) __m512i vnni_row_header(int type, const uint8_t *blk,
                                                                      float *d, float *mfac) {
@@ -80,10 +80,11 @@ static inline __attribute__((always_inline)) __m512i vnni_row_header(int type, c
         *mfac = 0.0f;
         return _mm512_setzero_si512();
     }
-    if (type == Q6_K) {
-        *d = f16_to_f32(blk + 208);
-        *mfac = *d * 32.0f;
-        return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)));
+    if (has_16_groups(type)) {
+        int8_t q3k[16];
+        *d = f16_to_f32(blk + signed_d_at(type));
+        *mfac = *d * signed_offset(type);
+        return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)signed_scales(type, blk, q3k)));
     }
     uint64_t sc, mins;
     k4_scales_mins(blk, &sc, &mins);
@@ -102,7 +103,8 @@ static inline __attribute__((always_inline)) void vnni_scales(int type, __m512i 
     for (int g = 0; g < groups; g++)
         _mm512_store_si512(s->scale + ((sb * groups + g) * 2 + b) * 16, r[g]);
     for (int h = 0; h < 8; h++) { /* the int16 pair of 16s 2h, 2h + 1 */
-        __m512i lo = type == Q6_K ? r[2 * h] : r[8 + h], hi = type == Q6_K ? r[2 * h + 1] : r[8 + h];
+        int sixteens = has_16_groups(type);
+        __m512i lo = sixteens ? r[2 * h] : r[8 + h], hi = sixteens ? r[2 * h + 1] : r[8 + h];
         __m512i pair = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xffff)),
                                        _mm512_slli_epi32(hi, 16));
         _mm512_store_si512(s->mv + ((8 * sb + h) * 2 + b) * 32, pair);
@@ -139,6 +141,7 @@ static inline __attribute__((always_inline)) void vnni_pack_of(int type, const u
 static __attribute__((noinline)) void vnni_pack(int type, const uint8_t *w, int64_t row_bytes,
                                                 int64_t j0, int64_t k, const vnni_strip *s) {
     switch (type) {
+    case Q3_K: vnni_pack_of(Q3_K, w, row_bytes, j0, k, s); break;
     case Q4_K: vnni_pack_of(Q4_K, w, row_bytes, j0, k, s); break;
     case Q5_K: vnni_pack_of(Q5_K, w, row_bytes, j0, k, s); break;
     case Q8_256: vnni_pack_of(Q8_256, w, row_bytes, j0, k, s); break;
@@ -153,7 +156,7 @@ static inline __m512 product(__m512 a, __m512 b) {
 }
 
 /* out[r][0..32) = rows r < R of the activations times the strip, super-block by super-block in
- * `k_add`'s float sequence; groups of 32 inputs (16 for Q6_K: `groups` 16). `unit`: Q8_256,
+ * `k_add`'s float sequence; groups of 32 inputs (16 for Q3_K and Q6_K: `groups` 16). `unit`: Q8_256,
  * whose groups all weigh 1 and whose levels are stored plus 128 (unsigned for `vpdpbusd`), so a
  * super-block's integer sum is less 128 times the activations' sum, and it has no offsets. */
 static inline __attribute__((always_inline)) void vnni_tile_of(
@@ -244,7 +247,7 @@ static __attribute__((noinline)) void vnni_tile(int type, int rows, const vnni_s
 #define TILE(G, U, R) vnni_tile_of(G, U, R, s, k, xq, xd, bsum, kp, out)
 #define TILES(G, U) \
     if (rows == 4) TILE(G, U, 4); else if (rows == 3) TILE(G, U, 3); else if (rows == 2) TILE(G, U, 2); else TILE(G, U, 1)
-    if (type == Q6_K) {
+    if (has_16_groups(type)) {
         TILES(16, 0);
     } else if (type == Q8_256) {
         TILES(8, 1); /* the K-quants' loop, its 8 groups' sums added, not scaled */
@@ -432,7 +435,7 @@ int vnni_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_by
                        const int8_t *xq, const float *xd, const int16_t *bsum, int64_t rows,
                        void *out, int out_bf16, int64_t out_stride, int threads) {
     int64_t kp = act_stride(k), strips = n / 32, kc = (k + CHUNK - 1) / CHUNK * CHUNK;
-    int legacy = type < Q4_K, packed = type == Q8_256_VNNI, tile_rows = legacy ? 2 : VNNI_ROWS, ok = 1;
+    int legacy = !is_superblock(type), packed = type == Q8_256_VNNI, tile_rows = legacy ? 2 : VNNI_ROWS, ok = 1;
 #pragma omp parallel num_threads(threads) if (threads > 1) reduction(&& : ok)
     {
         int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();

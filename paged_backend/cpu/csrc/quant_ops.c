@@ -1,5 +1,5 @@
 /* Products with weights kept in GGUF's block formats (see `paged_backend.cpu.quant`): Q4_0, Q4_1,
- * Q5_0, Q5_1, Q8_0 (blocks of 32 weights) and Q4_K, Q5_K, Q6_K (super-blocks of 256), as ggml lays
+ * Q5_0, Q5_1, Q8_0 (blocks of 32 weights) and Q3_K, Q4_K, Q5_K, Q6_K (super-blocks of 256), as ggml lays
  * them out, read straight from the file's bytes.
  *
  * Every format is read as levels q (0..63, unsigned; Q8_0's are signed bytes) with, for each group
@@ -196,14 +196,15 @@ static inline __attribute__((always_inline)) void dot_rows(
 
 /* A K-quant super-block's integer scales, which each group's products are weighted by before
  * anything is converted to float. Q4_K / Q5_K: w = d * sc_j * q - dmin * m_j (per 32); Q6_K:
- * w = d * sc_g * (q - 32) (per 16). So with one activation scale xd a super-block,
+ * w = d * sc_g * (q - 32) (per 16), Q3_K the same with q - 4. So with one activation scale xd a
+ * super-block,
  *   dot = isum * (d * xd) - msum * (mfac * xd),
  * isum = sum_g sc_g (q . x)_g and msum = sum_16 mv_16 * bsum_16 exact integers, mfac = dmin
- * (mv: the mins) or 32 d (mv: the scales). Every kernel (one row, a tile of rows, the VNNI GEMM)
+ * (mv: the mins) or 32 d / 4 d (mv: the scales). Every kernel (one row, a tile of rows, the VNNI GEMM)
  * adds a row's super-blocks in this one float sequence (`k_add`), in order, so that an output
  * has the same bits whatever kernel and batch computed it. */
 typedef struct {
-    __m256i lo, hi; /* int16 scales in both 128-bit halves: Q6_K's 0-7 and 8-15; the others' 8 */
+    __m256i lo, hi; /* int16 scales in both 128-bit halves: Q3_K's / Q6_K's 0-7 and 8-15; the others' 8 */
     __m256i mv;     /* int16 per 16 weights */
     __m128 dm;      /* d, then mfac */
 } k_header;
@@ -222,15 +223,17 @@ static inline __attribute__((always_inline)) void k_header_of(int type, const ui
         h->dm = _mm_setr_ps(q8_256_scale(blk), 0.0f, 0.0f, 0.0f);
         return;
     }
-    if (type == Q6_K) {
-        __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+    if (has_16_groups(type)) {
+        int8_t q3k[16];
+        __m128i sc8 = _mm_loadu_si128((const __m128i *)signed_scales(type, blk, q3k));
         h->lo = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc8));
         h->hi = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc8, 8)));
         h->mv = _mm256_cvtepi8_epi16(sc8);
         uint16_t d;
-        memcpy(&d, blk + 208, 2);
+        memcpy(&d, blk + signed_d_at(type), 2);
         __m128 d4 = _mm_cvtph_ps(_mm_set1_epi16((short)d));
-        h->dm = _mm_mul_ps(d4, _mm_setr_ps(1.0f, 32.0f, 1.0f, 32.0f));
+        float off = signed_offset(type);
+        h->dm = _mm_mul_ps(d4, _mm_setr_ps(1.0f, off, 1.0f, off));
         return;
     }
     uint64_t sc, mins;
@@ -247,7 +250,7 @@ static inline __attribute__((always_inline)) void k_header_of(int type, const ui
 /* The scales of level register g: int16 lanes 0-7 weigh its first 16 weights, 8-15 the next. */
 static inline __attribute__((always_inline)) __m256i k_scale(int type, const k_header *h, int g) {
     if (type == Q8_256) return h->lo;
-    if (type == Q6_K) return _mm256_shuffle_epi8(g < 4 ? h->lo : h->hi, spread_lanes(2 * g % 8, (2 * g + 1) % 8));
+    if (has_16_groups(type)) return _mm256_shuffle_epi8(g < 4 ? h->lo : h->hi, spread_lanes(2 * g % 8, (2 * g + 1) % 8));
     return _mm256_shuffle_epi8(h->lo, spread_lanes(g, g));
 }
 
@@ -557,7 +560,7 @@ static inline __attribute__((always_inline)) void row_outputs_of(
     const int8_t *x, const float *xd, const int16_t *bsum, void *out, int out_bf16) {
     for (int64_t j = j0; j < j1; j++) {
         const uint8_t *row = w + j * row_bytes;
-        float v = type >= Q4_K ? dot_one_k_of(type, row, k, x, xd, bsum)
+        float v = is_superblock(type) ? dot_one_k_of(type, row, k, x, xd, bsum)
                                : dot_one_legacy_of(type, row, k, x, xd, bsum);
         store_output(out, out_bf16, j, v);
     }
@@ -568,6 +571,7 @@ static __attribute__((noinline)) void row_outputs(int type, const uint8_t *w, in
                                                   const int8_t *x, const float *xd,
                                                   const int16_t *bsum, void *out, int out_bf16) {
     switch (type) {
+    case Q3_K: row_outputs_of(Q3_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16); break;
     case Q4_K: row_outputs_of(Q4_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16); break;
     case Q5_K: row_outputs_of(Q5_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16); break;
     case Q6_K: row_outputs_of(Q6_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16); break;
@@ -617,7 +621,7 @@ static inline __attribute__((always_inline)) void tile_outputs_of(
         for (int64_t jj = 0; jj < nj; jj++) {
             const uint8_t *row = w + (j0 + jj) * row_bytes;
 #ifdef QUANT_AVX2
-            if (type >= Q4_K) {
+            if (is_superblock(type)) {
                 dot_rows_k(type, row + (first >> 8) * block_bytes(type), xq + first,
                            xd + first / 32, bsum + first / 16, kp, rows, acc[jj]);
                 continue;
@@ -635,7 +639,9 @@ static __attribute__((noinline)) void tile_outputs(int type, const uint8_t *w, i
                                                    const int16_t *bsum,
                                                    int64_t kp, int64_t rows,
                                                    acc_t acc[OUT_TILE][ROW_TILE]) {
-    if (type == Q4_K)
+    if (type == Q3_K)
+        tile_outputs_of(Q3_K, w, row_bytes, j0, nj, k, xq, xd, bsum, kp, rows, acc);
+    else if (type == Q4_K)
         tile_outputs_of(Q4_K, w, row_bytes, j0, nj, k, xq, xd, bsum, kp, rows, acc);
     else if (type == Q5_K)
         tile_outputs_of(Q5_K, w, row_bytes, j0, nj, k, xq, xd, bsum, kp, rows, acc);
@@ -667,7 +673,7 @@ void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_
         return;
 #endif
 #ifdef VNNI_GEMM
-    if ((type == Q8_256_VNNI || (rows >= VNNI_MIN_ROWS && n % 32 == 0 && (type < Q4_K || k % CHUNK == 0))) &&
+    if ((type == Q8_256_VNNI || (rows >= VNNI_MIN_ROWS && n % 32 == 0 && (!is_superblock(type) || k % CHUNK == 0))) &&
         vnni_matmul(type, w, n, k, row_bytes, xq, xd, bsum, rows, out, out_bf16, out_stride, threads))
         return;
 #endif
