@@ -262,9 +262,10 @@ static inline __attribute__((always_inline)) __m256i k_level(int type, const uin
         int h = g / 4, j = g % 4;
         __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * h));
         __m256i hmask = _mm256_loadu_si256((const __m256i *)blk);
+        int bit = 4 * h + j; /* moved to bit 2 in one shift */
         __m256i low = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * j), _mm256_set1_epi8(3));
-        __m256i third = _mm256_and_si256(_mm256_srli_epi16(hmask, 4 * h + j), _mm256_set1_epi8(1));
-        return _mm256_or_si256(low, _mm256_slli_epi16(third, 2));
+        __m256i third = bit >= 2 ? _mm256_srli_epi16(hmask, bit - 2) : _mm256_slli_epi16(hmask, 2 - bit);
+        return _mm256_or_si256(low, _mm256_and_si256(third, _mm256_set1_epi8(4)));
     }
     if (type == Q6_K) { /* halves of 128: low nibbles of l0, l1, then high nibbles; 2 bits from qh */
         int h = g / 4, j = g % 4;
@@ -276,6 +277,22 @@ static inline __attribute__((always_inline)) __m256i k_level(int type, const uin
     __m256i q = g % 2 ? high_nibbles(p) : low_nibbles(p);
     if (type == Q5_K) q = _mm256_or_si256(q, q5k_bits(_mm256_loadu_si256((const __m256i *)(blk + 16)), g));
     return q;
+}
+
+/* `signed_scales` in a register, built there: stored to memory and read back as one vector,
+ * Q3_K's scales stalled the load (store forwarding) in every super-block (a one-row product
+ * 1.6x Q4_K's time a weight). */
+static inline __m128i signed_scales_m128(int type, const uint8_t *blk) {
+    if (type == Q6_K) return _mm_loadu_si128((const __m128i *)(blk + 192));
+    uint64_t low_bytes;
+    uint32_t top;
+    memcpy(&low_bytes, blk + 96, 8);
+    memcpy(&top, blk + 104, 4);
+    __m128i b = _mm_cvtsi64_si128((int64_t)low_bytes), m4 = _mm_set1_epi8(15);
+    __m128i low = _mm_unpacklo_epi64(_mm_and_si128(b, m4), _mm_and_si128(_mm_srli_epi16(b, 4), m4));
+    __m128i top2 = _mm_setr_epi32((int)(top & 0x03030303u), (int)((top >> 2) & 0x03030303u),
+                                  (int)((top >> 4) & 0x03030303u), (int)((top >> 6) & 0x03030303u));
+    return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(top2, 4)), _mm_set1_epi8(32));
 }
 
 static inline short half_bits(const uint8_t *p) {

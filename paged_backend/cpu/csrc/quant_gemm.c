@@ -81,10 +81,9 @@ static inline __attribute__((always_inline)) __m512i vnni_row_header(int type, c
         return _mm512_setzero_si512();
     }
     if (has_16_groups(type)) {
-        int8_t q3k[16];
         *d = f16_to_f32(blk + signed_d_at(type));
         *mfac = *d * signed_offset(type);
-        return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)signed_scales(type, blk, q3k)));
+        return _mm512_cvtepi8_epi32(signed_scales_m128(type, blk));
     }
     uint64_t sc, mins;
     k4_scales_mins(blk, &sc, &mins);

@@ -224,8 +224,7 @@ static inline __attribute__((always_inline)) void k_header_of(int type, const ui
         return;
     }
     if (has_16_groups(type)) {
-        int8_t q3k[16];
-        __m128i sc8 = _mm_loadu_si128((const __m128i *)signed_scales(type, blk, q3k));
+        __m128i sc8 = signed_scales_m128(type, blk);
         h->lo = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc8));
         h->hi = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc8, 8)));
         h->mv = _mm256_cvtepi8_epi16(sc8);
