@@ -141,6 +141,16 @@ def test_q3_k_m_gives_more_bits_where_llama_cpp_does():
     assert {"Q4_0", "Q5_1"} <= fallback and "Q3_K" not in fallback
 
 
+def test_q5_k_m_is_q4_k_m_s_mix_on_q5_k():
+    shape = rc.SHAPES["llama-3.2-1b"]
+    q4, q5 = (
+        [rc.gguf_type(spec, shape, fmt) for spec in rc.tensor_plan(shape)]
+        for fmt in ("q4_k_m", "q5_k_m")
+    )
+    assert [t.replace("Q4_K", "Q5_K") for t in q4] == q5
+    assert Counter(q5) == {"F32": 33, "Q5_K": 96, "Q6_K": 17}
+
+
 @pytest.mark.parametrize(
     ("shape_name", "counts"),
     [  # llama.cpp's log of the real models' Q4_K_M files ("type q4_K: 96 tensors"...)
