@@ -245,23 +245,27 @@ def _served_like_the_dequantized_file(quantized: LLM, full: LLM) -> None:
     assert_all_blocks_free(quantized.engine)
 
 
-def test_q3_k_m_files_keep_their_blocks(q3_k_m):
-    path, full = q3_k_m
+@pytest.mark.parametrize(
+    ("fmt", "qkv", "gate_up"),
+    [("q3_k_m", ["Q3_K", "Q3_K", "Q5_K"], "Q3_K"), ("q2_k", ["Q2_K", "Q2_K", "Q3_K"], "Q2_K")],
+)
+def test_2_and_3_bit_files_keep_their_blocks(q3_k_m, tmp_path, fmt, qkv, gate_up):
+    if fmt == "q3_k_m":
+        path, full = q3_k_m
+    else:
+        (path,) = write_checkpoint("tiny", tmp_path, (fmt,))
+        full = LLM(model=str(path), dtype="float32", quantization="none", num_kv_blocks=64)
     quantized = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
     model = quantized.engine.runner.model
-    assert model.embed_tokens.weight_q.format == "Q3_K"
-    assert [w.format for w in model.layers[0].self_attn.qkv_proj.weights] == [
-        "Q3_K",
-        "Q3_K",
-        "Q5_K",
-    ]
-    assert [w.format for w in model.layers[1].mlp.gate_up_proj.weights] == ["Q3_K"] * 2
+    assert model.embed_tokens.weight_q.format == qkv[0]
+    assert [w.format for w in model.layers[0].self_attn.qkv_proj.weights] == qkv
+    assert [w.format for w in model.layers[1].mlp.gate_up_proj.weights] == [gate_up] * 2
     assert quantized.stats()["weights_bytes"] <= 1.15 * path.stat().st_size
     _served_like_the_dequantized_file(quantized, full)
 
 
 def test_block_formats_the_kernels_do_not_read_are_served_as_int8_blocks(q3_k_m, monkeypatch):
-    """A weight in a block format the kernels do not read (Q2_K, IQ*; here Q3_K, taken off
+    """A weight in a block format the kernels do not read (the IQ types; here Q3_K, taken off
     the formats read) becomes int8 blocks of its values, not a float copy: row-major for the
     embedding, whose rows are looked up."""
     from paged_backend.gguf import weights

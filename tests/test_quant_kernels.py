@@ -35,6 +35,7 @@ FP16_FIELDS = {
     "Q4_1": (0, 2),
     "Q5_0": (0,),
     "Q5_1": (0, 2),
+    "Q2_K": (80, 82),
     "Q3_K": (108,),
     "Q8_0": (0,),
     "Q4_K": (0, 2),
@@ -269,7 +270,7 @@ def test_rows_have_the_bits_of_one_row_in_steps_of_any_size(fmt):
 @pytest.mark.parametrize(
     "fmt, k, data, match",
     [
-        ("Q2_K", 256, torch.zeros(2, 84, dtype=torch.uint8), "not one the CPU kernels read"),
+        ("IQ4_NL", 32, torch.zeros(2, 18, dtype=torch.uint8), "not one the CPU kernels read"),
         ("Q4_0", 48, torch.zeros(2, 27, dtype=torch.uint8), "multiple of 32"),
         ("Q4_0", 64, torch.zeros(2, 40, dtype=torch.uint8), "take 36 bytes"),
         ("Q8_0", 32, torch.zeros(2, 34), "uint8"),

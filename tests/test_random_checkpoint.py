@@ -23,11 +23,11 @@ from paged_backend.gguf.quantize import TYPES, quantize
 from paged_backend.gguf.weights import apply_config_fixes, read_metadata
 from paged_backend.models.config import ModelConfig
 
-# Relative RMS error of a round trip on gaussian weights (measured: Q3_K 0.156, Q4_K 0.078, Q5_K
-# 0.038, Q6_K 0.019; gguf's own Q4_0 0.086, Q5_0 0.043, Q8_0 0.005).
+# Relative RMS error of a round trip on gaussian weights (measured: Q2_K 0.33, Q3_K 0.156, Q4_K
+# 0.078, Q5_K 0.038, Q6_K 0.019; gguf's own Q4_0 0.086, Q5_0 0.043, Q8_0 0.005).
 ERROR_BOUNDS = {"Q4_0": 0.1, "Q4_1": 0.1, "Q5_0": 0.05, "Q5_1": 0.05, "Q8_0": 0.01}
-ERROR_BOUNDS |= {"Q3_K": 0.2, "Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.025}
-K_TYPES = ("Q3_K", "Q4_K", "Q5_K", "Q6_K")
+ERROR_BOUNDS |= {"Q2_K": 0.4, "Q3_K": 0.2, "Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.025}
+K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 def roundtrip(x: np.ndarray, type_name: str) -> np.ndarray:
@@ -79,12 +79,13 @@ def test_an_outlier_survives_and_spoils_only_its_super_block(type_name):
     x[0, 100] = 1000.0
     out = roundtrip(x, type_name)
     assert abs(out[0, 100] - 1000.0) < 10.0
-    # its neighbours: coarser, yet better than zeros, but in Q3_K, whose sub-blocks' scales
-    # span 31 steps of d and levels only -4..3: 1/400 of the outlier rounds to 0 there
-    rest = np.delete(np.arange(256), 100)
-    assert rel_rms(out[0, rest], x[0, rest]) < (1.0 if type_name != "Q3_K" else 1.0 + 1e-6)
     half = quantize(x, type_name).shape[1] // 2  # super-blocks are independent
     np.testing.assert_array_equal(quantize(x, type_name)[:, half:], quantize(x[:, 256:], type_name))
+    # its neighbours: coarser, yet better than zeros, where sub-block scales have the range
+    # for 1/400 of it (not Q2_K's 15 steps of d, nor Q3_K's 31 with levels -4..3)
+    if type_name not in ("Q2_K", "Q3_K"):
+        rest = np.delete(np.arange(256), 100)
+        assert rel_rms(out[0, rest], x[0, rest]) < 1.0
 
 
 def test_quantize_rejects_what_no_block_holds():
@@ -413,8 +414,8 @@ def test_an_interrupted_write_leaves_no_file(tmp_path, monkeypatch):
 def test_unknown_shapes_and_formats_are_named():
     with pytest.raises(ValueError, match="unknown shape 'llama-9b'"):
         rc.write_checkpoint("llama-9b", Path("unused"))
-    with pytest.raises(ValueError, match=r"unknown formats \['q5_k_m'\]"):
-        rc.write_checkpoint("tiny", Path("unused"), ("bf16", "q5_k_m"))
+    with pytest.raises(ValueError, match=r"unknown formats \['iq4_xs'\]"):
+        rc.write_checkpoint("tiny", Path("unused"), ("bf16", "iq4_xs"))
 
 
 # The other families, each written once (bf16 and Q4_K_M) for the tests below.

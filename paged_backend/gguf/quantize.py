@@ -3,7 +3,7 @@
 the inputs are whole super-blocks, else Q8_0).
 
 The `gguf` package quantizes the legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) but only
-dequantizes the K-quants; Q3_K, Q4_K, Q5_K and Q6_K are packed here, in vectorized numpy, into
+dequantizes the K-quants; Q2_K, Q3_K, Q4_K, Q5_K and Q6_K are packed here, in vectorized numpy, into
 llama.cpp's block layouts (ggml-common.h), 256 weights a super-block:
 
 - block_q4_K: d (f16), dmin (f16), scales[12], qs[128]. Eight sub-blocks of 32 weights,
@@ -16,6 +16,9 @@ llama.cpp's block layouts (ggml-common.h), 256 weights a super-block:
   holds weight l of rows 0 and 2 (low, high nibble), byte 32 + l that of rows 1 and 3, and its
   qh byte l the top two bits of all four (row r at bit 2r).
 
+- block_q2_K: scales[16], qs[64], d (f16), dmin (f16). Sixteen sub-blocks of 16 weights,
+  y = d * sc * q - dmin * m, q in 0..3, sc and m 4-bit (a byte a sub-block: sc low, m high), qs
+  as Q3_K's two low bits.
 - block_q3_K: hmask[32], qs[64], scales[12], d (f16). Sixteen sub-blocks of 16 weights,
   y = d * sc * q, q in -4..3 (stored + 4: two low bits in qs, the third in hmask), sc 6-bit
   (stored + 32). Each half of 128 weights is four rows of 32, row j's low bits at bits 2j of its
@@ -40,7 +43,7 @@ from paged_backend.cpu.linear import swap_linears_
 from paged_backend.cpu.quant import QuantLinear, QuantWeight, vnni_gemm_built, vnni_strips
 
 QK_K = 256  # weights in a K-quant super-block
-TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 _CHUNK = 1 << 21  # weights quantized at once: bounds the temporaries of a large tensor
 
 
@@ -95,18 +98,23 @@ def _nibbles(q: np.ndarray) -> np.ndarray:
     return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(len(q), 128)
 
 
-def _min_max_blocks(blocks: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K's and Q5_K's shared part: (d, dmin, scales[12] bytes [n, 16], q [n, 8, 32]).
-    A sub-block spans its min (at most 0, as in llama.cpp) to its max in 2**bits - 1 steps."""
+def _min_max_levels(blocks: np.ndarray, bits: int, group: int, scale_levels: int) -> tuple:
+    """Q2_K's, Q4_K's and Q5_K's shared part: (d, sc, dmin, m, q [n, 256 / group, group]). A
+    sub-block spans its min (at most 0, as in llama.cpp) to its max in 2**bits - 1 steps."""
     levels = (1 << bits) - 1
-    x = blocks.reshape(len(blocks), 8, 32)
+    x = blocks.reshape(len(blocks), QK_K // group, group)
     low = np.minimum(x.min(axis=-1), 0)
-    d, sc = _on_super_scale((x.max(axis=-1) - low) / levels, 63, keep=True)
-    dmin, m = _on_super_scale(-low, 63, keep=False)
+    d, sc = _on_super_scale((x.max(axis=-1) - low) / levels, scale_levels, keep=True)
+    dmin, m = _on_super_scale(-low, scale_levels, keep=False)
     step = d.astype(np.float32)[:, None, None] * sc[..., None]
     offset = dmin.astype(np.float32)[:, None, None] * m[..., None]
     q = np.clip(np.rint(_divide(x + offset, step)), 0, levels).astype(np.uint8)
-    sc, m = sc.astype(np.uint8), m.astype(np.uint8)
+    return d, sc.astype(np.uint8), dmin, m.astype(np.uint8), q
+
+
+def _min_max_blocks(blocks: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's shared part: (d, dmin, scales[12] bytes [n, 16], q [n, 8, 32])."""
+    d, sc, dmin, m, q = _min_max_levels(blocks, bits, 32, 63)
     packed_scales = [
         sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
         m[:, :4] | ((m[:, 4:] >> 4) << 6),
@@ -141,18 +149,30 @@ def _signed_levels(blocks: np.ndarray, bits: int, scale_levels: int) -> tuple[np
     return d, sc, q.astype(np.uint8)
 
 
+_SHIFTS = np.arange(4, dtype=np.uint8)[:, None]
+
+
+def _two_bits(q: np.ndarray) -> np.ndarray:
+    """Levels [n, 256] as Q2_K's and Q3_K's qs [n, 64]: each half of 128 weights is four rows of
+    32, row j's two low bits at bits 2j of the half's 32 bytes."""
+    rows = q.reshape(len(q), 2, 4, 32)
+    return ((rows & 3) << (2 * _SHIFTS)).sum(axis=2, dtype=np.uint8).reshape(len(q), 64)
+
+
+def _q2_k(blocks: np.ndarray) -> np.ndarray:
+    d, sc, dmin, m, q = _min_max_levels(blocks, 2, 16, 15)
+    return np.concatenate([sc | (m << 4), _two_bits(q), _f16_bytes(d), _f16_bytes(dmin)], axis=1)
+
+
 def _q3_k(blocks: np.ndarray) -> np.ndarray:
     n = len(blocks)
     d, sc, q = _signed_levels(blocks, 3, 31)
-    rows = q.reshape(n, 2, 4, 32)  # two halves of four rows of 32
-    shifts = np.arange(4, dtype=np.uint8)[:, None]
-    qs = ((rows & 3) << (2 * shifts)).sum(axis=2, dtype=np.uint8)  # distinct bits: OR
-    third = (rows >> 2).reshape(n, 8, 32) << np.arange(8, dtype=np.uint8)[:, None]
-    hmask = third.sum(axis=1, dtype=np.uint8)
+    third = (q >> 2).reshape(n, 8, 32) << np.arange(8, dtype=np.uint8)[:, None]
+    hmask = third.sum(axis=1, dtype=np.uint8)  # distinct bits: the sum is their OR
     u = (sc + 32).astype(np.uint8)
     low = (u[:, :8] & 15) | ((u[:, 8:] & 15) << 4)
-    top = ((u >> 4).reshape(n, 4, 4) << (2 * shifts)).sum(axis=1, dtype=np.uint8)
-    return np.concatenate([hmask, qs.reshape(n, 64), low, top, _f16_bytes(d)], axis=1)
+    top = ((u >> 4).reshape(n, 4, 4) << (2 * _SHIFTS)).sum(axis=1, dtype=np.uint8)
+    return np.concatenate([hmask, _two_bits(q), low, top, _f16_bytes(d)], axis=1)
 
 
 def _q6_k(blocks: np.ndarray) -> np.ndarray:
@@ -165,7 +185,7 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), scales, _f16_bytes(d)], axis=1)
 
 
-_K_PACKERS = {"Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+_K_PACKERS = {"Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
 def q8_256_blocks(weight) -> QuantWeight:

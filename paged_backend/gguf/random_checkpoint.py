@@ -10,8 +10,8 @@ too), rounded to bfloat16:
   tokenizer files);
 - `DIR/gptq/` (only when `--formats` names `gptq`): the same as a symmetric GPTQ int4 checkpoint
   (groups of 128 inputs, the original format; embedding, norms and head fp16);
-- `DIR/<shape>-Q4_K_M.gguf`, `-Q4_0.gguf`, `-Q8_0.gguf` (and `-Q3_K_M.gguf`, `-Q5_K_M.gguf`
-  when `--formats` names `q3_k_m`, `q5_k_m`): those weights quantized, as
+- `DIR/<shape>-Q4_K_M.gguf`, `-Q4_0.gguf`, `-Q8_0.gguf` (and `-Q2_K.gguf`, `-Q3_K_M.gguf`,
+  `-Q5_K_M.gguf` when `--formats` names `q2_k`, `q3_k_m`, `q5_k_m`): those weights quantized, as
   llama.cpp's convert_hf_to_gguf.py and llama-quantize write them: its tensor names, its
   hyperparameter keys (arch `llama` for Llama and Mistral, `qwen2`, `qwen3`, `gemma2`, `gemma3`),
   Q and K rows permuted for `llama`, llama3 rope scaling as a `rope_freqs.weight` tensor, Gemma's
@@ -28,7 +28,8 @@ they are tied), and where a row is not whole 256-weight super-blocks (Qwen2.5-0.
 fallbacks Q5_0 for Q4_K and Q8_0 for Q6_K. Q4_0 and Q8_0 files hold every 2-D weight in their
 type; llama.cpp would give the output (or tied embeddings) Q6_K in a Q4_0 file. Q3_K_M: Q3_K,
 with more bits where `_q3_k_m_type` says and Q6_K for the output; Q5_K_M: Q4_K_M's rules on
-Q5_K. 1-D tensors
+Q5_K; Q2_K: Q2_K, Q3_K for attn_v and ffn_down, Q6_K for the output (simpler than llama.cpp's
+mix, which also weighs the model's shape). 1-D tensors
 (norms, biases, rope factors) are F32 everywhere. Values are quantized by
 `paged_backend.gguf.quantize` (simpler scale choice than llama.cpp: not bit-identical).
 
@@ -192,12 +193,13 @@ GGUF_FORMATS = {
     "q8_0": ("Q8_0", gguf.LlamaFileType.MOSTLY_Q8_0, "Q8_0"),
     "q3_k_m": ("Q3_K_M", gguf.LlamaFileType.MOSTLY_Q3_K_M, "Q3_K"),
     "q5_k_m": ("Q5_K_M", gguf.LlamaFileType.MOSTLY_Q5_K_M, "Q5_K"),
+    "q2_k": ("Q2_K", gguf.LlamaFileType.MOSTLY_Q2_K, "Q2_K"),
 }
 DEFAULT_FORMATS = ("bf16", "q4_k_m", "q4_0", "q8_0")
-FORMATS = (*DEFAULT_FORMATS, "q3_k_m", "q5_k_m", "gptq")
+FORMATS = (*DEFAULT_FORMATS, "q2_k", "q3_k_m", "q5_k_m", "gptq")
 # llama.cpp's types for rows that are not whole super-blocks (`convert_incompatible_tensor`;
 # for Q3_K it now picks IQ4_NL, which `gguf` cannot write, and Q4_0 before that).
-_K_FALLBACK = {"Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+_K_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
 @dataclass(frozen=True)
@@ -275,13 +277,15 @@ def gguf_type(spec: TensorSpec, shape: Shape, fmt: str) -> str:
     if len(spec.shape) == 1:
         return "F32"
     base = GGUF_FORMATS[fmt][2]
-    if fmt not in ("q3_k_m", "q4_k_m", "q5_k_m"):
+    if fmt in ("q4_0", "q8_0"):
         return base
     output = spec.role == "output.weight" or (shape.tied and spec.role == "token_embd.weight")
     if output:
         chosen = "Q6_K"
     elif fmt == "q3_k_m":
         chosen = _q3_k_m_type(spec, shape)
+    elif fmt == "q2_k":  # a simpler mix than llama.cpp's: more bits for v and down only
+        chosen = "Q3_K" if spec.role in ("attn_v.weight", "ffn_down.weight") else base
     elif spec.role == "attn_qkv.weight":  # a fused qkv (Phi-3): llama.cpp gives it Q5_K in _M
         chosen = "Q5_K"
     elif spec.role in ("attn_v.weight", "ffn_down.weight"):

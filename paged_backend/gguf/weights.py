@@ -7,7 +7,7 @@ must change is copied here: the q and k rows of a `llama` file, which llama.cpp'
 for its interleaved rotary, are put back in Hugging Face's order. Linears and the embedding table in
 a format of `BLOCK_FORMATS` become `QuantLinear` / `QuantEmbedding`; a fused projection's parts (q,
 k, v; gate, up) stay separate weights of one `QuantLinear`, as a Q4_K_M file stores them in
-different formats; one in a block format the kernels do not read (Q2_K, the IQ types) becomes int8
+different formats; one in a block format the kernels do not read (the IQ types) becomes int8
 blocks of its values. Any other tensor (norms, biases, F16 / F32 weights) is dequantized into its
 parameter.
 """
@@ -383,7 +383,7 @@ class _DequantizedRows:
 
 def _served_weight(tensor, rows: np.ndarray, looked_up: bool) -> QuantWeight | None:
     """The file's blocks where the kernels read their format. A weight in another block format
-    (Q2_K, the IQ types) as int8 blocks of its values (`int8_weight`, row-major where
+    (the IQ types, TQ1_0, TQ2_0) as int8 blocks of its values (`int8_weight`, row-major where
     `looked_up`, an embedding's): 8-8.5 bits a weight where the bf16 copy it got before took 16,
     and an int8 rounding error far below a 2-4-bit format's own. None for float tensors (F16,
     F32)."""

@@ -134,15 +134,18 @@ typedef uint16_t bf16;
 /* GGUF (ggml) block types, by their type ids, and ours for `quantization="int8"` (no ggml types,
  * ids past theirs): Q8_256, a super-block of 256 int8 levels, then its fp32 scale; Q8_256_VNNI,
  * the same bytes for 32 outputs at a time laid out as the VNNI GEMM reads them (quant_gemm.c). */
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-       Q8_256 = 64, Q8_256_VNNI = 65 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
+       Q6_K = 14, Q8_256 = 64, Q8_256_VNNI = 65 };
 
 /* The K-quants (and Q8_256): super-blocks of 256 weights, against the legacy blocks of 32. */
-static inline int is_superblock(int type) { return type >= Q3_K; }
+static inline int is_superblock(int type) { return type >= Q2_K; }
 
-/* Q3_K and Q6_K: 16 groups of 16 weights a super-block, each with a signed scale, levels offset
- * by a constant (w = d * sc * (q - offset)); the others' groups are 32 weights. */
-static inline int has_16_groups(int type) { return type == Q3_K || type == Q6_K; }
+/* Q2_K, Q3_K and Q6_K: 16 groups of 16 weights a super-block (the others' groups are 32). Q3_K's
+ * and Q6_K's scales are signed and their levels offset by a constant (w = d * sc * (q - offset));
+ * Q2_K's, as Q4_K's, unsigned with a min a group (w = d * sc * q - dmin * m). */
+static inline int has_16_groups(int type) { return type == Q2_K || type == Q3_K || type == Q6_K; }
+
+static inline int has_signed_scales(int type) { return type == Q3_K || type == Q6_K; }
 
 /* Bytes of one block, by type (0: not a block type the kernels read). */
 static inline int64_t block_bytes(int type) {
@@ -152,6 +155,7 @@ static inline int64_t block_bytes(int type) {
     case Q5_0: return 22;
     case Q5_1: return 24;
     case Q8_0: return 34;
+    case Q2_K: return 84;
     case Q3_K: return 110;
     case Q4_K: return 144;
     case Q5_K: return 176;

@@ -109,7 +109,15 @@ static inline void superblock_scales(int type, const uint8_t *blk, group_scales 
         for (int g = 0; g < 16; g++) s->a[g] = q8_256_scale(blk);
         return;
     }
-    if (has_16_groups(type)) {
+    if (type == Q2_K) { /* a byte a group: its scale (low nibble) and min (high) */
+        float d = f16_to_f32(blk + 80), dmin = f16_to_f32(blk + 82);
+        for (int g = 0; g < 16; g++) {
+            s->a[g] = d * (blk[g] & 15);
+            s->b[g] = -dmin * (blk[g] >> 4);
+        }
+        return;
+    }
+    if (has_signed_scales(type)) {
         int8_t q3k[16];
         const int8_t *scales = signed_scales(type, blk, q3k);
         float d = f16_to_f32(blk + signed_d_at(type));
@@ -142,18 +150,20 @@ static inline void block32_levels(int type, const uint8_t *blk, uint8_t *q) {
     }
 }
 
-/* The levels of a Q3_K / Q4_K / Q5_K / Q6_K super-block into q[256]; Q8_256's signed bytes. */
+/* The levels of a K-quant super-block into q[256]; Q8_256's signed bytes. */
 static inline void superblock_levels(int type, const uint8_t *blk, uint8_t *q) {
     if (type == Q8_256) {
         memcpy(q, blk, CHUNK);
         return;
     }
-    if (type == Q3_K) { /* rows of 32: two bits at 2j of half h's qs, the third at 4h + j of hmask */
-        const uint8_t *hmask = blk, *qs = blk + 32;
+    if (type == Q2_K || type == Q3_K) { /* rows of 32: two bits at 2j of half h's qs; Q3_K's
+                                          * third at 4h + j of hmask */
+        const uint8_t *hmask = blk, *qs = blk + (type == Q2_K ? 16 : 32);
         for (int g = 0; g < 8; g++) {
             int h = g / 4, j = g % 4;
             for (int l = 0; l < 32; l++)
-                q[32 * g + l] = ((qs[32 * h + l] >> (2 * j)) & 3) | (((hmask[l] >> (4 * h + j)) & 1) << 2);
+                q[32 * g + l] = ((qs[32 * h + l] >> (2 * j)) & 3) |
+                                (type == Q3_K) * (((hmask[l] >> (4 * h + j)) & 1) << 2);
         }
         return;
     }
@@ -258,12 +268,13 @@ static inline __m256i q6k_bits(__m256i qh, int shift) {
  * and g unrolled, the loads shared by two or four registers are made once. */
 static inline __attribute__((always_inline)) __m256i k_level(int type, const uint8_t *blk, int g) {
     if (type == Q8_256) return _mm256_loadu_si256((const __m256i *)(blk + 32 * g)); /* signed */
-    if (type == Q3_K) { /* as `superblock_levels` */
+    if (type == Q2_K || type == Q3_K) { /* as `superblock_levels` */
         int h = g / 4, j = g % 4;
-        __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * h));
+        __m256i qs = _mm256_loadu_si256((const __m256i *)(blk + (type == Q2_K ? 16 : 32) + 32 * h));
+        __m256i low = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * j), _mm256_set1_epi8(3));
+        if (type == Q2_K) return low;
         __m256i hmask = _mm256_loadu_si256((const __m256i *)blk);
         int bit = 4 * h + j; /* moved to bit 2 in one shift */
-        __m256i low = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * j), _mm256_set1_epi8(3));
         __m256i third = bit >= 2 ? _mm256_srli_epi16(hmask, bit - 2) : _mm256_slli_epi16(hmask, 2 - bit);
         return _mm256_or_si256(low, _mm256_and_si256(third, _mm256_set1_epi8(4)));
     }

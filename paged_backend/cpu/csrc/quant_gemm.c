@@ -80,7 +80,12 @@ static inline __attribute__((always_inline)) __m512i vnni_row_header(int type, c
         *mfac = 0.0f;
         return _mm512_setzero_si512();
     }
-    if (has_16_groups(type)) {
+    if (type == Q2_K) { /* its scales; the mins `vnni_pack_of` takes apart */
+        *d = f16_to_f32(blk + 80);
+        *mfac = f16_to_f32(blk + 82);
+        return _mm512_cvtepu8_epi32(_mm_and_si128(_mm_loadu_si128((const __m128i *)blk), _mm_set1_epi8(15)));
+    }
+    if (has_signed_scales(type)) {
         *d = f16_to_f32(blk + signed_d_at(type));
         *mfac = *d * signed_offset(type);
         return _mm512_cvtepi8_epi32(signed_scales_m128(type, blk));
@@ -95,15 +100,19 @@ static inline __attribute__((always_inline)) __m512i vnni_row_header(int type, c
 /* 16 rows' headers (r[j]: row j's `vnni_row_header`) of super-block sb into block b of the
  * strip: transposed, lane j of each vector is output j. */
 static inline __attribute__((always_inline)) void vnni_scales(int type, __m512i r[16],
+                                                              __m512i mins[16],
                                                               const vnni_strip *s, int64_t sb,
                                                               int b) {
     transpose16x16(r); /* r[g]: group g's scales of the 16 outputs */
+    if (type == Q2_K) transpose16x16(mins); /* mins[g]: group g's mins */
     int groups = k_groups(type);
     for (int g = 0; g < groups; g++)
         _mm512_store_si512(s->scale + ((sb * groups + g) * 2 + b) * 16, r[g]);
     for (int h = 0; h < 8; h++) { /* the int16 pair of 16s 2h, 2h + 1 */
-        int sixteens = has_16_groups(type);
-        __m512i lo = sixteens ? r[2 * h] : r[8 + h], hi = sixteens ? r[2 * h + 1] : r[8 + h];
+        /* offsets a 16 inputs: Q2_K's mins, Q3_K's / Q6_K's scales, Q4_K's / Q5_K's mins twice */
+        __m512i *by16 = type == Q2_K ? mins : r;
+        __m512i lo = has_16_groups(type) ? by16[2 * h] : r[8 + h];
+        __m512i hi = has_16_groups(type) ? by16[2 * h + 1] : r[8 + h];
         __m512i pair = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xffff)),
                                        _mm512_slli_epi32(hi, 16));
         _mm512_store_si512(s->mv + ((8 * sb + h) * 2 + b) * 32, pair);
@@ -119,7 +128,7 @@ static inline __attribute__((always_inline)) void vnni_pack_of(int type, const u
     uint8_t levels[16][CHUNK] __attribute__((aligned(64)));
     for (int64_t sb = 0; sb < k / CHUNK; sb++)
         for (int b = 0; b < 2; b++) {
-            __m512i r[16];
+            __m512i r[16], mins[16];
             float *dm = s->dm + 64 * sb + 16 * b;
             for (int j = 0; j < 16; j++) {
                 const uint8_t *blk = w + (j0 + 16 * b + j) * row_bytes + sb * block_bytes(type);
@@ -131,8 +140,11 @@ static inline __attribute__((always_inline)) void vnni_pack_of(int type, const u
                     _mm256_store_si256((__m256i *)(levels[j] + 32 * g), q);
                 }
                 r[j] = vnni_row_header(type, blk, dm + j, dm + 32 + j);
+                if (type == Q2_K)
+                    mins[j] = _mm512_cvtepu8_epi32(_mm_and_si128(
+                        _mm_srli_epi16(_mm_loadu_si128((const __m128i *)blk), 4), _mm_set1_epi8(15)));
             }
-            if (type != Q8_256) vnni_scales(type, r, s, sb, b);
+            if (type != Q8_256) vnni_scales(type, r, mins, s, sb, b);
             vnni_store_levels(levels, s, sb * CHUNK, b);
         }
 }
@@ -140,6 +152,7 @@ static inline __attribute__((always_inline)) void vnni_pack_of(int type, const u
 static __attribute__((noinline)) void vnni_pack(int type, const uint8_t *w, int64_t row_bytes,
                                                 int64_t j0, int64_t k, const vnni_strip *s) {
     switch (type) {
+    case Q2_K: vnni_pack_of(Q2_K, w, row_bytes, j0, k, s); break;
     case Q3_K: vnni_pack_of(Q3_K, w, row_bytes, j0, k, s); break;
     case Q4_K: vnni_pack_of(Q4_K, w, row_bytes, j0, k, s); break;
     case Q5_K: vnni_pack_of(Q5_K, w, row_bytes, j0, k, s); break;

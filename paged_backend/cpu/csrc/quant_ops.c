@@ -1,5 +1,5 @@
 /* Products with weights kept in GGUF's block formats (see `paged_backend.cpu.quant`): Q4_0, Q4_1,
- * Q5_0, Q5_1, Q8_0 (blocks of 32 weights) and Q3_K, Q4_K, Q5_K, Q6_K (super-blocks of 256), as ggml lays
+ * Q5_0, Q5_1, Q8_0 (blocks of 32 weights) and Q2_K ... Q6_K (super-blocks of 256), as ggml lays
  * them out, read straight from the file's bytes.
  *
  * Every format is read as levels q (0..63, unsigned; Q8_0's are signed bytes) with, for each group
@@ -196,15 +196,15 @@ static inline __attribute__((always_inline)) void dot_rows(
 
 /* A K-quant super-block's integer scales, which each group's products are weighted by before
  * anything is converted to float. Q4_K / Q5_K: w = d * sc_j * q - dmin * m_j (per 32); Q6_K:
- * w = d * sc_g * (q - 32) (per 16), Q3_K the same with q - 4. So with one activation scale xd a
- * super-block,
+ * w = d * sc_g * (q - 32) (per 16), Q3_K the same with q - 4; Q2_K: Q4_K's per 16. So with one
+ * activation scale xd a super-block,
  *   dot = isum * (d * xd) - msum * (mfac * xd),
  * isum = sum_g sc_g (q . x)_g and msum = sum_16 mv_16 * bsum_16 exact integers, mfac = dmin
  * (mv: the mins) or 32 d / 4 d (mv: the scales). Every kernel (one row, a tile of rows, the VNNI GEMM)
  * adds a row's super-blocks in this one float sequence (`k_add`), in order, so that an output
  * has the same bits whatever kernel and batch computed it. */
 typedef struct {
-    __m256i lo, hi; /* int16 scales in both 128-bit halves: Q3_K's / Q6_K's 0-7 and 8-15; the others' 8 */
+    __m256i lo, hi; /* int16 scales in both 128-bit halves: 16-group formats' 0-7 and 8-15; the others' 8 */
     __m256i mv;     /* int16 per 16 weights */
     __m128 dm;      /* d, then mfac */
 } k_header;
@@ -223,7 +223,18 @@ static inline __attribute__((always_inline)) void k_header_of(int type, const ui
         h->dm = _mm_setr_ps(q8_256_scale(blk), 0.0f, 0.0f, 0.0f);
         return;
     }
-    if (has_16_groups(type)) {
+    if (type == Q2_K) { /* Q4_K's scheme on 16 groups: 16 scales and 16 mins */
+        __m128i b = _mm_loadu_si128((const __m128i *)blk), m4 = _mm_set1_epi8(15);
+        __m128i sc8 = _mm_and_si128(b, m4);
+        h->lo = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sc8));
+        h->hi = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_srli_si128(sc8, 8)));
+        h->mv = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), m4));
+        uint32_t dm;
+        memcpy(&dm, blk + 80, 4);
+        h->dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+        return;
+    }
+    if (has_signed_scales(type)) {
         __m128i sc8 = signed_scales_m128(type, blk);
         h->lo = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc8));
         h->hi = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc8, 8)));
@@ -570,6 +581,7 @@ static __attribute__((noinline)) void row_outputs(int type, const uint8_t *w, in
                                                   const int8_t *x, const float *xd,
                                                   const int16_t *bsum, void *out, int out_bf16) {
     switch (type) {
+    case Q2_K: row_outputs_of(Q2_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16); break;
     case Q3_K: row_outputs_of(Q3_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16); break;
     case Q4_K: row_outputs_of(Q4_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16); break;
     case Q5_K: row_outputs_of(Q5_K, w, row_bytes, j0, j1, k, x, xd, bsum, out, out_bf16); break;
@@ -638,7 +650,9 @@ static __attribute__((noinline)) void tile_outputs(int type, const uint8_t *w, i
                                                    const int16_t *bsum,
                                                    int64_t kp, int64_t rows,
                                                    acc_t acc[OUT_TILE][ROW_TILE]) {
-    if (type == Q3_K)
+    if (type == Q2_K)
+        tile_outputs_of(Q2_K, w, row_bytes, j0, nj, k, xq, xd, bsum, kp, rows, acc);
+    else if (type == Q3_K)
         tile_outputs_of(Q3_K, w, row_bytes, j0, nj, k, xq, xd, bsum, kp, rows, acc);
     else if (type == Q4_K)
         tile_outputs_of(Q4_K, w, row_bytes, j0, nj, k, xq, xd, bsum, kp, rows, acc);
