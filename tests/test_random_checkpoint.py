@@ -411,11 +411,12 @@ def test_an_interrupted_write_leaves_no_file(tmp_path, monkeypatch):
     assert not list(tmp_path.rglob("*.partial"))
 
 
-def test_unknown_shapes_and_formats_are_named():
+def test_unknown_shapes_and_formats_are_named(tmp_path):
     with pytest.raises(ValueError, match="unknown shape 'llama-9b'"):
-        rc.write_checkpoint("llama-9b", Path("unused"))
+        rc.write_checkpoint("llama-9b", tmp_path)
     with pytest.raises(ValueError, match=r"unknown formats \['iq4_xs'\]"):
-        rc.write_checkpoint("tiny", Path("unused"), ("bf16", "iq4_xs"))
+        rc.write_checkpoint("tiny", tmp_path, ("bf16", "iq4_xs"))
+    assert not any(tmp_path.iterdir())  # refused before anything is written
 
 
 # The other families, each written once (bf16 and Q4_K_M) for the tests below.
