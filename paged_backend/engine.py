@@ -353,9 +353,7 @@ class LLMEngine:
             # they ask again for the same sizes (a 262,144-token vocabulary's logits, 1 MB a
             # row), which a trim would have faulted in again every step.
             del logits
-            if self.runner.trims_heap and any(
-                n > 1 and r not in sched.drafts for r, n in scheduled
-            ):
+            if sched.prefills and self.runner.device.type == "cpu":
                 release_freed_heap()
         except Exception as exc:  # one bad step fails its requests, never the engine
             logger.exception("engine step failed")

@@ -131,7 +131,6 @@ class ModelRunner:
         # of 32 x ~280 tokens committed 1,024 MB of KV cache for 590 MB of tokens; from two,
         # Gemma 3 270M's 32 x ~280 tokens 198 MB for 163 MB, at the same decode step time).
         self.huge_pages_from_blocks = self.forward_tokens = None
-        self.trims_heap = self.device.type == "cpu"  # after steps that prefill (`LLMEngine`)
         if self.device.type == "cpu":
             tokens = HUGE_PAGES_A_REGION * huge_page_tokens(mc.head_dim, self.kv_dtype)
             self.huge_pages_from_blocks = -(-tokens // config.block_size)

@@ -45,6 +45,11 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(self.num_scheduled.values())
 
+    @property
+    def prefills(self) -> bool:
+        """Whether a request runs prompt tokens: a chunk of more than one that is not drafts."""
+        return any(n > 1 and r not in self.drafts for r, n in self.num_scheduled.items())
+
 
 class Scheduler:
     def __init__(

@@ -3,8 +3,8 @@
 the inputs are whole super-blocks, else Q8_0).
 
 The `gguf` package quantizes the legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) but only
-dequantizes the K-quants; Q2_K, Q3_K, Q4_K, Q5_K and Q6_K are packed here, in vectorized numpy, into
-llama.cpp's block layouts (ggml-common.h), 256 weights a super-block:
+dequantizes the K-quants; Q2_K, Q3_K, Q4_K, Q5_K and Q6_K are packed here, in vectorized numpy,
+into llama.cpp's block layouts (ggml-common.h), 256 weights a super-block:
 
 - block_q4_K: d (f16), dmin (f16), scales[12], qs[128]. Eight sub-blocks of 32 weights,
   y = d * sc * q - dmin * m, q in 0..15, sc and m 6-bit, packed as `get_scale_min_k4` reads them.
@@ -180,7 +180,7 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     d, sc, q = _signed_levels(blocks, 6, 127)
     rows = q.reshape(n, 2, 4, 32)  # two halves of four rows of 32
     ql = (rows[:, :, :2] & 15) | ((rows[:, :, 2:] & 15) << 4)
-    qh = ((rows >> 4) << np.array([0, 2, 4, 6], np.uint8)[:, None]).sum(axis=2, dtype=np.uint8)
+    qh = ((rows >> 4) << (2 * _SHIFTS)).sum(axis=2, dtype=np.uint8)
     scales = sc.astype(np.int8).view(np.uint8)
     return np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), scales, _f16_bytes(d)], axis=1)
 

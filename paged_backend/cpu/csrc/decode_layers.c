@@ -15,14 +15,13 @@
 /* A layer linear of the fused steps, from its descriptor of LINEAR_WORDS words: the number of
  * parts (weights side by side in the output: a fused qkv or gate/up projection), the bias address
  * (0: none; fp32 values whatever the rows' dtype), then each part's (type, address, outputs, row
- * bytes): type 0 a float
- * weight, a negative one an fp32 weight in GGUF blocks of type -type (`linear_blocks_f32`: the
- * bits of `linear_f32` on their values), else a GGUF block type for `quant_matmul`, on
- * activations quantized into `act` (for the
- * part's block size, once for consecutive parts that share it). x [rows][k] and y [rows][n_total]
- * are fp32 (type 0: an fp32 weight [n][k] for `linear_f32`) or, with `bf16_io`, bf16 (type 0:
- * the one part, the packed copy `gemm_bf16` reads, which only AVX512-BF16 builds make), each
- * output rounded once as the modules' are. */
+ * bytes): type 0 a float weight, a negative one an fp32 weight in GGUF blocks of type -type
+ * (`linear_blocks_f32`: the bits of `linear_f32` on their values), else a GGUF block type for
+ * `quant_matmul`, on activations quantized into `act` (for the part's block size, once for
+ * consecutive parts that share it). x [rows][k] and y [rows][n_total] are fp32 (type 0: an fp32
+ * weight [n][k] for `linear_f32`) or, with `bf16_io`, bf16 (type 0: the one part, the packed
+ * copy `gemm_bf16` reads, which only AVX512-BF16 builds make), each output rounded once as the
+ * modules' are. */
 static void fused_linear(const int64_t *d, const void *x, int bf16_io, int64_t rows, int64_t k, void *y,
                          int64_t n_total, float *act, int64_t max_k, int threads) {
     int64_t kp = act_stride(max_k), block = 0, column = 0, elem = bf16_io ? 2 : 4;

@@ -306,6 +306,16 @@ static inline __m128i signed_scales_m128(int type, const uint8_t *blk) {
     return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(top2, 4)), _mm_set1_epi8(32));
 }
 
+/* Q2_K's 16 group scales (low nibbles of its first 16 bytes) and mins (high nibbles), in a
+ * register each. */
+static inline __m128i q2k_scales_m128(const uint8_t *blk) {
+    return _mm_and_si128(_mm_loadu_si128((const __m128i *)blk), _mm_set1_epi8(15));
+}
+
+static inline __m128i q2k_mins_m128(const uint8_t *blk) {
+    return _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)blk), 4), _mm_set1_epi8(15));
+}
+
 static inline short half_bits(const uint8_t *p) {
     short h;
     memcpy(&h, p, 2);

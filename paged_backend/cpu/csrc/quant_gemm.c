@@ -13,7 +13,7 @@
 #ifdef VNNI_GEMM
 /* A strip of 32 outputs (blocks b = 0, 1 of 16) of a K-quant weight, k inputs:
  * - levels: inputs 4q..4q+3 of block b at levels + (2q + b) * 64, output-major (16 x 4 bytes);
- * - scale: group g's (of 32 inputs, 16 for Q3_K and Q6_K) int32 scales at scale + (2g + b) * 16;
+ * - scale: group g's (of 32 inputs, 16 for Q2_K, Q3_K and Q6_K) int32 scales at scale + (2g + b) * 16;
  * - mv: super-block s's 16s' offset weights, int16 pairs h (16s 2h, 2h + 1) of 16 outputs at
  *   mv + ((8s + h) * 2 + b) * 32;
  * - dm: super-block s's d at dm + (4s + b) * 16, mfac at dm + (4s + 2 + b) * 16. */
@@ -71,8 +71,9 @@ static inline __attribute__((always_inline)) void vnni_store_levels(
     }
 }
 
-/* A row's super-block header as 16 int32 lanes: Q3_K's and Q6_K's 16 scales; Q4_K / Q5_K's 8 scales, then
- * their 8 mins (`k_header_of`'s bits); its d and mfac into dm. */
+/* A row's super-block header as 16 int32 lanes: the 16-group formats' 16 scales (Q2_K's mins
+ * apart); Q4_K / Q5_K's 8 scales, then their 8 mins (`k_header_of`'s bits); its d and mfac into
+ * dm. */
 static inline __attribute__((always_inline)) __m512i vnni_row_header(int type, const uint8_t *blk,
                                                                      float *d, float *mfac) {
     if (type == Q8_256) {
@@ -83,7 +84,7 @@ static inline __attribute__((always_inline)) __m512i vnni_row_header(int type, c
     if (type == Q2_K) { /* its scales; the mins `vnni_pack_of` takes apart */
         *d = f16_to_f32(blk + 80);
         *mfac = f16_to_f32(blk + 82);
-        return _mm512_cvtepu8_epi32(_mm_and_si128(_mm_loadu_si128((const __m128i *)blk), _mm_set1_epi8(15)));
+        return _mm512_cvtepu8_epi32(q2k_scales_m128(blk));
     }
     if (has_signed_scales(type)) {
         *d = f16_to_f32(blk + signed_d_at(type));
@@ -140,9 +141,7 @@ static inline __attribute__((always_inline)) void vnni_pack_of(int type, const u
                     _mm256_store_si256((__m256i *)(levels[j] + 32 * g), q);
                 }
                 r[j] = vnni_row_header(type, blk, dm + j, dm + 32 + j);
-                if (type == Q2_K)
-                    mins[j] = _mm512_cvtepu8_epi32(_mm_and_si128(
-                        _mm_srli_epi16(_mm_loadu_si128((const __m128i *)blk), 4), _mm_set1_epi8(15)));
+                if (type == Q2_K) mins[j] = _mm512_cvtepu8_epi32(q2k_mins_m128(blk));
             }
             if (type != Q8_256) vnni_scales(type, r, mins, s, sb, b);
             vnni_store_levels(levels, s, sb * CHUNK, b);
@@ -168,7 +167,7 @@ static inline __m512 product(__m512 a, __m512 b) {
 }
 
 /* out[r][0..32) = rows r < R of the activations times the strip, super-block by super-block in
- * `k_add`'s float sequence; groups of 32 inputs (16 for Q3_K and Q6_K: `groups` 16). `unit`: Q8_256,
+ * `k_add`'s float sequence; groups of 32 inputs (16 for the 16-group formats). `unit`: Q8_256,
  * whose groups all weigh 1 and whose levels are stored plus 128 (unsigned for `vpdpbusd`), so a
  * super-block's integer sum is less 128 times the activations' sum, and it has no offsets. */
 static inline __attribute__((always_inline)) void vnni_tile_of(

@@ -224,11 +224,10 @@ static inline __attribute__((always_inline)) void k_header_of(int type, const ui
         return;
     }
     if (type == Q2_K) { /* Q4_K's scheme on 16 groups: 16 scales and 16 mins */
-        __m128i b = _mm_loadu_si128((const __m128i *)blk), m4 = _mm_set1_epi8(15);
-        __m128i sc8 = _mm_and_si128(b, m4);
+        __m128i sc8 = q2k_scales_m128(blk);
         h->lo = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sc8));
         h->hi = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_srli_si128(sc8, 8)));
-        h->mv = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), m4));
+        h->mv = _mm256_cvtepu8_epi16(q2k_mins_m128(blk));
         uint32_t dm;
         memcpy(&dm, blk + 80, 4);
         h->dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
@@ -542,7 +541,6 @@ static __attribute__((noinline)) void rows_vbmi(int type, const uint8_t *w, int6
     }
 #undef ROWS_VBMI
 }
-
 
 /* `quant_matmul` on `rows_vbmi` where it serves the step; 0 where it does not. */
 static int legacy_matmul_vbmi(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
