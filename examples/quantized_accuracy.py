@@ -48,8 +48,8 @@ def all_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     runner = llm.engine.runner
     request = Request("score", ids[:1], SamplingParams(max_tokens=1))
     blocks = list(range(-(-len(ids) // runner.block_size)))
-    logits, _ = runner.execute([(request, len(ids))], [blocks], {request: ids[1:]})
-    return logits.float()
+    hidden, _ = runner.execute([(request, len(ids))], [blocks], {request: ids[1:]})
+    return runner.logits(hidden).float()
 
 
 def llama_cpp_logits(path: str, threads: int) -> Callable[[list[int]], torch.Tensor]:

@@ -25,7 +25,7 @@ from paged_backend.models.config import ModelConfig
 from paged_backend.ngram_proposer import NgramProposer
 from paged_backend.outputs import CompletionOutput, RequestOutput
 from paged_backend.request import Request, RequestStatus
-from paged_backend.sampler import Sampler, to_logprob_dict
+from paged_backend.sampler import Sampler, takes_argmax, to_logprob_dict
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.scheduler import Scheduler, SchedulerOutput
 from paged_backend.spec_decode import verify
@@ -52,6 +52,9 @@ class _Parent:
 
 # Scheduling priority (lower runs first) is a signed 64-bit integer, as in vLLM's OpenAI server.
 PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
+# A step's greedy rows take their tokens from a head that never holds their logits (`_sample`)
+# once those would pass this many bytes (1 MB a row at a 262,144-token vocabulary).
+SPLIT_HEAD_BYTES = 8 << 20
 _BYTES = (bytes, bytearray, memoryview)  # sequences of ints, but never meant as token ids
 
 
@@ -342,17 +345,17 @@ class LLMEngine:
         try:
             tables = [self.kv.block_ids(r) for r, _ in scheduled]
             self._inject_fault("forward", [r for r, _ in scheduled])
-            logits, sampling = self.runner.execute(scheduled, tables, sched.drafts)
+            hidden, sampling = self.runner.execute(scheduled, tables, sched.drafts)
             sampled_requests = [scheduled[i][0] for i in sampling]
             self._inject_fault("sample", sampled_requests)
-            new_tokens, logprobs = self._sample(logits, sampled_requests, sched.drafts)
+            new_tokens, logprobs = self._sample(hidden, sampled_requests, sched.drafts)
             # A step that prefilled hands the heap's freed pages back (glibc keeps them
             # resident): its activations, and its sampling's, freed in another order than the
             # next step asks for them, piled up as heap (Gemma 3 270M Q4_K_M, 32 x ~250
             # tokens: +16 MB a 2,048-token step, 60 MB at the peak). Decode steps keep theirs:
-            # they ask again for the same sizes (a 262,144-token vocabulary's logits, 1 MB a
-            # row), which a trim would have faulted in again every step.
-            del logits
+            # they ask again for the same sizes, which a trim would have faulted in again every
+            # step.
+            del hidden
             if sched.prefills and self.runner.device.type == "cpu":
                 release_freed_heap()
         except Exception as exc:  # one bad step fails its requests, never the engine
@@ -380,14 +383,33 @@ class LLMEngine:
         return outputs + self._fail(failed)
 
     def _sample(
-        self, logits: torch.Tensor, requests: list[Request], drafts: dict[Request, list[int]]
+        self, hidden: torch.Tensor, requests: list[Request], drafts: dict[Request, list[int]]
     ) -> tuple[list[list[int]], list[list]]:
-        """Each request's new tokens and their logprobs: the sampled token, or for a drafting
-        request the drafts its rows keep and the token sampled after them (`spec_decode`)."""
-        if not drafts:
-            sampled = self.sampler(logits, requests)
-            return [[t] for t in sampled.token_ids], [[lp] for lp in sampled.logprobs]
-        return verify(self.sampler, logits, requests, drafts)
+        """Each request's new tokens and their logprobs from its final hidden rows: the sampled
+        token, or for a drafting request the drafts its rows keep and the token sampled after
+        them (`spec_decode`). Rows whose token is their logits' argmax (`takes_argmax`) take it
+        from a head that never holds their whole logits, where the model has one, when every
+        row does or theirs would pass `SPLIT_HEAD_BYTES` (a second pass over the head's weights
+        for the others)."""
+        if drafts:
+            return verify(self.sampler, self.runner.logits(hidden), requests, drafts)
+        tokens: list = [None] * len(requests)
+        logprobs: list = [None] * len(requests)
+        vocab = self.sampler.vocab_size
+        argmax_rows = [i for i, r in enumerate(requests) if takes_argmax(r)]
+        if len(argmax_rows) == len(requests) or len(argmax_rows) * vocab * 4 > SPLIT_HEAD_BYTES:
+            rows = hidden if len(argmax_rows) == len(requests) else hidden[argmax_rows]
+            top = self.runner.logits_argmax(rows, vocab) if argmax_rows else None
+            if top is not None:
+                for i, token in zip(argmax_rows, top.tolist(), strict=True):
+                    tokens[i] = token
+        rest = [i for i, t in enumerate(tokens) if t is None]
+        if rest:
+            rows = hidden if len(rest) == len(requests) else hidden[rest]
+            sampled = self.sampler(self.runner.logits(rows), [requests[i] for i in rest])
+            for i, token, lp in zip(rest, sampled.token_ids, sampled.logprobs, strict=True):
+                tokens[i], logprobs[i] = token, lp
+        return [[t] for t in tokens], [[lp] for lp in logprobs]
 
     def _count_rejected(
         self, requests: list[Request], new_tokens: list[list[int]], sched: SchedulerOutput

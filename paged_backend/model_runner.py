@@ -399,9 +399,10 @@ class ModelRunner:
         with `drafts` runs them after its known tokens (counted in its scheduled number). On CPU
         a step of more tokens than `forward_tokens` runs as several forwards (`_pieces`).
 
-        Returns logits for the requests that reach the end of their known tokens (those sample),
-        one row each and one more per draft (a request's rows consecutive), and their indices
-        into `scheduled`, in the order of their rows."""
+        Returns the final hidden rows (`logits` and `logits_argmax` take them) of the requests
+        that reach the end of their known tokens (those sample), one row each and one more per
+        draft (a request's rows consecutive), and their indices into `scheduled`, in the order
+        of their rows."""
         drafts = drafts or {}
         held = self.huge_pages_from_blocks
         if held is not None and sum(len(t) for t in block_tables) >= held:
@@ -415,8 +416,16 @@ class ModelRunner:
             piece_hidden, piece_sampling = self._forward(scheduled, block_tables, drafts, piece)
             hidden.append(piece_hidden)
             sampling.extend(piece_sampling)
-        x = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
-        return self.model.logits(x).cpu(), sampling
+        return (hidden[0] if len(hidden) == 1 else torch.cat(hidden)), sampling
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The fp32 logits of `execute`'s hidden rows, on the CPU."""
+        return self.model.logits(hidden).cpu()
+
+    def logits_argmax(self, hidden: torch.Tensor, columns: int) -> torch.Tensor | None:
+        """Each hidden row's `logits(hidden)[:, :columns].argmax(-1)` where the model's head
+        gives it without the whole logits (`logits_argmax`); else None."""
+        return self.model.logits_argmax(hidden, columns)
 
     def _pieces(
         self, scheduled: list[tuple[Request, int]], drafts: dict[Request, list[int]]

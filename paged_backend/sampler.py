@@ -127,6 +127,13 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
 
+def takes_argmax(r: Request) -> bool:
+    """Whether `Sampler` gives `r` its logits' argmax and reads nothing else of them: greedy,
+    without logprobs, structured output or anything that adjusts its logits."""
+    p = r.params
+    return p.greedy and p.logprobs is None and r.grammar is None and not _needs_adjust(r)
+
+
 def _needs_adjust(r: Request) -> bool:
     p = r.params
     return bool(

@@ -15,6 +15,7 @@ from conftest import assert_all_blocks_free
 from gguf import GGUFReader
 
 from paged_backend import LLM, SamplingParams, cpu
+from paged_backend import engine as engine_module
 from paged_backend.cpu.quant import QuantEmbedding, QuantLinear
 from paged_backend.default_model import default_model_file
 from paged_backend.gguf.random_checkpoint import write_checkpoint
@@ -110,6 +111,34 @@ def test_batching_and_prefix_hits_keep_the_quantized_outputs(quantized):
     assert [seq[:4] for seq in ids[0]] == [seq[:4] for seq in ids[1]]
     assert _agreement(ids[0], ids[1]) >= 0.9 and _agreement(ids[0], ids[2]) >= 0.9
     assert again[0].num_cached_tokens > 0
+    assert_all_blocks_free(quantized.engine)
+
+
+def test_greedy_rows_take_their_tokens_from_the_head_without_their_logits(quantized, monkeypatch):
+    """A quantized head gives greedy rows their argmax a slice of the vocabulary at a time
+    (`QuantLinear.argmax`): a greedy batch never holds its logits, and a mixed one (past
+    `SPLIT_HEAD_BYTES`) holds only its other rows', with the tokens and logprobs of the whole
+    logits' sampling."""
+    runner = quantized.engine.runner
+    real_logits = runner.logits
+    whole: list[int] = []
+    monkeypatch.setattr(runner, "logits", lambda h: whole.append(len(h)) or real_logits(h))
+    greedy = quantized.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert whole == []
+    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=12, ignore_eos=True)
+    with_lp = replace(GREEDY, logprobs=2)
+    mixed = [GREEDY, seeded, with_lp, GREEDY]
+    monkeypatch.setattr(engine_module, "SPLIT_HEAD_BYTES", 0)
+    split = quantized.generate(PROMPTS, mixed, use_tqdm=False)
+    assert whole and max(whole) == 2  # the seeded and the logprobs rows
+    monkeypatch.setattr(runner, "logits_argmax", lambda h, columns: None)
+    reference = quantized.generate(PROMPTS, mixed, use_tqdm=False)
+    for ours, ref in zip(split, reference, strict=True):
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert ours.outputs[0].logprobs == ref.outputs[0].logprobs
+    assert [o.outputs[0].token_ids for o in greedy] == [
+        o.outputs[0].token_ids for o in quantized.generate(PROMPTS, GREEDY, use_tqdm=False)
+    ]
     assert_all_blocks_free(quantized.engine)
 
 

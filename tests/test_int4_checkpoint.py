@@ -109,7 +109,8 @@ def logits_of(llm: LLM, ids: list[int]) -> torch.Tensor:
     runner = llm.engine.runner
     request = Request("score", ids[:1], SamplingParams(max_tokens=1))
     blocks = list(range(-(-len(ids) // runner.block_size)))
-    return runner.execute([(request, len(ids))], [blocks], {request: ids[1:]})[0].float()
+    hidden, _ = runner.execute([(request, len(ids))], [blocks], {request: ids[1:]})
+    return runner.logits(hidden).float()
 
 
 @needs_ops

@@ -451,8 +451,12 @@ def test_a_step_that_prefills_hands_the_heaps_freed_pages_back_and_decode_steps_
     monkeypatch.setattr(engine_module, "release_freed_heap", lambda: events.append("trim"))
     llm = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=64)
     engine = llm.engine
-    sample = engine.sampler.__call__
-    engine.sampler = lambda logits, requests: events.append("sample") or sample(logits, requests)
+    sample = type(engine.sampler).__call__
+    monkeypatch.setattr(
+        type(engine.sampler),
+        "__call__",
+        lambda self, logits, requests: events.append("sample") or sample(self, logits, requests),
+    )
     events.clear()  # loading's own trim
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     engine.add_request(None, params, prompt_token_ids=[5, 6, 7])

@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from paged_backend import cpu
+from paged_backend.cpu import quant
 from paged_backend.cpu.quant import (
     BLOCK_FORMATS,
     QuantLinear,
@@ -210,6 +211,43 @@ def test_a_linear_dequantizes_steps_of_more_rows_than_the_int8_product_serves():
     assert torch.equal(both[:, 32:], quant_gemm_bf16(x, [q6], torch.bfloat16))
     assert not torch.equal(both, quant_matmul(x, [q4, q6], torch.bfloat16))
     assert torch.equal(linear(x.float()), quant_matmul(x.float(), [q4, q6]))  # fp32: int8
+
+
+@pytest.mark.parametrize("fmt", ROW_FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 6, 40])
+@pytest.mark.parametrize("case", ["random", "tie", "nan"])
+def test_a_linears_argmax_is_its_outputs_argmax_a_slice_at_a_time(fmt, rows, case, monkeypatch):
+    """`QuantLinear.argmax`: the argmax of its fp32 outputs' first `columns` (the first of equal
+    maxima, the first NaN), from slices of 64 outputs across fused parts, each slice's outputs
+    the whole product's bits, on either kernel (int8, and the dequantized bf16 GEMM past
+    `int8_max_rows`)."""
+    monkeypatch.setattr(quant, "ARGMAX_SLICE_BYTES", 4 * rows * 64)
+    k = in_features(fmt)
+    a, b = random_weight(fmt, 160, k, seed=rows), random_weight(fmt, 96, k, seed=rows + 1)
+    bias = torch.randn(256)
+    if case == "tie":  # outputs 40 and 200 equal, and the largest: the first wins
+        b.data[200 - 160] = a.data[40]
+        bias[40] = bias[200] = 1e6
+    if case == "nan":  # NaN at 150 and 230, past the largest at 20: the first NaN wins
+        bias[20], bias[150], bias[230] = 1e6, float("nan"), float("nan")
+    linear = QuantLinear([a, b], bias)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    for most in (None, 0) if can_dequantize_to_bf16([a, b]) else (None,):
+        linear.int8_max_rows = most
+        outputs, product = linear(x, torch.float32), linear._product(x)
+        whole = product(x, [a])
+        for first in range(0, 160, 32):
+            part = QuantWeight(fmt, a.data[first : first + 32], k)
+            assert torch.equal(product(x, [part]), whole[:, first : first + 32])
+        for columns in (256, 251, 170):
+            expected = outputs[:, :columns].argmax(dim=-1)
+            assert torch.equal(linear.argmax(x, columns), expected)
+    if case == "tie":
+        assert set(expected.tolist()) == {40}
+    if case == "nan":
+        assert set(expected.tolist()) == {150}
+    with pytest.raises(ValueError, match="columns must lie in"):
+        linear.argmax(x, 257)
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from paged_backend.cpu import ops as cpu_ops
 from paged_backend.cpu.library import load_library
 
 # type id -> (weights a block, bytes a block), for the formats the kernels read: ggml's, and
@@ -43,6 +44,8 @@ BLOCK_FORMATS = {
     "Q8_256_VNNI": (65, 256, 260),
 }
 _CHUNK = 256  # a super-block: the kernels' unit along the inputs
+# `QuantLinear.argmax` computes outputs this many bytes (fp32) at a time
+ARGMAX_SLICE_BYTES = 8 << 20
 
 
 @dataclass
@@ -370,15 +373,50 @@ class QuantLinear(nn.Module):
         out_dtype = out_dtype or x.dtype
         kernel_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
         rows = x.reshape(-1, self.in_features)
-        most = self.int8_max_rows
-        if most is not None and rows.shape[0] > most and rows.dtype == torch.bfloat16:
-            out = quant_gemm_bf16(rows, self.weights, kernel_dtype)
-        else:
-            out = quant_matmul(rows, self.weights, kernel_dtype)
+        out = self._product(rows)(rows, self.weights, kernel_dtype)
         out = out.view(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias
         return out.to(out_dtype)
+
+    def _product(self, rows: torch.Tensor):
+        """The kernel a step of `rows` runs on (`int8_max_rows`)."""
+        most = self.int8_max_rows
+        if most is not None and rows.shape[0] > most and rows.dtype == torch.bfloat16:
+            return quant_gemm_bf16
+        return quant_matmul
+
+    def argmax(self, x: torch.Tensor, columns: int) -> torch.Tensor:
+        """`forward(x, torch.float32)[:, :columns].argmax(-1)` (the first of equal maxima, the
+        first NaN where a row has one), from outputs computed `ARGMAX_SLICE_BYTES` at a time:
+        a greedy step at a 262,144-token vocabulary never holds its 1 MB a row of logits. A
+        slice's outputs have the whole product's bits: the kernels compute each output on its
+        own, and slices start at multiples of 32 outputs (the VNNI GEMM's strips)."""
+        if not 0 < columns <= self.out_features:
+            raise ValueError(f"columns must lie in [1, {self.out_features}], got {columns}")
+        rows = x.reshape(-1, self.in_features)
+        product = self._product(rows)
+        width = max(32, ARGMAX_SLICE_BYTES // (4 * rows.shape[0]) // 32 * 32)
+        if any(w.out_features % 32 for w in self.weights):  # kernels chosen by n's shape
+            width = self.out_features
+        best = torch.full((rows.shape[0],), float("-inf"))
+        index = torch.zeros(rows.shape[0], dtype=torch.int64)
+        column = 0
+        for w in self.weights:
+            for first in range(0, min(w.out_features, columns - column), width):
+                part = QuantWeight(w.format, w.data[first : first + width], w.in_features)
+                out = product(rows, [part], torch.float32)
+                start = column + first
+                if self.bias is not None:
+                    out += self.bias[start : start + part.out_features]
+                out = out[:, : columns - start]
+                top = cpu_ops.argmax(out)
+                value = out.gather(1, top[:, None]).squeeze(1)
+                take = ~best.isnan() & ((value > best) | value.isnan())
+                best = torch.where(take, value, best)
+                index = torch.where(take, top + start, index)
+            column += w.out_features
+        return index
 
     @property
     def nbytes(self) -> int:

@@ -105,3 +105,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return softcap_(super().logits(x), self.config.final_logit_softcap)
+
+    def logits_argmax(self, x: torch.Tensor, columns: int) -> torch.Tensor | None:
+        # a cap can round distinct logits to one value, whose first then wins
+        if self.config.final_logit_softcap is not None:
+            return None
+        return super().logits_argmax(x, columns)

@@ -28,7 +28,7 @@ from paged_backend.cpu.linear import (
     replace_linears_,
 )
 from paged_backend.cpu.ops import apply_rotary, torch_rms_norm, torch_silu_and_mul
-from paged_backend.cpu.quant import QuantWeight, linear_blocks_f32
+from paged_backend.cpu.quant import QuantLinear, QuantWeight, linear_blocks_f32
 from paged_backend.models.config import ModelConfig
 
 
@@ -342,7 +342,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.cpu_head: CpuLinear | None = None
+        self.cpu_head: CpuLinear | QuantLinear | None = None
         self.head_c_rows = 0  # steps of up to this many rows: `cpu_ops.linear_f32`
         self.head_blocks: list[QuantWeight] | None = None  # and up to head_block_rows: these
         self.head_block_rows = 0
@@ -485,6 +485,13 @@ class LlamaForCausalLM(nn.Module):
         if weight.dtype == torch.float16 or (self.head_c_rows and x.shape[0] <= self.head_c_rows):
             return cpu_ops.linear_f32(x, weight, None)  # an fp16 head (`half_head_`) at any size
         return F.linear(x, weight).float()
+
+    def logits_argmax(self, x: torch.Tensor, columns: int) -> torch.Tensor | None:
+        """Each row's `logits(x)[:, :columns].argmax(-1)`, where the head gives it without the
+        whole logits (quantized: `QuantLinear.argmax`); else None."""
+        if isinstance(self.cpu_head, QuantLinear):
+            return self.cpu_head.argmax(x, columns)
+        return None
 
     def checkpoint_name_map(self, name: str) -> tuple[str, int | None, tuple | None] | None:
         """Map a Hugging Face checkpoint tensor name onto ours (fusing qkv and gate/up): our

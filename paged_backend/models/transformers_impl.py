@@ -94,3 +94,7 @@ class TransformersForCausalLM(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The output head on final hidden rows `x`, in fp32."""
         return softcap_(self.model.get_output_embeddings()(x).float(), self.logit_softcap)
+
+    def logits_argmax(self, x: torch.Tensor, columns: int) -> None:
+        """Never without the logits: transformers' head computes them whole."""
+        return None
