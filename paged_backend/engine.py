@@ -120,6 +120,9 @@ class LLMEngine:
         self.model_name = model_name(config.model)
         self.model_config = ModelConfig.from_dir(self.model_path, config.model_impl)
         self.tokenizer = Tokenizer(self.model_path, config.chat_template)
+        # its parse's freed pages (~50 MB for a 262,144-token vocabulary), before the weights
+        # load beside them: the loading peak
+        release_freed_heap()
         self.max_model_len = self.model_config.resolve_max_model_len(config.max_model_len)
         with torch_threads(config.num_threads):  # kernel timing and warm-up run as steps do
             self.runner = ModelRunner(

@@ -439,6 +439,26 @@ def test_a_long_steps_mlp_runs_in_slices_of_rows_with_the_same_result(tiny_model
     torch.testing.assert_close(sliced, whole, rtol=1e-4, atol=1e-5)
 
 
+def test_loading_hands_the_tokenizers_freed_pages_back_before_the_weights_load(
+    tiny_model, monkeypatch
+):
+    """The tokenizer's parse frees most of what it allocated (~50 MB for a 262,144-token
+    vocabulary): trimmed before the weights load beside it, not only once all is loaded."""
+    from paged_backend import engine as engine_module
+
+    events = []
+    monkeypatch.setattr(engine_module, "release_freed_heap", lambda: events.append("trim"))
+    for name in ("Tokenizer", "ModelRunner"):
+        real = getattr(engine_module, name)
+        monkeypatch.setattr(
+            engine_module,
+            name,
+            lambda *a, real=real, name=name: events.append(name) or real(*a),
+        )
+    LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=16)
+    assert events == ["Tokenizer", "trim", "ModelRunner", "trim"]
+
+
 def test_a_step_that_prefills_hands_the_heaps_freed_pages_back_and_decode_steps_keep_theirs(
     tiny_model, monkeypatch
 ):
