@@ -916,6 +916,36 @@ def test_weights_move_onto_huge_pages_in_place_and_leave_their_file_pages(tmp_pa
         assert fields.get("THPeligible", "1") == "1"
 
 
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="no /proc")
+def test_a_weight_in_a_file_leaves_its_pages_as_each_part_is_copied(tmp_path, monkeypatch):
+    """A file-backed storage is copied a part at a time, each part's pages dropped once copied:
+    the largest weight (a 262,144-token embedding, ~140 MB) is never held twice while loading."""
+    from paged_backend.cpu import memory
+
+    monkeypatch.setattr(memory, "_COPY_BYTES", 1 << 20)
+    path = tmp_path / "blocks.bin"
+    expected = np.random.default_rng(1).integers(0, 256, 8 << 20, dtype=np.uint8)
+    expected.tofile(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="c")
+    blocks = torch.from_numpy(mapped)
+    copy = blocks.clone()  # reads every page in
+    resident_kb = []
+    drop = memory._drop_pages
+    monkeypatch.setattr(
+        memory,
+        "_drop_pages",
+        lambda address, size: (
+            resident_kb.append(int(_mapping_of(mapped.ctypes.data)["Rss"])) or drop(address, size)
+        ),
+    )
+    move_to_huge_pages_([blocks])
+    assert len(resident_kb) == 9  # 8 parts, then the whole range (pages across two parts)
+    assert resident_kb == sorted(resident_kb, reverse=True)
+    for part, kb in enumerate(resident_kb[:8]):  # the parts before it left (a kernel may map
+        assert kb <= (9 - part) * 1024 + 8  # the file in 2 MiB folios, which leave whole)
+    assert torch.equal(blocks, copy)
+
+
 def _rss_mib() -> int:
     return int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text())[1]) >> 10
 
