@@ -96,6 +96,60 @@ def test_the_gemm_copy_serves_steps_of_up_to_64_rows(pack):
 
 
 @pytest.mark.skipif(not cpu.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")
+@pytest.mark.parametrize("case", ["random", "tie", "nan"])
+def test_the_gemm_copys_argmax_is_its_outputs_argmax_a_slice_at_a_time(case, monkeypatch):
+    """`CpuLinear.argmax`: the argmax of its fp32 outputs' first `columns` (the first of equal
+    maxima, the first NaN), from slices of 32 outputs whose bits are the whole product's, where
+    the C GEMM serves the step; None where another copy does."""
+    torch.manual_seed(1)
+    linear = nn.Linear(96, 160).to(torch.bfloat16)
+    bias = linear.bias.detach().float()
+    with torch.no_grad():
+        if case == "tie":  # outputs 40 and 130 equal, and the largest: the first wins
+            linear.weight[130] = linear.weight[40]
+            bias[40] = bias[130] = 1e6
+        if case == "nan":  # NaN at 70 and 150, past the largest at 20: the first NaN wins
+            bias[20], bias[70], bias[150] = 1e6, float("nan"), float("nan")
+    layer = CpuLinear(linear.weight, bias, pack=False, fp16_copy=True, gemm_rows=8)
+    for rows in (1, 3, 8):
+        monkeypatch.setattr(cpu_ops, "ARGMAX_SLICE_BYTES", 4 * rows * 32)
+        x = torch.randn(rows, 96, dtype=torch.bfloat16)
+        outputs = layer(x, out_dtype=torch.float32)
+        whole = cpu_ops.gemm(x, layer.gemm, torch.float32)
+        for first in range(0, 160, 32):
+            part = cpu_ops.gemm(x, layer.gemm[first // 16 : first // 16 + 2], torch.float32)
+            assert torch.equal(part, whole[:, first : first + 32])
+        for columns in (160, 150, 41):
+            expected = outputs[:, :columns].argmax(dim=-1)
+            assert torch.equal(layer.argmax(x, columns), expected)
+        if case != "random":
+            assert set(layer.argmax(x, 160).tolist()) == {40 if case == "tie" else 70}
+    assert layer.argmax(torch.randn(9, 96, dtype=torch.bfloat16), 160) is None  # oneDNN's step
+    with pytest.raises(ValueError, match="columns must lie in"):
+        layer.argmax(x, 161)
+
+
+@pytest.mark.skipif(not cpu.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")
+def test_a_bf16_engines_greedy_rows_take_their_tokens_without_their_logits(monkeypatch):
+    """Where the C GEMM serves the head's steps, a greedy batch takes its tokens from its slices
+    and never holds the logits; the tokens are those of the whole logits."""
+    llm = LLM(dtype="bfloat16", num_kv_blocks=64, cpu_gemm_max_rows=8)
+    runner = llm.engine.runner
+    assert runner.model.cpu_head.gemm_rows == 8
+    whole: list[int] = []
+    real = runner.logits
+    monkeypatch.setattr(runner, "logits", lambda h: whole.append(len(h)) or real(h))
+    prompts = ["The capital of France is", "def fibonacci(n):", "List three uses of copper:"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert whole == []
+    monkeypatch.setattr(runner, "logits_argmax", lambda h, columns: None)
+    want = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert whole
+
+
+@pytest.mark.skipif(not cpu.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")
 def test_a_gemm_copy_for_every_step_is_the_only_copy():
     """A weight whose C GEMM copy serves every step (`EVERY_STEP`, a large model's) keeps no
     plain or packed weight; steps of any size (past the 64 rows timed), strided inputs too,

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from paged_backend import cpu
-from paged_backend.cpu import quant
+from paged_backend.cpu import ops as cpu_ops
 from paged_backend.cpu.quant import (
     BLOCK_FORMATS,
     QuantLinear,
@@ -221,7 +221,7 @@ def test_a_linears_argmax_is_its_outputs_argmax_a_slice_at_a_time(fmt, rows, cas
     maxima, the first NaN), from slices of 64 outputs across fused parts, each slice's outputs
     the whole product's bits, on either kernel (int8, and the dequantized bf16 GEMM past
     `int8_max_rows`)."""
-    monkeypatch.setattr(quant, "ARGMAX_SLICE_BYTES", 4 * rows * 64)
+    monkeypatch.setattr(cpu_ops, "ARGMAX_SLICE_BYTES", 4 * rows * 64)
     k = in_features(fmt)
     a, b = random_weight(fmt, 160, k, seed=rows), random_weight(fmt, 96, k, seed=rows + 1)
     bias = torch.randn(256)

@@ -126,6 +126,30 @@ class CpuLinear(nn.Module):
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return out.to(out_dtype)
 
+    def argmax(self, x: torch.Tensor, columns: int) -> torch.Tensor | None:
+        """`forward(x, torch.float32)[:, :columns].argmax(-1)` (`cpu_ops.argmax_of_slices`'
+        ties and NaNs) from outputs computed `ARGMAX_SLICE_BYTES` at a time, where the C GEMM
+        serves a step of `x`'s rows: it computes each output on its own, so a slice of its
+        16-output blocks has the whole product's bits. None for the other copies."""
+        n = self.gemm.shape[0] * 16 if self.gemm is not None else 0
+        if not self.gemm_rows or x.shape[0] > self.gemm_rows or self.int4 is not None:
+            return None
+        if not 0 < columns <= n:
+            raise ValueError(f"columns must lie in [1, {n}], got {columns}")
+        rows = x if x.stride(1) == 1 else x.contiguous()
+        width = cpu_ops.argmax_slice_width(rows.shape[0], 16)
+
+        def slices():
+            for first in range(0, columns, width):
+                out = cpu_ops.gemm(
+                    rows, self.gemm[first // 16 : (first + width) // 16], torch.float32
+                )
+                if self.bias is not None:
+                    out += self.bias[first : first + out.shape[1]]
+                yield first, out[:, : columns - first]
+
+        return cpu_ops.argmax_of_slices(slices(), rows.shape[0])
+
     def _copy_product(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
         """`x @ weight.T` (no bias) from the copy that serves steps of `x`'s rows, if any."""
         rows = x.shape[0]

@@ -19,6 +19,8 @@ live in the README's benchmark section, with the CPU they came from.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 
@@ -190,6 +192,30 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
         threads=torch.get_num_threads(),
     )
     return out
+
+
+# A head asked only for each row's largest output computes them this many bytes (fp32) at a time
+ARGMAX_SLICE_BYTES = 8 << 20
+
+
+def argmax_slice_width(rows: int, multiple: int) -> int:
+    """Outputs a slice of `rows` rows' `ARGMAX_SLICE_BYTES`, a multiple of `multiple`."""
+    return max(multiple, ARGMAX_SLICE_BYTES // (4 * rows) // multiple * multiple)
+
+
+def argmax_of_slices(slices: Iterable[tuple[int, torch.Tensor]], rows: int) -> torch.Tensor:
+    """Each row's argmax (int64) over outputs that come a slice at a time, (first column, fp32
+    [rows, width]) in column order: the first of equal maxima, the first NaN where a row has one,
+    as torch's and `argmax`. Only the slice in hand is held."""
+    best = torch.full((rows,), float("-inf"))
+    index = torch.zeros(rows, dtype=torch.int64)
+    for start, out in slices:
+        top = argmax(out)
+        value = out.gather(1, top[:, None]).squeeze(1)
+        take = ~best.isnan() & ((value > best) | value.isnan())
+        best = torch.where(take, value, best)
+        index = torch.where(take, top + start, index)
+    return index
 
 
 def store_kv(

@@ -44,8 +44,6 @@ BLOCK_FORMATS = {
     "Q8_256_VNNI": (65, 256, 260),
 }
 _CHUNK = 256  # a super-block: the kernels' unit along the inputs
-# `QuantLinear.argmax` computes outputs this many bytes (fp32) at a time
-ARGMAX_SLICE_BYTES = 8 << 20
 
 
 @dataclass
@@ -387,21 +385,22 @@ class QuantLinear(nn.Module):
         return quant_matmul
 
     def argmax(self, x: torch.Tensor, columns: int) -> torch.Tensor:
-        """`forward(x, torch.float32)[:, :columns].argmax(-1)` (the first of equal maxima, the
-        first NaN where a row has one), from outputs computed `ARGMAX_SLICE_BYTES` at a time:
-        a greedy step at a 262,144-token vocabulary never holds its 1 MB a row of logits. A
-        slice's outputs have the whole product's bits: the kernels compute each output on its
-        own, and slices start at multiples of 32 outputs (the VNNI GEMM's strips)."""
+        """`forward(x, torch.float32)[:, :columns].argmax(-1)` (`cpu_ops.argmax_of_slices`'
+        ties and NaNs), from outputs computed `ARGMAX_SLICE_BYTES` at a time: a greedy step at a
+        262,144-token vocabulary never holds its 1 MB a row of logits. A slice's outputs have
+        the whole product's bits: the kernels compute each output on its own, and slices start
+        at multiples of 32 outputs (the VNNI GEMM's strips)."""
         if not 0 < columns <= self.out_features:
             raise ValueError(f"columns must lie in [1, {self.out_features}], got {columns}")
         rows = x.reshape(-1, self.in_features)
-        product = self._product(rows)
-        width = max(32, ARGMAX_SLICE_BYTES // (4 * rows.shape[0]) // 32 * 32)
+        width = cpu_ops.argmax_slice_width(rows.shape[0], 32)
         if any(w.out_features % 32 for w in self.weights):  # kernels chosen by n's shape
             width = self.out_features
-        best = torch.full((rows.shape[0],), float("-inf"))
-        index = torch.zeros(rows.shape[0], dtype=torch.int64)
-        column = 0
+        return cpu_ops.argmax_of_slices(self._slices(rows, columns, width), rows.shape[0])
+
+    def _slices(self, rows: torch.Tensor, columns: int, width: int):
+        """(first column, fp32 outputs) of `width` outputs at a time, up to `columns`."""
+        product, column = self._product(rows), 0
         for w in self.weights:
             for first in range(0, min(w.out_features, columns - column), width):
                 part = QuantWeight(w.format, w.data[first : first + width], w.in_features)
@@ -409,14 +408,8 @@ class QuantLinear(nn.Module):
                 start = column + first
                 if self.bias is not None:
                     out += self.bias[start : start + part.out_features]
-                out = out[:, : columns - start]
-                top = cpu_ops.argmax(out)
-                value = out.gather(1, top[:, None]).squeeze(1)
-                take = ~best.isnan() & ((value > best) | value.isnan())
-                best = torch.where(take, value, best)
-                index = torch.where(take, top + start, index)
+                yield start, out[:, : columns - start]
             column += w.out_features
-        return index
 
     @property
     def nbytes(self) -> int:

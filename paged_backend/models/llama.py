@@ -488,8 +488,8 @@ class LlamaForCausalLM(nn.Module):
 
     def logits_argmax(self, x: torch.Tensor, columns: int) -> torch.Tensor | None:
         """Each row's `logits(x)[:, :columns].argmax(-1)`, where the head gives it without the
-        whole logits (quantized: `QuantLinear.argmax`); else None."""
-        if isinstance(self.cpu_head, QuantLinear):
+        whole logits (`QuantLinear.argmax`, `CpuLinear.argmax`); else None."""
+        if self.cpu_head is not None:
             return self.cpu_head.argmax(x, columns)
         return None
 
