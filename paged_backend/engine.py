@@ -400,16 +400,17 @@ class LLMEngine:
         logprobs: list = [None] * len(requests)
         vocab = self.sampler.vocab_size
         argmax_rows = [i for i, r in enumerate(requests) if takes_argmax(r)]
-        if len(argmax_rows) == len(requests) or len(argmax_rows) * vocab * 4 > SPLIT_HEAD_BYTES:
-            rows = hidden if len(argmax_rows) == len(requests) else hidden[argmax_rows]
-            top = self.runner.logits_argmax(rows, vocab) if argmax_rows else None
+        if argmax_rows and (
+            len(argmax_rows) == len(requests) or len(argmax_rows) * vocab * 4 > SPLIT_HEAD_BYTES
+        ):
+            top = self.runner.logits_argmax(hidden[argmax_rows], vocab)
             if top is not None:
                 for i, token in zip(argmax_rows, top.tolist(), strict=True):
                     tokens[i] = token
         rest = [i for i, t in enumerate(tokens) if t is None]
         if rest:
-            rows = hidden if len(rest) == len(requests) else hidden[rest]
-            sampled = self.sampler(self.runner.logits(rows), [requests[i] for i in rest])
+            logits = self.runner.logits(hidden[rest])
+            sampled = self.sampler(logits, [requests[i] for i in rest])
             for i, token, lp in zip(rest, sampled.token_ids, sampled.logprobs, strict=True):
                 tokens[i], logprobs[i] = token, lp
         return [[t] for t in tokens], [[lp] for lp in logprobs]

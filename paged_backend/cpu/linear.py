@@ -131,9 +131,9 @@ class CpuLinear(nn.Module):
         ties and NaNs) from outputs computed `ARGMAX_SLICE_BYTES` at a time, where the C GEMM
         serves a step of `x`'s rows: it computes each output on its own, so a slice of its
         16-output blocks has the whole product's bits. None for the other copies."""
-        n = self.gemm.shape[0] * 16 if self.gemm is not None else 0
         if not self.gemm_rows or x.shape[0] > self.gemm_rows or self.int4 is not None:
             return None
+        n = self.gemm.shape[0] * 16
         if not 0 < columns <= n:
             raise ValueError(f"columns must lie in [1, {n}], got {columns}")
         rows = x if x.stride(1) == 1 else x.contiguous()

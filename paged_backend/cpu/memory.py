@@ -92,7 +92,7 @@ def move_to_huge_pages_(tensors) -> int:
         storage, views = by_storage.pop(key)
         size, start = storage.nbytes(), region.storage_offset() + starts[key]
         source = torch.empty(0, dtype=torch.uint8).set_(storage)
-        in_file = any(low <= key and key + size <= high for low, high in files)
+        in_file = _within(key, size, files)
         for at in range(0, size, _COPY_BYTES):  # a file's pages leave as each part is copied
             part = min(_COPY_BYTES, size - at)
             region[starts[key] + at : starts[key] + at + part].copy_(source[at : at + part])
@@ -133,8 +133,13 @@ def release_file_pages(array: np.ndarray) -> None:
     """Take the whole pages of `array`, where it lies in a file mapping (a GGUF tensor read
     once and converted), out of the resident set; nothing for memory of any other kind."""
     address, size = array.ctypes.data, array.nbytes
-    if any(low <= address and address + size <= high for low, high in _file_mappings()):
+    if _within(address, size, _file_mappings()):
         _drop_pages(address, size)
+
+
+def _within(address: int, size: int, mappings: list[tuple[int, int]]) -> bool:
+    """Whether [address, address + size) lies in one of `mappings` (`_file_mappings`)."""
+    return any(low <= address and address + size <= high for low, high in mappings)
 
 
 def _drop_pages(address: int, size: int) -> None:
