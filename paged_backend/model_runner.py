@@ -231,7 +231,9 @@ class ModelRunner:
             load_safetensors(model, model_path, model.checkpoint_name_map)
         if config.quantization == "int8":
             from paged_backend.gguf.quantize import quantize_linears_int8_
+            from paged_backend.models.rotation import rotate_
 
+            rotate_(model)  # int8 activations lose less of rotated outliers
             quantize_linears_int8_(model)
             return self._blocks_model(config, model, ops)
         # From the full-precision weights: a Q4 grid survives only until the cast.

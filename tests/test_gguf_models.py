@@ -315,11 +315,21 @@ def test_block_formats_the_kernels_do_not_read_are_served_as_int8_blocks(q3_k_m,
     _served_like_the_dequantized_file(quantized, full)
 
 
-def test_int8_linears_are_int8_blocks_of_the_float_weights(llm_fp32):
+def _unrotated(monkeypatch) -> None:
+    """int8 of the weights as they are: without the rotation that spreads their activations'
+    outliers (`paged_backend.models.rotation`, tested in test_rotation.py)."""
+    from paged_backend.models import rotation
+
+    monkeypatch.setattr(rotation, "rotate_", lambda model: False)
+
+
+def test_int8_linears_are_int8_blocks_of_the_float_weights(llm_fp32, monkeypatch):
     """quantization="int8" (any checkpoint): every linear as int8 blocks (tied head too), Q8_0
     for the default model's 576 inputs, Q8_256 for its down projection's 1536, the embedding
     table kept for lookups, at most half the bytes of bf16 for the layers."""
     from paged_backend.cpu.quant import vnni_gemm_built
+
+    _unrotated(monkeypatch)
 
     int8 = LLM(dtype="float32", quantization="int8", num_kv_blocks=256)
     model, reference = int8.engine.runner.model, llm_fp32.engine.runner.model
@@ -345,9 +355,10 @@ def test_int8_linears_are_int8_blocks_of_the_float_weights(llm_fp32):
     assert_all_blocks_free(int8.engine)
 
 
-def test_int8_runs_an_untied_head_as_q8_0_blocks(tiny_model):
+def test_int8_runs_an_untied_head_as_q8_0_blocks(tiny_model, monkeypatch):
     """A model whose head is its own weight (not the embedding's): the head's Q8_0 blocks give
     the logits (`cpu_head`), close to the float head's, and requests run."""
+    _unrotated(monkeypatch)
     full = LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=64).engine.runner.model
     assert full.lm_head is not None  # the tiny model's head is untied
     llm = LLM(model=str(tiny_model), dtype="float32", quantization="int8", num_kv_blocks=64)

@@ -98,6 +98,7 @@ class FusedDecode:
             *self._pointers(gate_up, blocks),
             *self._pointers(down, blocks),
             address(mlp_out),
+            layer.mlp.down_hadamard,
         ]
 
     @staticmethod

@@ -175,6 +175,32 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _act_and_mul(x, gelu=True)
 
 
+HADAMARD_MAX_BLOCK = 4096  # csrc/cpu_ops.c's
+
+
+def hadamard_(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x (contiguous fp32 or bf16 rows [..., n]) with each row's values, `block` at a time, times
+    the Hadamard matrix of that size over sqrt(block), in place (`hadamard_rows`): orthogonal
+    and its own inverse. `block`: a power of two up to `HADAMARD_MAX_BLOCK` dividing n."""
+    n = x.shape[-1]
+    if block & (block - 1) or not 0 < block <= HADAMARD_MAX_BLOCK or n % block:
+        raise ValueError(
+            f"block must be a power of two in [1, {HADAMARD_MAX_BLOCK}] dividing the rows' "
+            f"{n} values, got {block}"
+        )
+    if x.dtype not in _SUFFIX or not x.is_contiguous():
+        raise ValueError(f"hadamard_ takes contiguous fp32 or bf16 rows, not {x.dtype}")
+    load_library().hadamard_rows(
+        x=x.data_ptr(),
+        x_bf16=int(x.dtype == torch.bfloat16),
+        rows=x.numel() // max(n, 1),
+        n=n,
+        block=block,
+        threads=torch.get_num_threads(),
+    )
+    return x
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=-1)` (int64) for fp32 CPU rows x [rows, n] with unit stride within a row
     (torch's otherwise), vectorised and over the threads (`argmax_rows_f32`)."""

@@ -276,6 +276,11 @@ MLP_SLICE_BYTES = 8 << 20
 
 
 class MLP(nn.Module):
+    """`down_hadamard`: 0, or the block size of the Hadamard rotation the down projection's
+    inputs take first, where its weight was rotated to match (`paged_backend.rotation`)."""
+
+    down_hadamard = 0
+
     def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
         self.act_and_mul = ops.act_and_mul
@@ -287,7 +292,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = max(1, MLP_SLICE_BYTES // (self.gate_up_width * x.element_size()))
         if x.device.type != "cpu" or x.shape[0] <= rows:
-            return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+            hidden = self.act_and_mul(self.gate_up_proj(x))
+            if self.down_hadamard:
+                cpu_ops.hadamard_(hidden, self.down_hadamard)
+            return self.down_proj(hidden)
         return torch.cat([self(x[i : i + rows]) for i in range(0, x.shape[0], rows)])
 
 

@@ -192,6 +192,37 @@ void act_and_mul_bf16(const bf16 *x, bf16 *out, int64_t rows, int64_t dim, int g
     }
 }
 
+/* Each row's n values (rows contiguous), `block` at a time (a power of two up to
+ * HADAMARD_MAX_BLOCK dividing n), times the Hadamard matrix of that size over sqrt(block): an
+ * orthogonal map (its own inverse) that spreads a few large values over the block, in place.
+ * Butterflies in fp32, each value rounded once to the rows' dtype at the end (bf16 with
+ * `x_bf16`, else fp32): `paged_backend.rotation` runs it on weights and activations. */
+#define HADAMARD_MAX_BLOCK 4096
+void hadamard_rows(void *x, int x_bf16, int64_t rows, int64_t n, int64_t block, int threads) {
+    float scale = 1.0f / sqrtf((float)block);
+#pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        float v[HADAMARD_MAX_BLOCK];
+        for (int64_t first = r * n; first < (r + 1) * n; first += block) {
+            for (int64_t i = 0; i < block; i++)
+                v[i] = x_bf16 ? to_f32(((bf16 *)x)[first + i]) : ((float *)x)[first + i];
+            for (int64_t h = 1; h < block; h *= 2)
+                for (int64_t i = 0; i < block; i += 2 * h)
+                    for (int64_t j = i; j < i + h; j++) {
+                        float a = v[j], b = v[j + h];
+                        v[j] = a + b;
+                        v[j + h] = a - b;
+                    }
+            for (int64_t i = 0; i < block; i++) {
+                if (x_bf16)
+                    ((bf16 *)x)[first + i] = to_bf16(v[i] * scale);
+                else
+                    ((float *)x)[first + i] = v[i] * scale;
+            }
+        }
+    }
+}
+
 /* q . k over `dim` (a multiple of 16) bf16 values: exact products, fp32 sums. */
 static inline float dot_bf16(const bf16 *q, const bf16 *k, int64_t dim) {
 #ifdef __AVX512BF16__

@@ -67,10 +67,11 @@ static void fused_linear(const int64_t *d, const void *x, int bf16_io, int64_t r
 /* A layer's words in `decode_layers`' weights: its input norm's address, q_norm's and k_norm's
  * (0: none), the qkv and o projections' descriptors (`fused_linear`), the norm of attention's
  * output (0: none), the MLP's input norm, the gate_up and down projections' descriptors, the
- * norm of the MLP's output (0: none). A Llama layer's post_attention_layernorm is the MLP's
+ * norm of the MLP's output (0: none) and the Hadamard block its down projection's inputs take
+ * first (0: none; `MLP.down_hadamard`). A Llama layer's post_attention_layernorm is the MLP's
  * input norm; Gemma's is attention's output norm, its pre/post_feedforward_layernorm the MLP's. */
 #define LINEAR_WORDS 14
-#define LAYER_WORDS (6 + 4 * LINEAR_WORDS)
+#define LAYER_WORDS (7 + 4 * LINEAR_WORDS)
 
 /* The dtype's ops: bf16 rows with `bf16_io`, else fp32 ones. */
 static void norm_rows(int bf16_io, const void *x, const void *residual, const void *weight,
@@ -171,6 +172,7 @@ void decode_layers(void *x, void *residual, int bf16_io, int64_t rows, int64_t h
         const int64_t *gate_up_proj = o_proj + LINEAR_WORDS + 2;
         const int64_t *down_proj = gate_up_proj + LINEAR_WORDS;
         const void *mlp_out_norm = (const void *)down_proj[LINEAR_WORDS];
+        int64_t down_hadamard = down_proj[LINEAR_WORDS + 1];
         if (l == 0) {
             norm_rows(bf16_io, x, NULL, in_norm, h, NULL, rows, hidden, hidden, eps, norm_offset,
                       threads);
@@ -233,6 +235,7 @@ void decode_layers(void *x, void *residual, int bf16_io, int64_t rows, int64_t h
             act_and_mul_bf16((bf16 *)gate_up, (bf16 *)mlp, rows, intermediate, gelu, threads);
         else
             act_and_mul_f32((float *)gate_up, (float *)mlp, rows, intermediate, gelu, threads);
+        if (down_hadamard) hadamard_rows(mlp, bf16_io, rows, intermediate, down_hadamard, threads);
         fused_linear(down_proj, mlp, bf16_io, rows, intermediate, x, hidden, act, max_k, threads);
         if (mlp_out_norm)
             norm_rows(bf16_io, x, NULL, mlp_out_norm, x, NULL, rows, hidden, hidden, eps,
