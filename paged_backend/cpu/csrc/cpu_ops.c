@@ -192,11 +192,40 @@ void act_and_mul_bf16(const bf16 *x, bf16 *out, int64_t rows, int64_t dim, int g
     }
 }
 
+/* The butterflies of v[block], half-widths 1, 2, 4, ... in turn, in place: a + b and a - b of
+ * each pair. */
+static inline void butterflies(float *v, int64_t block) {
+    for (int64_t h = 1; h < block; h *= 2)
+        for (int64_t i = 0; i < block; i += 2 * h)
+            for (int64_t j = i; j < i + h; j++) {
+                float a = v[j], b = v[j + h];
+                v[j] = a + b;
+                v[j + h] = a - b;
+            }
+}
+
+#ifdef __AVX512BF16__
+/* The butterflies of half-widths 1, 2, 4 and 8 within 16 lanes: each stage adds the lanes'
+ * partners (swapped in) to the lanes times +1 (first of a pair) or -1 (second), which rounds
+ * as a + b and a - b do: the scalar stages' bits. */
+static inline __m512 butterflies16(__m512 v) {
+    const __m512 s1 = _mm512_setr_ps(1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1);
+    const __m512 s2 = _mm512_setr_ps(1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1);
+    const __m512 s4 = _mm512_setr_ps(1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1);
+    const __m512 s8 = _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);
+    v = _mm512_fmadd_ps(v, s1, _mm512_permute_ps(v, 0xB1));
+    v = _mm512_fmadd_ps(v, s2, _mm512_permute_ps(v, 0x4E));
+    v = _mm512_fmadd_ps(v, s4, _mm512_shuffle_f32x4(v, v, 0xB1));
+    return _mm512_fmadd_ps(v, s8, _mm512_shuffle_f32x4(v, v, 0x4E));
+}
+#endif
+
 /* Each row's n values (rows contiguous), `block` at a time (a power of two up to
  * HADAMARD_MAX_BLOCK dividing n), times the Hadamard matrix of that size over sqrt(block): an
  * orthogonal map (its own inverse) that spreads a few large values over the block, in place.
- * Butterflies in fp32, each value rounded once to the rows' dtype at the end (bf16 with
- * `x_bf16`, else fp32): `paged_backend.rotation` runs it on weights and activations. */
+ * Butterflies in fp32, half-widths 1, 2, 4, ... in turn, each value rounded once to the rows'
+ * dtype at the end (bf16 with `x_bf16`, else fp32), the same bits with AVX-512 (16 lanes at a
+ * time) as without: `paged_backend.models.rotation` runs it on weights and activations. */
 #define HADAMARD_MAX_BLOCK 4096
 void hadamard_rows(void *x, int x_bf16, int64_t rows, int64_t n, int64_t block, int threads) {
     float scale = 1.0f / sqrtf((float)block);
@@ -204,20 +233,38 @@ void hadamard_rows(void *x, int x_bf16, int64_t rows, int64_t n, int64_t block, 
     for (int64_t r = 0; r < rows; r++) {
         float v[HADAMARD_MAX_BLOCK];
         for (int64_t first = r * n; first < (r + 1) * n; first += block) {
-            for (int64_t i = 0; i < block; i++)
-                v[i] = x_bf16 ? to_f32(((bf16 *)x)[first + i]) : ((float *)x)[first + i];
-            for (int64_t h = 1; h < block; h *= 2)
-                for (int64_t i = 0; i < block; i += 2 * h)
-                    for (int64_t j = i; j < i + h; j++) {
-                        float a = v[j], b = v[j + h];
-                        v[j] = a + b;
-                        v[j + h] = a - b;
-                    }
-            for (int64_t i = 0; i < block; i++) {
+            float *xf = (float *)x + first;
+            bf16 *xb = (bf16 *)x + first;
+            int64_t i = 0;
+#ifdef __AVX512BF16__
+            if (block >= 16) {
+                for (; i < block; i += 16)
+                    _mm512_storeu_ps(v + i, butterflies16(x_bf16 ? load_bf16x16(xb + i)
+                                                                 : _mm512_loadu_ps(xf + i)));
+                for (int64_t h = 16; h < block; h *= 2)
+                    for (int64_t a = 0; a < block; a += 2 * h)
+                        for (int64_t j = a; j < a + h; j += 16) {
+                            __m512 p = _mm512_loadu_ps(v + j), q = _mm512_loadu_ps(v + j + h);
+                            _mm512_storeu_ps(v + j, _mm512_add_ps(p, q));
+                            _mm512_storeu_ps(v + j + h, _mm512_sub_ps(p, q));
+                        }
+                for (i = 0; i < block; i += 16) {
+                    __m512 y = _mm512_mul_ps(_mm512_loadu_ps(v + i), _mm512_set1_ps(scale));
+                    if (x_bf16)
+                        _mm256_storeu_si256((__m256i *)(xb + i), _mm512_cvtepi32_epi16(bf16_bits16(y)));
+                    else
+                        _mm512_storeu_ps(xf + i, y);
+                }
+                continue;
+            }
+#endif
+            for (i = 0; i < block; i++) v[i] = x_bf16 ? to_f32(xb[i]) : xf[i];
+            butterflies(v, block);
+            for (i = 0; i < block; i++) {
                 if (x_bf16)
-                    ((bf16 *)x)[first + i] = to_bf16(v[i] * scale);
+                    xb[i] = to_bf16(v[i] * scale);
                 else
-                    ((float *)x)[first + i] = v[i] * scale;
+                    xf[i] = v[i] * scale;
             }
         }
     }
