@@ -74,8 +74,8 @@ def test_a_rotated_model_gives_the_tokens_and_logprobs_it_gave(
 ):
     """Norms folded in, the residual stream, value heads and down inputs rotated: the same
     greedy tokens and logprobs (to fp32 rounding) from prefill (the modules) and decode steps
-    (the one-call C step, rebuilt for the rotated down inputs), a tied head given its own
-    weight, biases of the linears reading and writing the stream kept right."""
+    (the one-call C step, rebuilt for the rotated down inputs), a tied head still the table,
+    biases of the linears reading and writing the stream kept right."""
     path = make_tiny_model(
         tmp_path, default_model_path, architecture, vector_noise=0.3, hidden_size=256, **overrides
     )
@@ -90,7 +90,8 @@ def test_a_rotated_model_gives_the_tokens_and_logprobs_it_gave(
     assert model.layers[0].mlp.down_hadamard == rotation.activation_block(
         model.config.intermediate_size
     )
-    assert model.lm_head is not None and (model.norm.weight == 1).all()
+    assert (model.lm_head is None) == model.config.tie_word_embeddings  # no second table
+    assert (model.norm.weight == 1).all() and model.head_rotation is not None
     after = _generate(llm)
     for b, a in zip(before, after, strict=True):
         assert a.token_ids == b.token_ids

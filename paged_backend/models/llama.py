@@ -356,6 +356,9 @@ class LlamaForCausalLM(nn.Module):
         self.head_block_rows = 0
         # set by `use_cpu_linears_` / `use_f32_linears_` where it fits
         self.fused_decode: FusedDecode | None = None
+        # (the final norm's weight, a Hadamard block) of a rotated model (`models.rotation`):
+        # its final rows x go to the head as H (weight * (H x))
+        self.head_rotation: tuple[torch.Tensor, int] | None = None
 
     def use_cpu_linears_(
         self,
@@ -477,6 +480,10 @@ class LlamaForCausalLM(nn.Module):
                 cos, sin = rope if layer.self_attn.window is None else local
                 x, residual = layer(x, residual, cos, sin, kv_cache, backend, meta)
         x, _ = self.norm(x[logits_indices], residual[logits_indices])
+        if self.head_rotation is not None:
+            weight, block = self.head_rotation
+            rows = cpu_ops.hadamard_(x.float(), block).mul_(weight)
+            x = cpu_ops.hadamard_(rows, block).to(x.dtype)
         return x
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,11 @@ scale a block of 32 or 256 inputs) lose less of them: QuaRot's construction (Ash
   width's activation blocks (`activation_block`), random signs s. RMSNorm commutes with an
   orthogonal map once its weight is folded into the linears it feeds (the norm of a rotated row
   is its own), so the embedding rows become Q e, each linear reading the stream (q/k/v,
-  gate/up, the head) W diag(g) Q^T, each one writing it (o, down, their biases) Q W.
+  gate/up) W diag(g) Q^T, each one writing it (o, down, their biases) Q W. The head's rows
+  become W Q^T (a tied head: the table's, as they are), and its input, the final norm's
+  rotated rows x without its weight g, turns into Q (g * Q^T x) = H (g * (H x)) at each step
+  (`LlamaForCausalLM.head_rotation`, a few sampled rows): rotated again, g in place, no second
+  table beside a tied one.
 - Each value head is rotated by the Hadamard matrix R of head_dim (where a power of two):
   v_proj's rows R W_v, the head's columns of o_proj W_o R^T. The K/V cache holds rotated
   values, attention's output comes out rotated and o_proj turns it back; nothing runs at a
@@ -15,10 +19,8 @@ scale a block of 32 or 256 inputs) lose less of them: QuaRot's construction (Ash
 - The down projection's inputs (the gated products, whose outliers are the largest) are rotated
   at each step (`MLP.down_hadamard`, ~n log2(block) adds a row) against its weight W_d H^T.
 
-A tied head gets its own weight (the table's rows rotated with the final norm's weight folded
-in), which `quantize_linears_int8_` quantizes as an untied one. Families whose norms do not
-commute with a rotation (Gemma's norms of each sublayer's output, weights stored as offsets
-from 1) are left as they are.
+Families whose norms do not commute with a rotation (Gemma's norms of each sublayer's output,
+weights stored as offsets from 1) are left as they are.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from paged_backend.cpu import ops as cpu_ops
-from paged_backend.models.llama import DecoderLayer, Linear, LlamaForCausalLM
+from paged_backend.models.llama import DecoderLayer, LlamaForCausalLM
 
 SEED = 0  # of the residual stream's signs: the same rotation at every load
 _CHUNK = 1 << 21  # weights rotated at once in fp32: bounds the temporaries of a large tensor
@@ -81,13 +83,11 @@ def rotate_(model: LlamaForCausalLM) -> bool:
     block, down_block = activation_block(hidden), activation_block(config.intermediate_size)
     generator = torch.Generator().manual_seed(SEED)
     signs = torch.randint(0, 2, (hidden,), generator=generator).float() * 2 - 1
-    table = model.embed_tokens.weight.data
-    if model.lm_head is None:  # tied: the head's rows are the table's before it is rotated
-        model.lm_head = Linear(hidden, config.vocab_size, bias=False, dtype=table.dtype)
-        model.lm_head.weight.data.copy_(table)
-    _rotate_rows_(model.lm_head.weight.data, block, model.norm.weight.float() * signs)
+    _rotate_rows_(model.embed_tokens.weight.data, block, signs)
+    if model.lm_head is not None:  # (tied: the table's rows, rotated above)
+        _rotate_rows_(model.lm_head.weight.data, block, signs)
+    model.head_rotation = (model.norm.weight.detach().float().clone(), block)
     model.norm.weight.fill_(1.0)
-    _rotate_rows_(table, block, signs)
     v_start = (config.num_heads + config.num_kv_heads) * head_dim
     heads = head_dim & (head_dim - 1) == 0 and head_dim <= cpu_ops.HADAMARD_MAX_BLOCK
     for layer in model.layers:
