@@ -49,10 +49,37 @@ def test_hadamard_rotates_each_block_of_a_row_by_the_normalized_hadamard_matrix(
     assert (got - expected).abs().le(expected.abs() * 2**-8 + 1e-6).all()
 
 
+@pytest.mark.parametrize("block", [1, 16, 64, 256])
+def test_a_hadamard_down_the_columns_is_one_along_the_rows_of_the_transpose(block):
+    """Scaled rows or columns first (each value k of a row times scale[k]; row r times scale[r]),
+    and a width that is no multiple of 16 for the columns: bit for bit the rows' op."""
+    x = torch.randn(512, 40)
+    scale = torch.randn(512)
+    for dtype in (torch.float32, torch.bfloat16):
+        columns = cpu_ops.hadamard_columns_(x.to(dtype, copy=True), block, scale)
+        rows = cpu_ops.hadamard_(x.T.contiguous().to(dtype), block, scale)
+        assert torch.equal(columns, rows.T)
+    expected = (
+        ((x.double() * scale[:, None].double()).T.reshape(40, -1, block) @ hadamard_matrix(block))
+        .reshape(40, 512)
+        .T
+    )
+    torch.testing.assert_close(columns.double(), expected, rtol=0, atol=0.05)
+
+
 @pytest.mark.parametrize("block", [0, 3, 48, 1024, 8192])
 def test_hadamard_names_a_block_that_does_not_fit(block):
     with pytest.raises(ValueError, match="block must be a power of two"):
         cpu_ops.hadamard_(torch.randn(2, 512), block)
+    with pytest.raises(ValueError, match="block must be a power of two"):
+        cpu_ops.hadamard_columns_(torch.randn(1024, 2), block)
+
+
+def test_hadamard_names_a_scale_that_does_not_fit():
+    with pytest.raises(ValueError, match="scale must be 512 fp32 values"):
+        cpu_ops.hadamard_(torch.randn(2, 512), 32, torch.ones(256))
+    with pytest.raises(ValueError, match="scale must be 64 fp32 values"):
+        cpu_ops.hadamard_columns_(torch.randn(64, 8), 32, torch.ones(64, dtype=torch.float64))
 
 
 def _generate(llm: LLM) -> list:

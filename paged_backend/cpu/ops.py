@@ -175,29 +175,53 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _act_and_mul(x, gelu=True)
 
 
-HADAMARD_MAX_BLOCK = 4096  # csrc/cpu_ops.c's
+HADAMARD_MAX_BLOCK = 4096  # csrc/cpu_ops.c's, and for columns:
+HADAMARD_COLUMN_BLOCK = 256
 
 
-def hadamard_(x: torch.Tensor, block: int) -> torch.Tensor:
-    """x (contiguous fp32 or bf16 rows [..., n]) with each row's values, `block` at a time, times
-    the Hadamard matrix of that size over sqrt(block), in place (`hadamard_rows`): orthogonal
-    and its own inverse. `block`: a power of two up to `HADAMARD_MAX_BLOCK` dividing n."""
-    n = x.shape[-1]
-    if block & (block - 1) or not 0 < block <= HADAMARD_MAX_BLOCK or n % block:
+def _hadamard(x: torch.Tensor, block: int, scale: torch.Tensor | None, columns: bool) -> None:
+    along = x.shape[0] if columns else x.shape[-1]
+    most = HADAMARD_COLUMN_BLOCK if columns else HADAMARD_MAX_BLOCK
+    if block & (block - 1) or not 0 < block <= most or along % block:
         raise ValueError(
-            f"block must be a power of two in [1, {HADAMARD_MAX_BLOCK}] dividing the rows' "
-            f"{n} values, got {block}"
+            f"block must be a power of two in [1, {most}] dividing the {along} values it "
+            f"rotates, got {block}"
         )
     if x.dtype not in _SUFFIX or not x.is_contiguous():
-        raise ValueError(f"hadamard_ takes contiguous fp32 or bf16 rows, not {x.dtype}")
-    load_library().hadamard_rows(
+        raise ValueError(f"a Hadamard rotation takes contiguous fp32 or bf16 rows, not {x.dtype}")
+    if columns and x.dim() != 2:
+        raise ValueError(f"hadamard_columns_ takes a matrix, not shape {tuple(x.shape)}")
+    if scale is not None and (scale.dtype != torch.float32 or scale.shape != (along,)):
+        raise ValueError(f"scale must be {along} fp32 values, got {tuple(scale.shape)}")
+    scale = None if scale is None else scale.contiguous()  # alive across the call
+    n = x.shape[-1]
+    getattr(load_library(), "hadamard_columns" if columns else "hadamard_rows")(
         x=x.data_ptr(),
         x_bf16=int(x.dtype == torch.bfloat16),
         rows=x.numel() // max(n, 1),
         n=n,
         block=block,
+        scale=None if scale is None else scale.data_ptr(),
         threads=torch.get_num_threads(),
     )
+
+
+def hadamard_(x: torch.Tensor, block: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x (contiguous fp32 or bf16 rows [..., n]) with each row's values, `block` at a time, times
+    the Hadamard matrix of that size over sqrt(block), in place (`hadamard_rows`): orthogonal
+    and its own inverse; each row's value k times scale[k] first where given. `block`: a power
+    of two up to `HADAMARD_MAX_BLOCK` dividing n."""
+    _hadamard(x, block, scale, columns=False)
+    return x
+
+
+def hadamard_columns_(
+    x: torch.Tensor, block: int, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`hadamard_` down the columns of x [rows, n]: blocks of `block` rows (up to
+    `HADAMARD_COLUMN_BLOCK`), row r times scale[r] first where given; the bits of `hadamard_`
+    on the transpose."""
+    _hadamard(x, block, scale, columns=True)
     return x
 
 

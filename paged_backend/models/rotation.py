@@ -31,7 +31,6 @@ from paged_backend.cpu import ops as cpu_ops
 from paged_backend.models.llama import DecoderLayer, LlamaForCausalLM
 
 SEED = 0  # of the residual stream's signs: the same rotation at every load
-_CHUNK = 1 << 21  # weights rotated at once in fp32: bounds the temporaries of a large tensor
 
 
 def activation_block(width: int) -> int:
@@ -42,10 +41,11 @@ def activation_block(width: int) -> int:
 
 def rotatable(model: torch.nn.Module) -> bool:
     """Whether `rotate_` keeps this model's outputs: a Llama-family model with plain pre-norm
-    layers and inputs in whole blocks of 32."""
+    layers, inputs in whole blocks of 32 and fp32 or bf16 weights (the C op's)."""
     config = model.config
     return (
         isinstance(model, LlamaForCausalLM)
+        and all(p.dtype in (torch.float32, torch.bfloat16) for p in model.parameters())
         and type(model).layer_class is DecoderLayer
         and type(model).embed is LlamaForCausalLM.embed
         and type(model).logits is LlamaForCausalLM.logits
@@ -54,22 +54,11 @@ def rotatable(model: torch.nn.Module) -> bool:
     )
 
 
-def _rotate_rows_(weight: torch.Tensor, block: int, scale: torch.Tensor | None = None) -> None:
-    """Each row of `weight` (a 2-D view, written through) times diag(`scale`), then by Hadamard
-    blocks of `block`: W diag(scale) H^T, in fp32, a chunk of rows at a time."""
-    step = max(1, _CHUNK // weight.shape[1])
-    for start in range(0, weight.shape[0], step):
-        rows = weight[start : start + step].float().contiguous()
-        if scale is not None:
-            rows.mul_(scale)
-        weight[start : start + step] = cpu_ops.hadamard_(rows, block)
-
-
 def _rotate_outputs_(linear: torch.nn.Linear, block: int, signs: torch.Tensor) -> None:
     """A linear writing the residual stream: Q W and Q b."""
-    _rotate_rows_(linear.weight.data.T, block, signs)
+    cpu_ops.hadamard_columns_(linear.weight.data, block, signs)
     if linear.bias is not None:
-        _rotate_rows_(linear.bias.data[None], block, signs)
+        cpu_ops.hadamard_(linear.bias.data, block, signs)
 
 
 @torch.no_grad()
@@ -83,27 +72,27 @@ def rotate_(model: LlamaForCausalLM) -> bool:
     block, down_block = activation_block(hidden), activation_block(config.intermediate_size)
     generator = torch.Generator().manual_seed(SEED)
     signs = torch.randint(0, 2, (hidden,), generator=generator).float() * 2 - 1
-    _rotate_rows_(model.embed_tokens.weight.data, block, signs)
+    cpu_ops.hadamard_(model.embed_tokens.weight.data, block, signs)
     if model.lm_head is not None:  # (tied: the table's rows, rotated above)
-        _rotate_rows_(model.lm_head.weight.data, block, signs)
+        cpu_ops.hadamard_(model.lm_head.weight.data, block, signs)
     model.head_rotation = (model.norm.weight.detach().float().clone(), block)
     model.norm.weight.fill_(1.0)
     v_start = (config.num_heads + config.num_kv_heads) * head_dim
-    heads = head_dim & (head_dim - 1) == 0 and head_dim <= cpu_ops.HADAMARD_MAX_BLOCK
+    heads = head_dim & (head_dim - 1) == 0 and head_dim <= cpu_ops.HADAMARD_COLUMN_BLOCK
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for norm, linear in (
             (layer.input_layernorm, attn.qkv_proj),
             (layer.post_attention_layernorm, mlp.gate_up_proj),
         ):
-            _rotate_rows_(linear.weight.data, block, norm.weight.float() * signs)
+            cpu_ops.hadamard_(linear.weight.data, block, norm.weight.float() * signs)
             norm.weight.fill_(1.0)
         if heads:  # R W_v head by head, and W_o R^T
-            _rotate_rows_(attn.qkv_proj.weight.data[v_start:].T, head_dim)
+            cpu_ops.hadamard_columns_(attn.qkv_proj.weight.data[v_start:], head_dim)
             if attn.qkv_proj.bias is not None:
-                _rotate_rows_(attn.qkv_proj.bias.data[None, v_start:], head_dim)
-            _rotate_rows_(attn.o_proj.weight.data, head_dim)
-        _rotate_rows_(mlp.down_proj.weight.data, down_block)  # W_d H^T
+                cpu_ops.hadamard_(attn.qkv_proj.bias.data[v_start:], head_dim)
+            cpu_ops.hadamard_(attn.o_proj.weight.data, head_dim)
+        cpu_ops.hadamard_(mlp.down_proj.weight.data, down_block)  # W_d H^T
         mlp.down_hadamard = down_block
         _rotate_outputs_(attn.o_proj, block, signs)
         _rotate_outputs_(mlp.down_proj, block, signs)

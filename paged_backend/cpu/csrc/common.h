@@ -193,7 +193,7 @@ void rotary_bf16(bf16 *, const bf16 *, const bf16 *, int64_t, int64_t, int64_t, 
                  int);
 void act_and_mul_f32(const float *, float *, int64_t, int64_t, int, int);
 void act_and_mul_bf16(const bf16 *, bf16 *, int64_t, int64_t, int, int);
-void hadamard_rows(void *, int, int64_t, int64_t, int64_t, int);
+void hadamard_rows(void *, int, int64_t, int64_t, int64_t, const float *, int);
 void decode_attention_f32(const float *, const float *, const float *, int64_t, int64_t, int64_t,
                           void *, void *, int, int64_t, const int32_t *, int64_t, const int32_t *,
                           const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t, float,

@@ -222,25 +222,30 @@ static inline __m512 butterflies16(__m512 v) {
 
 /* Each row's n values (rows contiguous), `block` at a time (a power of two up to
  * HADAMARD_MAX_BLOCK dividing n), times the Hadamard matrix of that size over sqrt(block): an
- * orthogonal map (its own inverse) that spreads a few large values over the block, in place.
- * Butterflies in fp32, half-widths 1, 2, 4, ... in turn, each value rounded once to the rows'
- * dtype at the end (bf16 with `x_bf16`, else fp32), the same bits with AVX-512 (16 lanes at a
- * time) as without: `paged_backend.models.rotation` runs it on weights and activations. */
+ * orthogonal map (its own inverse) that spreads a few large values over the block, in place;
+ * value k of each row first times scale[k] where `scale` is not NULL. Butterflies in fp32,
+ * half-widths 1, 2, 4, ... in turn, each value rounded once to the rows' dtype at the end (bf16
+ * with `x_bf16`, else fp32), the same bits with AVX-512 (16 lanes at a time) as without:
+ * `paged_backend.models.rotation` runs it on weights and activations. */
 #define HADAMARD_MAX_BLOCK 4096
-void hadamard_rows(void *x, int x_bf16, int64_t rows, int64_t n, int64_t block, int threads) {
-    float scale = 1.0f / sqrtf((float)block);
+void hadamard_rows(void *x, int x_bf16, int64_t rows, int64_t n, int64_t block, const float *scale,
+                   int threads) {
+    float norm = 1.0f / sqrtf((float)block);
 #pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         float v[HADAMARD_MAX_BLOCK];
-        for (int64_t first = r * n; first < (r + 1) * n; first += block) {
-            float *xf = (float *)x + first;
-            bf16 *xb = (bf16 *)x + first;
+        for (int64_t k = 0; k < n; k += block) {
+            float *xf = (float *)x + r * n + k;
+            bf16 *xb = (bf16 *)x + r * n + k;
+            const float *sk = scale ? scale + k : NULL;
             int64_t i = 0;
 #ifdef __AVX512BF16__
             if (block >= 16) {
-                for (; i < block; i += 16)
-                    _mm512_storeu_ps(v + i, butterflies16(x_bf16 ? load_bf16x16(xb + i)
-                                                                 : _mm512_loadu_ps(xf + i)));
+                for (; i < block; i += 16) {
+                    __m512 y = x_bf16 ? load_bf16x16(xb + i) : _mm512_loadu_ps(xf + i);
+                    if (sk) y = _mm512_mul_ps(y, _mm512_loadu_ps(sk + i));
+                    _mm512_storeu_ps(v + i, butterflies16(y));
+                }
                 for (int64_t h = 16; h < block; h *= 2)
                     for (int64_t a = 0; a < block; a += 2 * h)
                         for (int64_t j = a; j < a + h; j += 16) {
@@ -249,7 +254,7 @@ void hadamard_rows(void *x, int x_bf16, int64_t rows, int64_t n, int64_t block, 
                             _mm512_storeu_ps(v + j + h, _mm512_sub_ps(p, q));
                         }
                 for (i = 0; i < block; i += 16) {
-                    __m512 y = _mm512_mul_ps(_mm512_loadu_ps(v + i), _mm512_set1_ps(scale));
+                    __m512 y = _mm512_mul_ps(_mm512_loadu_ps(v + i), _mm512_set1_ps(norm));
                     if (x_bf16)
                         _mm256_storeu_si256((__m256i *)(xb + i), _mm512_cvtepi32_epi16(bf16_bits16(y)));
                     else
@@ -258,15 +263,56 @@ void hadamard_rows(void *x, int x_bf16, int64_t rows, int64_t n, int64_t block, 
                 continue;
             }
 #endif
-            for (i = 0; i < block; i++) v[i] = x_bf16 ? to_f32(xb[i]) : xf[i];
+            for (i = 0; i < block; i++) {
+                v[i] = x_bf16 ? to_f32(xb[i]) : xf[i];
+                if (sk) v[i] *= sk[i];
+            }
             butterflies(v, block);
             for (i = 0; i < block; i++) {
                 if (x_bf16)
-                    xb[i] = to_bf16(v[i] * scale);
+                    xb[i] = to_bf16(v[i] * norm);
                 else
-                    xf[i] = v[i] * scale;
+                    xf[i] = v[i] * norm;
             }
         }
+    }
+}
+
+/* `hadamard_rows` down the columns of x [rows][n]: each column's values, `block` rows at a time
+ * (block <= HADAMARD_COLUMN_BLOCK, dividing rows), row r first times scale[r] where `scale` is
+ * not NULL; the same arithmetic, so the same bits as rows of the transpose. 16 columns at a
+ * time (a tile of block x 16 in fp32), whose loops the compiler runs as vectors. */
+#define HADAMARD_COLUMN_BLOCK 256
+void hadamard_columns(void *x, int x_bf16, int64_t rows, int64_t n, int64_t block,
+                      const float *scale, int threads) {
+    float norm = 1.0f / sqrtf((float)block);
+    int64_t tiles = (n + 15) / 16, row_blocks = rows / block;
+#pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < row_blocks * tiles; t++) {
+        float v[HADAMARD_COLUMN_BLOCK][16];
+        int64_t first = t / tiles * block, c0 = t % tiles * 16, width = n - c0 < 16 ? n - c0 : 16;
+        for (int64_t k = 0; k < block; k++)
+            for (int64_t c = 0; c < 16; c++) {
+                int64_t at = (first + k) * n + c0 + c;
+                float value = c >= width ? 0.0f : x_bf16 ? to_f32(((bf16 *)x)[at]) : ((float *)x)[at];
+                v[k][c] = scale ? value * scale[first + k] : value;
+            }
+        for (int64_t h = 1; h < block; h *= 2)
+            for (int64_t a = 0; a < block; a += 2 * h)
+                for (int64_t j = a; j < a + h; j++)
+                    for (int64_t c = 0; c < 16; c++) {
+                        float p = v[j][c], q = v[j + h][c];
+                        v[j][c] = p + q;
+                        v[j + h][c] = p - q;
+                    }
+        for (int64_t k = 0; k < block; k++)
+            for (int64_t c = 0; c < width; c++) {
+                int64_t at = (first + k) * n + c0 + c;
+                if (x_bf16)
+                    ((bf16 *)x)[at] = to_bf16(v[k][c] * norm);
+                else
+                    ((float *)x)[at] = v[k][c] * norm;
+            }
     }
 }
 

@@ -235,7 +235,8 @@ void decode_layers(void *x, void *residual, int bf16_io, int64_t rows, int64_t h
             act_and_mul_bf16((bf16 *)gate_up, (bf16 *)mlp, rows, intermediate, gelu, threads);
         else
             act_and_mul_f32((float *)gate_up, (float *)mlp, rows, intermediate, gelu, threads);
-        if (down_hadamard) hadamard_rows(mlp, bf16_io, rows, intermediate, down_hadamard, threads);
+        if (down_hadamard)
+            hadamard_rows(mlp, bf16_io, rows, intermediate, down_hadamard, NULL, threads);
         fused_linear(down_proj, mlp, bf16_io, rows, intermediate, x, hidden, act, max_k, threads);
         if (mlp_out_norm)
             norm_rows(bf16_io, x, NULL, mlp_out_norm, x, NULL, rows, hidden, hidden, eps,
