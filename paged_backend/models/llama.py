@@ -277,7 +277,7 @@ MLP_SLICE_BYTES = 8 << 20
 
 class MLP(nn.Module):
     """`down_hadamard`: 0, or the block size of the Hadamard rotation the down projection's
-    inputs take first, where its weight was rotated to match (`paged_backend.rotation`)."""
+    inputs take first, where its weight was rotated to match (`models.rotation`)."""
 
     down_hadamard = 0
 
