@@ -25,7 +25,7 @@ from paged_backend.models.config import ModelConfig
 from paged_backend.ngram_proposer import NgramProposer
 from paged_backend.outputs import CompletionOutput, RequestOutput
 from paged_backend.request import Request, RequestStatus
-from paged_backend.sampler import Sampler, takes_argmax, to_logprob_dict
+from paged_backend.sampler import Sampler, SamplerOutput, takes_argmax, to_logprob_dict
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.scheduler import Scheduler, SchedulerOutput
 from paged_backend.spec_decode import verify
@@ -56,6 +56,12 @@ PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
 # once those would pass this many bytes (1 MB a row at a 262,144-token vocabulary).
 SPLIT_HEAD_BYTES = 8 << 20
 _BYTES = (bytes, bytearray, memoryview)  # sequences of ints, but never meant as token ids
+
+
+def _take_argmax(top: torch.Tensor, rows: list) -> SamplerOutput:
+    """`verify`'s sampler for rows whose tokens are their argmax, given as `top` (from
+    `ModelRunner.logits_argmax`) in place of their logits."""
+    return SamplerOutput(top.tolist(), [None] * len(rows))
 
 
 def check_priority(priority: object) -> None:
@@ -393,12 +399,18 @@ class LLMEngine:
         them (`spec_decode`). Rows whose token is their logits' argmax (`takes_argmax`) take it
         from a head that never holds their whole logits, where the model has one, when every
         row does or theirs would pass `SPLIT_HEAD_BYTES` (a second pass over the head's weights
-        for the others)."""
+        for the others); in a drafting step only when every row does (a request that takes the
+        argmax does at each of its rows: past min_tokens, it stays past)."""
+        vocab = self.sampler.vocab_size
         if drafts:
+            top = None
+            if all(takes_argmax(r) for r in requests):
+                top = self.runner.logits_argmax(hidden, vocab)
+            if top is not None:
+                return verify(_take_argmax, top, requests, drafts)
             return verify(self.sampler, self.runner.logits(hidden), requests, drafts)
         tokens: list = [None] * len(requests)
         logprobs: list = [None] * len(requests)
-        vocab = self.sampler.vocab_size
         argmax_rows = [i for i, r in enumerate(requests) if takes_argmax(r)]
         if argmax_rows and (
             len(argmax_rows) == len(requests) or len(argmax_rows) * vocab * 4 > SPLIT_HEAD_BYTES

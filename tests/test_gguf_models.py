@@ -142,6 +142,33 @@ def test_greedy_rows_take_their_tokens_from_the_head_without_their_logits(quanti
     assert_all_blocks_free(quantized.engine)
 
 
+def test_greedy_drafting_steps_verify_against_the_heads_argmax(monkeypatch):
+    """n-gram drafts of greedy requests are checked against each row's argmax from the head
+    (`logits_argmax`), never their logits: the tokens of verification on whole logits."""
+    llm = LLM(
+        model=str(default_model_file()),
+        dtype="float32",
+        num_kv_blocks=256,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    prompts = [
+        "Repeat after me: red green blue, red green blue, red green blue, red green",
+        "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3,",
+    ]
+    runner = llm.engine.runner
+    real_logits = runner.logits
+    whole: list[int] = []
+    monkeypatch.setattr(runner, "logits", lambda h: whole.append(len(h)) or real_logits(h))
+    ours = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.engine.num_drafting_steps > 0 and whole == []
+    llm.engine.kv.pool.reset_cache()  # the same prefill steps again
+    monkeypatch.setattr(runner, "logits_argmax", lambda h, columns: None)
+    reference = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert whole
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in reference]
+    assert_all_blocks_free(llm.engine)
+
+
 def test_quantized_greedy_text_stays_close_to_the_dequantized(llm_fp32, quantized):
     """Activations go to int8 per block of 32: most greedy tokens stay those of the full-precision
     product (the measured agreement is in examples/quantized_accuracy.py)."""
