@@ -236,6 +236,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def logits_of(llm, ids: list[int]) -> torch.Tensor:
+    """Every position's logits of `ids` (fp32), in one step: the first token as the prompt and
+    the rest as drafts to verify. It writes K/V into the first blocks without asking the pool,
+    so give it an engine of the test's own, not a shared one whose cache it would overwrite."""
+    from paged_backend import SamplingParams
+    from paged_backend.request import Request
+
+    runner = llm.engine.runner
+    request = Request("score", ids[:1], SamplingParams(max_tokens=1))
+    blocks = list(range(-(-len(ids) // runner.block_size)))
+    hidden, _ = runner.execute([(request, len(ids))], [blocks], {request: ids[1:]})
+    return runner.logits(hidden).float()
+
+
 def assert_all_blocks_free(engine, timeout: float = 10.0) -> None:
     """Wait (the engine thread frees within a step) until an AsyncEngine holds no KV block."""
     deadline = time.monotonic() + timeout

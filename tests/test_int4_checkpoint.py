@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import logits_of, make_tiny_model
 from safetensors.torch import load_file, save_file
 
 from paged_backend import LLM, SamplingParams, cpu
@@ -23,7 +23,6 @@ from paged_backend.int4_checkpoint import (
     int4_levels,
     pack_nibbles,
 )
-from paged_backend.request import Request
 
 needs_ops = pytest.mark.skipif(not cpu.available(), reason="no C compiler")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -102,15 +101,6 @@ def test_blocks_hold_the_checkpoint_values(method, sym):
     else:
         step = scale[:, groups].astype(np.float32)
         assert np.abs(got - want).max() <= (step * zero[:, groups] * 2**-10).max()
-
-
-def logits_of(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Every position's logits, in one step (the rows after the first as drafts to verify)."""
-    runner = llm.engine.runner
-    request = Request("score", ids[:1], SamplingParams(max_tokens=1))
-    blocks = list(range(-(-len(ids) // runner.block_size)))
-    hidden, _ = runner.execute([(request, len(ids))], [blocks], {request: ids[1:]})
-    return runner.logits(hidden).float()
 
 
 @needs_ops

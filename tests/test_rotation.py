@@ -7,12 +7,11 @@ import math
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import logits_of, make_tiny_model
 
 from paged_backend import LLM, SamplingParams
 from paged_backend.cpu import ops as cpu_ops
 from paged_backend.models import rotation
-from paged_backend.request import Request
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three uses of copper:"]
 # Text none of the prompts above share, scored teacher-forced (~180 tokens)
@@ -137,28 +136,19 @@ def test_gemma_is_left_as_it_is(tmp_path, default_model_path):
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
 
 
-def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Every position's logits of `ids`, from one step (the rest of the sequence as drafts)."""
-    runner = llm.engine.runner
-    request = Request("score", ids[:1], SamplingParams(max_tokens=1))
-    blocks = list(range(-(-len(ids) // runner.block_size)))
-    hidden, _ = runner.execute([(request, len(ids))], [blocks], {request: ids[1:]})
-    return runner.logits(hidden).float()
-
-
 def test_int8_of_the_rotated_model_comes_closer_to_the_float_model(monkeypatch):
     """quantization="int8" rotates the default model first: its logits on a passage lie closer
     to the fp32 model's (mean KL divergence) than those of int8 of the weights as they are.
-    (Engines of its own: `_logits` writes K/V into blocks the pool did not hand out.)"""
+    (Engines of its own: `logits_of` writes K/V into blocks the pool did not hand out.)"""
     fp32 = LLM(dtype="float32", num_kv_blocks=128)
     ids = fp32.engine.tokenizer.encode(PASSAGE)
-    reference = torch.log_softmax(_logits(fp32, ids), -1)
+    reference = torch.log_softmax(logits_of(fp32, ids), -1)
 
     def divergence() -> tuple[float, bool]:
         int8 = LLM(dtype="float32", quantization="int8", num_kv_blocks=128)
         model = int8.engine.runner.model
         rotated = model.layers[0].mlp.down_hadamard != 0
-        ours = torch.log_softmax(_logits(int8, ids), -1)
+        ours = torch.log_softmax(logits_of(int8, ids), -1)
         kl = (reference.exp() * (reference - ours)).sum(-1).mean()
         return float(kl), rotated
 
