@@ -74,6 +74,17 @@ def test_hadamard_names_a_block_that_does_not_fit(block):
         cpu_ops.hadamard_columns_(torch.randn(1024, 2), block)
 
 
+def test_hadamard_names_rows_it_cannot_rotate():
+    with pytest.raises(ValueError, match=r"x must be contiguous fp32 or bf16, got torch.float16"):
+        cpu_ops.hadamard_(torch.randn(2, 64).half(), 32)
+    with pytest.raises(ValueError, match=r"got torch.float32, not contiguous"):
+        cpu_ops.hadamard_columns_(torch.randn(64, 64).T, 32)
+    with pytest.raises(
+        ValueError, match=r"hadamard_columns_ takes a matrix, not shape \(2, 32, 4\)"
+    ):
+        cpu_ops.hadamard_columns_(torch.randn(2, 32, 4), 2)
+
+
 def test_hadamard_names_a_scale_that_does_not_fit():
     with pytest.raises(ValueError, match="scale must be 512 fp32 values"):
         cpu_ops.hadamard_(torch.randn(2, 512), 32, torch.ones(256))

@@ -188,7 +188,8 @@ def _hadamard(x: torch.Tensor, block: int, scale: torch.Tensor | None, columns: 
             f"rotates, got {block}"
         )
     if x.dtype not in _SUFFIX or not x.is_contiguous():
-        raise ValueError(f"a Hadamard rotation takes contiguous fp32 or bf16 rows, not {x.dtype}")
+        layout = "contiguous" if x.is_contiguous() else "not contiguous"
+        raise ValueError(f"x must be contiguous fp32 or bf16, got {x.dtype}, {layout}")
     if columns and x.dim() != 2:
         raise ValueError(f"hadamard_columns_ takes a matrix, not shape {tuple(x.shape)}")
     if scale is not None and (scale.dtype != torch.float32 or scale.shape != (along,)):
