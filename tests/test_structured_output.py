@@ -11,10 +11,12 @@ import threading
 from typing import Annotated, Literal
 
 import pytest
+import tokenizers
 from conftest import make_tiny_model
 from pydantic import BaseModel, ConfigDict, Field
 
 from paged_backend import LLM, AsyncEngine, SamplingParams, StructuredOutputsParams
+from paged_backend.grammar_matcher import _without_merges
 from paged_backend.json_bounds import MAX_FRACTION_DIGITS, MAX_INTEGER_DIGITS, MAX_WHITESPACE_RUN
 from paged_backend.structured_output import GrammarCache, apply_grammar_bitmask
 from paged_backend.tokenizer import Tokenizer
@@ -328,6 +330,57 @@ def test_equal_specs_share_one_compilation(default_model_path):
     assert len({id(cache.compile(s)) for s in specs}) == 1
     compact = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     assert cache.compile(compact) is not cache.compile(specs[0])
+
+
+def _sentencepiece_like() -> tokenizers.Tokenizer:
+    """A byte-fallback BPE behind a Metaspace pre-tokenizer (Llama-2's and Gemma's kind),
+    trained here on a few sentences."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *bytes_])
+    tok.train_from_iterator(
+        ["The quick brown fox jumps over the lazy dog. Zoë's café."] * 4, trainer
+    )
+    return tok
+
+
+def _unigram() -> tokenizers.Tokenizer:
+    """A Unigram model (T5's kind): no merges, its JSON read whole."""
+    from tokenizers import decoders, models, pre_tokenizers
+
+    pieces = [("<unk>", 0.0), ("\u2581a", -1.0), ("b", -2.0), ("\u2581", -3.0)]
+    tok = tokenizers.Tokenizer(models.Unigram(pieces, unk_id=0))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return tok
+
+
+@pytest.mark.parametrize("kind", ["default", "sentencepiece-like", "unigram"])
+def test_token_bytes_read_without_the_merges_are_the_whole_tokenizers(kind, default_model_path):
+    """llguidance reads each token's bytes from the tokenizer's JSON cut before its merges (the
+    cut holds the GIL ~1 ms, parsing and rewriting the JSON ~340 ms): the same bytes and
+    special tokens as from the whole JSON."""
+    llguidance = pytest.importorskip("llguidance")
+    tok = {
+        "default": lambda: Tokenizer(default_model_path).backend_tokenizer,
+        "sentencepiece-like": _sentencepiece_like,
+        "unigram": _unigram,
+    }[kind]()
+    whole = tok.to_str()
+    cut = _without_merges(whole)
+    assert (len(cut) < len(whole)) == (kind != "unigram")
+    spellings = [llguidance.LLTokenizer(text, slices=[]) for text in (cut, whole)]
+    size = tok.get_vocab_size()
+    assert [s.vocab_size for s in spellings] == [size, size]
+    for t in range(size):
+        assert spellings[0].decode_bytes([t]) == spellings[1].decode_bytes([t])
+        assert spellings[0].is_special_token(t) == spellings[1].is_special_token(t)
 
 
 def test_bitmask_bans_exactly_what_the_matcher_rejects_on_constrained_rows_only(
