@@ -157,6 +157,7 @@ def test_q5_k_m_is_q4_k_m_s_mix_on_q5_k():
     [  # llama.cpp's log of the real models' Q4_K_M files ("type q4_K: 96 tensors"...)
         ("llama-3.2-1b", {"F32": 34, "Q4_K": 96, "Q6_K": 17}),
         ("llama-3.2-3b", {"F32": 58, "Q4_K": 168, "Q6_K": 29}),
+        ("llama-3.1-8b", {"F32": 66, "Q4_K": 193, "Q6_K": 33}),
         ("qwen2.5-0.5b", {"F32": 121, "Q5_0": 132, "Q8_0": 13, "Q4_K": 12, "Q6_K": 12}),
     ],
 )

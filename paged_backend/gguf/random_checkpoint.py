@@ -150,6 +150,15 @@ SHAPES = {
     "qwen2.5-0.5b": Shape("Qwen2ForCausalLM", 896, 24, 14, 2, 4864, 32768, 1e6, 1e-6),
     "llama-3.2-1b": Shape("LlamaForCausalLM", 2048, 16, 32, 8, 8192, **_LLAMA_3_2),
     "llama-3.2-3b": Shape("LlamaForCausalLM", 3072, 28, 24, 8, 8192, **_LLAMA_3_2),
+    # Llama 3.1 8B: untied, its own vocabulary's size (a 1 GB embedding and head at bf16) and
+    # rope scaling (factor 8).
+    "llama-3.1-8b": Shape(
+        "LlamaForCausalLM",
+        *(4096, 32, 32, 8, 14336, 131072, 5e5, 1e-5),
+        tied=False,
+        rope_scaling={**LLAMA3_ROPE, "factor": 8.0},
+        vocab=128256,
+    ),
     # Gemma 3 270M: most of its weights are the 262,144-token embedding (tied), and 640 inputs
     # are not whole K-quant super-blocks (a Q4_K_M file falls back to Q5_0 and Q8_0).
     "gemma-3-270m": Shape(
