@@ -31,6 +31,7 @@ from paged_backend import (  # noqa: E402
     metrics,
     release_engine,
 )
+from paged_backend.default_model import default_model_file  # noqa: E402
 from paged_backend.distributed import NoReplicaError, Router  # noqa: E402
 from paged_backend.distributed.engine import RayEngine, _merge  # noqa: E402
 
@@ -377,6 +378,23 @@ def test_paged_llm_llama_index_on_ray_complete_chat(engine, local_engine, tiny_m
     assert asyncio.run(model.acomplete("The capital of France is")).text == text
     message = [ChatMessage(role="user", content="Hello!")]
     assert model.chat(message).message.content == local.chat(message).message.content
+
+
+def test_a_replica_serves_a_gguf_files_blocks(ray_cluster):
+    """A replica of a GGUF file serves the file's blocks, with the local engine's greedy tokens
+    on the same file (kernel choices pinned: a replica times its own on its thread count)."""
+    args = {**ENGINE_ARGS, "num_kv_blocks": 128, "cpu_gemm_max_rows": 64}
+    file = str(default_model_file())
+    replicas = get_engine(file, backend="ray", num_replicas=1, **args)
+    local = get_engine(file, **args)
+    try:
+        want = texts([list(local.generate_stream(p, GREEDY))[-1] for p in PROMPTS[:3]])
+        assert texts([list(replicas.generate_stream(p, GREEDY))[-1] for p in PROMPTS[:3]]) == want
+        assert wait_for(lambda: idle(replicas), what="an idle replica")["num_generated_tokens"] > 0
+    finally:
+        release_engine(local)
+        release_engine(replicas)
+        replicas.shutdown()
 
 
 def test_a_killed_replica_fails_only_its_requests_and_comes_back(engine):
