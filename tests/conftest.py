@@ -250,6 +250,24 @@ def logits_of(llm, ids: list[int]) -> torch.Tensor:
     return runner.logits(hidden).float()
 
 
+# A JSON schema of a few kinds of value (string, integer, array of strings), all required.
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "tags"],
+}
+
+
+def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """The share of positions where two runs' token ids (sequence by sequence) agree."""
+    pairs = [pair for row in zip(a, b, strict=True) for pair in zip(*row, strict=True)]
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
 def assert_all_blocks_free(engine, timeout: float = 10.0) -> None:
     """Wait (the engine thread frees within a step) until an AsyncEngine holds no KV block."""
     deadline = time.monotonic() + timeout

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
-from conftest import make_tiny_model
+from conftest import PERSON_SCHEMA, make_tiny_model
 
 from paged_backend import AsyncEngine, SamplingParams, StructuredOutputsParams, shared_engines
 from paged_backend.shared_engines import get_engine, release_engine
@@ -175,19 +175,10 @@ def test_structured_request_compiles_its_grammar_off_the_loop(
     """The first structured request of an engine compiles the tokenizer's grammar tables and
     its schema (and finds the shortest complete output) in `validate`."""
     engine = AsyncEngine.from_model(str(tiny_model), **ENGINE_ARGS)
-    schema = {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string"},
-            "age": {"type": "integer"},
-            "tags": {"type": "array", "items": {"type": "string"}},
-        },
-        "required": ["name", "age", "tags"],
-    }
     params = SamplingParams(
         temperature=0,
         max_tokens=60,
-        structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+        structured_outputs=StructuredOutputsParams(json=PERSON_SCHEMA, disable_any_whitespace=True),
     )
 
     async def request():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_all_blocks_free
+from conftest import assert_all_blocks_free, token_agreement
 from gguf import GGUFReader
 
 from paged_backend import LLM, SamplingParams, cpu
@@ -94,11 +94,6 @@ def test_dequantized_load_gives_the_converted_models_tokens(llm_fp32):
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in reference]
 
 
-def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    pairs = [pair for row in zip(a, b, strict=True) for pair in zip(*row, strict=True)]
-    return sum(x == y for x, y in pairs) / len(pairs)
-
-
 def test_batching_and_prefix_hits_keep_the_quantized_outputs(quantized):
     """The quantized linears are exact per row whatever the batch (tests/test_quant_kernels.py);
     attention is not bit-identical across batch shapes, and an activation a last bit apart can
@@ -109,7 +104,7 @@ def test_batching_and_prefix_hits_keep_the_quantized_outputs(quantized):
     again = quantized.generate(PROMPTS, GREEDY, use_tqdm=False)  # prompts now in the cache
     ids = [[o.outputs[0].token_ids for o in run] for run in (together, alone, again)]
     assert [seq[:4] for seq in ids[0]] == [seq[:4] for seq in ids[1]]
-    assert _agreement(ids[0], ids[1]) >= 0.9 and _agreement(ids[0], ids[2]) >= 0.9
+    assert token_agreement(ids[0], ids[1]) >= 0.9 and token_agreement(ids[0], ids[2]) >= 0.9
     assert again[0].num_cached_tokens > 0
     assert_all_blocks_free(quantized.engine)
 
@@ -378,7 +373,7 @@ def test_int8_linears_are_int8_blocks_of_the_float_weights(llm_fp32, monkeypatch
     ours = int8.generate(PROMPTS, params, use_tqdm=False)
     full = llm_fp32.generate(PROMPTS, params, use_tqdm=False)
     ids = [[o.outputs[0].token_ids for o in run] for run in (ours, full)]
-    assert _agreement(*ids) >= 0.75
+    assert token_agreement(*ids) >= 0.75
     assert_all_blocks_free(int8.engine)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import assert_all_blocks_free
+from conftest import PERSON_SCHEMA, assert_all_blocks_free, token_agreement
 
 from paged_backend import LLM, SamplingParams, StructuredOutputsParams, cpu
 from paged_backend.default_model import default_model_file
@@ -29,11 +29,6 @@ def roomy(file):
     return LLM(model=file, num_kv_blocks=512, **ARGS)
 
 
-def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    pairs = [pair for row in zip(a, b, strict=True) for pair in zip(*row, strict=True)]
-    return sum(x == y for x, y in pairs) / len(pairs)
-
-
 def test_preempted_requests_finish_with_the_tokens_of_a_roomy_cache(file, roomy):
     """Six requests of ~60 tokens in a cache of 40 blocks (160 tokens): some are preempted and
     recomputed on the quantized linears. A recomputed position's activations may differ in a
@@ -45,22 +40,13 @@ def test_preempted_requests_finish_with_the_tokens_of_a_roomy_cache(file, roomy)
     assert tight.engine.scheduler.num_preemptions > 0
     assert [len(ids) for ids in got] == [48] * len(FRUITS)
     assert [ids[:4] for ids in got] == [ids[:4] for ids in want]
-    assert _agreement(got, want) >= 0.9
+    assert token_agreement(got, want) >= 0.9
     assert_all_blocks_free(tight.engine)
 
 
 def test_structured_output_follows_its_schema_on_quantized_weights(roomy):
-    schema = {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string"},
-            "age": {"type": "integer"},
-            "tags": {"type": "array", "items": {"type": "string"}},
-        },
-        "required": ["name", "age", "tags"],
-    }
     params = SamplingParams(
-        temperature=0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=schema)
+        temperature=0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=PERSON_SCHEMA)
     )
     prompts = ["Describe a person as JSON:", "A customer record in JSON:"]
     for out in roomy.generate(prompts, params, use_tqdm=False):
