@@ -12,6 +12,7 @@ allows token `t`. Ids past the tokenizer's vocabulary are never allowed.
 
 from __future__ import annotations
 
+import json
 import threading
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -59,11 +60,12 @@ class GrammarTokenizer:
             return self._ll
 
     def _build(self) -> llguidance.LLTokenizer:
-        """llguidance's tables for the tokenizer, built in steps that each hold the GIL under
-        ~0.1 s (an event loop in another thread stalls while one runs; built in one call,
-        `llguidance.hf.from_tokenizer`, they held it 0.25-0.33 s):
-        - each token's bytes, read by llguidance from the tokenizer's JSON without the BPE
-          merges (`_without_merges`);
+        """llguidance's tables for the tokenizer, built in steps that each hold the GIL briefly
+        (an event loop in another thread stalls while one runs; built in one call,
+        `llguidance.hf.from_tokenizer`, they held it 0.25-0.33 s on a Zen 4):
+        - each token's bytes, read in Python (`_token_bytes`), or by llguidance from the
+          tokenizer's JSON without the BPE merges (`_without_merges`) for decoders it does not
+          know (that read held the GIL ~0.2 s on a 2-core Zen 3);
         - the tables from those bytes, with this tokenizer's own `encode` (merges and all:
           llguidance spells forced text in the tokenizer's canonical tokens);
         - the vocabulary slices that make masks fast."""
@@ -71,10 +73,9 @@ class GrammarTokenizer:
         backend = self._tokenizer.backend_tokenizer
         if backend is None:
             raise ValueError("structured output needs a fast (Rust) tokenizer; this model has none")
-        spelling = llg.LLTokenizer(
-            _without_merges(backend.to_str()), n_vocab=self.vocab_size, slices=[]
-        )
-        self._vocabulary = _Vocabulary(spelling, self._tokenizer, self.stop_token_ids)
+        tokens, specials = _token_bytes(backend) or _spelled_by_llguidance(llg, backend)
+        tokens += [b""] * (self.vocab_size - len(tokens))  # ids the model has past the tokenizer
+        self._vocabulary = _Vocabulary(tokens, specials, self._tokenizer, self.stop_token_ids)
         tables = llg.LLTokenizer(
             llg.TokenizerWrapper(self._vocabulary),
             n_vocab=self.vocab_size,
@@ -123,13 +124,73 @@ def _without_merges(tokenizer_json: str) -> str:
     return tokenizer_json[: tokenizer_json.index(key)] + key + "]}}"
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte in a byte-level
+    vocabulary (printable Latin-1 bytes themselves, the others from U+0100 on, in order)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = iter(range(0x100, 0x200))
+    return {chr(b if b in printable else next(others)): b for b in range(256)}
+
+
+def _token_bytes(backend) -> tuple[list[bytes], list[int]] | None:
+    """Each token's bytes and the special tokens' ids, read in Python (its loop lets other
+    threads run) as llguidance reads them, for the two decoders it knows: byte-level (a
+    character a byte, `_byte_level_alphabet`) and byte fallback (`<0xHH>` tokens for bytes, and
+    a `Replace` decoder's space character as a space). None for any other decoder. An added
+    token is special where the tokenizer says so or where it reads `<...>` (Qwen's `<tool_call>`,
+    say), as llguidance has it; other added tokens are read as the vocabulary's, as they are
+    where a byte-level one is not in the alphabet."""
+    decoder = json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else {}
+    parts = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else []
+    byte_level = decoder.get("type") == "ByteLevel"
+    byte_fallback = any(part.get("type") == "ByteFallback" for part in parts)
+    if not (byte_level or byte_fallback):
+        return None
+    space = " "
+    for part in parts:
+        pattern = part.get("pattern", {}).get("String", "") if part.get("type") == "Replace" else ""
+        if part.get("content") == " " and len(pattern) == 1:
+            space = pattern
+    alphabet = _byte_level_alphabet()
+    added = backend.get_added_tokens_decoder()
+    tokens: list[bytes] = []
+    specials: list[int] = []
+    for token in range(backend.get_vocab_size(with_added_tokens=True)):
+        name = backend.id_to_token(token)
+        extra = added.get(token)
+        if name is None:
+            piece = b""
+        elif extra is not None and (extra.special or (name[:1] == "<" and name[-1:] == ">")):
+            piece = name.encode()
+            specials.append(token)
+        elif byte_fallback and len(name) == 6 and name.startswith("<0x") and name.endswith(">"):
+            piece = bytes([int(name[3:5], 16)])
+        elif byte_fallback:
+            piece = name.replace(space, " ").encode()
+        elif all(c in alphabet for c in name):
+            piece = bytes(alphabet[c] for c in name)
+        else:  # llguidance skips such a vocabulary token, and reads such an added one as text
+            piece = b"" if extra is None else name.encode()
+        tokens.append(piece)
+    return tokens, specials
+
+
+def _spelled_by_llguidance(llg, backend) -> tuple[list[bytes], list[int]]:
+    """`_token_bytes` read by llguidance from the tokenizer's JSON."""
+    spelling = llg.LLTokenizer(_without_merges(backend.to_str()), slices=[])
+    size = spelling.vocab_size
+    tokens = [spelling.decode_bytes([t]) for t in range(size)]
+    return tokens, [t for t in range(size) if spelling.is_special_token(t)]
+
+
 class _Vocabulary:
     """A tokenizer as llguidance's `TokenizerWrapper` reads one."""
 
-    def __init__(self, spelling: llguidance.LLTokenizer, tokenizer, stop_token_ids: list[int]):
-        size = spelling.vocab_size
-        self.tokens = [spelling.decode_bytes([t]) for t in range(size)]
-        self.special_token_ids = [t for t in range(size) if spelling.is_special_token(t)]
+    def __init__(
+        self, tokens: list[bytes], special_token_ids: list[int], tokenizer, stop_token_ids
+    ):
+        self.tokens = tokens
+        self.special_token_ids = special_token_ids
         self.eos_token_id = stop_token_ids[0]
         self.bos_token_id = None  # llguidance reads it for prompts, which it never sees here
         self._tokenizer = tokenizer

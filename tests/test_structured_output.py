@@ -16,7 +16,7 @@ from conftest import make_tiny_model
 from pydantic import BaseModel, ConfigDict, Field
 
 from paged_backend import LLM, AsyncEngine, SamplingParams, StructuredOutputsParams
-from paged_backend.grammar_matcher import _without_merges
+from paged_backend.grammar_matcher import _token_bytes, _without_merges
 from paged_backend.json_bounds import MAX_FRACTION_DIGITS, MAX_INTEGER_DIGITS, MAX_WHITESPACE_RUN
 from paged_backend.structured_output import GrammarCache, apply_grammar_bitmask
 from paged_backend.tokenizer import Tokenizer
@@ -381,6 +381,84 @@ def test_token_bytes_read_without_the_merges_are_the_whole_tokenizers(kind, defa
     for t in range(size):
         assert spellings[0].decode_bytes([t]) == spellings[1].decode_bytes([t])
         assert spellings[0].is_special_token(t) == spellings[1].is_special_token(t)
+
+
+def _llama2_like() -> tokenizers.Tokenizer:
+    """`_sentencepiece_like` with Llama 2's decoder: `▁` replaced by a space, bytes, a stripped
+    first space."""
+    from tokenizers import decoders
+
+    tok = _sentencepiece_like()
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    return tok
+
+
+# Added tokens of every kind llguidance tells apart: special, non-special read as `<...>`,
+# text with and without characters outside the byte-level alphabet, a byte token's name.
+_ADDED = [
+    "<tool>",
+    "</tool_call>",
+    "<a b>",
+    "hello world",
+    "café",
+    "ĠaĠb",
+    "Ġa b",
+    "x<y>",
+    "<0x41>",
+]
+
+
+def _with_added(tok: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
+    tok.add_tokens([tokenizers.AddedToken(name, special=False) for name in _ADDED])
+    tok.add_tokens([tokenizers.AddedToken("\u2581hi", special=False)])
+    tok.add_special_tokens(["<|mine|>"])
+    return tok
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["default", "default+added", "sentencepiece-like", "unigram", "llama2-like", "llama2+added"],
+)
+def test_token_bytes_read_in_python_are_llguidances(kind, default_model_path):
+    """`_token_bytes` reads each token's bytes and the special ids in Python (llguidance's read
+    of the JSON held the GIL ~0.2 s): the same as llguidance reads from the whole JSON."""
+    llguidance = pytest.importorskip("llguidance")
+
+    def default():
+        return tokenizers.Tokenizer.from_str(
+            Tokenizer(default_model_path).backend_tokenizer.to_str()
+        )
+
+    tok = {
+        "default": default,
+        "default+added": lambda: _with_added(default()),
+        "sentencepiece-like": _sentencepiece_like,
+        "unigram": _unigram,
+        "llama2-like": _llama2_like,
+        "llama2+added": lambda: _with_added(_llama2_like()),
+    }[kind]()
+    tokens, specials = _token_bytes(tok)
+    spelling = llguidance.LLTokenizer(tok.to_str(), slices=[])
+    assert len(tokens) == spelling.vocab_size == tok.get_vocab_size()
+    assert tokens == [spelling.decode_bytes([t]) for t in range(len(tokens))]
+    assert specials == [t for t in range(len(tokens)) if spelling.is_special_token(t)]
+    if kind.endswith("added"):
+        assert len(specials) >= 4  # the special token and three read as `<...>`
+
+
+def test_token_bytes_leave_unknown_decoders_to_llguidance():
+    from tokenizers import decoders
+
+    tok = _sentencepiece_like()
+    tok.decoder = decoders.Metaspace()  # llguidance itself refuses it
+    assert _token_bytes(tok) is None
 
 
 def test_bitmask_bans_exactly_what_the_matcher_rejects_on_constrained_rows_only(
