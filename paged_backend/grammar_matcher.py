@@ -65,7 +65,7 @@ class GrammarTokenizer:
         `llguidance.hf.from_tokenizer`, they held it 0.25-0.33 s on a Zen 4):
         - each token's bytes, read in Python (`_token_bytes`), or by llguidance from the
           tokenizer's JSON without the BPE merges (`_without_merges`) for decoders it does not
-          know (that read held the GIL ~0.2 s on a 2-core Zen 3);
+          know (that read held the GIL ~0.2 s on a 2-core AVX2 EPYC);
         - the tables from those bytes, with this tokenizer's own `encode` (merges and all:
           llguidance spells forced text in the tokenizer's canonical tokens);
         - the vocabulary slices that make masks fast."""
