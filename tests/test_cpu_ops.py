@@ -804,6 +804,10 @@ print(json.dumps({
 
 @pytest.mark.slow
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 capability levels")
+@pytest.mark.skipif(
+    "avx512f" not in cpu_flags().split(),
+    reason="no AVX-512 here: every test already runs as on such a CPU",
+)
 def test_capped_at_avx2_the_engine_runs_as_on_an_older_cpu(llm_fp32):
     """ATEN_CPU_CAPABILITY=avx2 stands this machine in for a CPU without AVX-512: torch's and
     our kernels take no AVX-512, the default dtype is fp32, and greedy text is the uncapped fp32
