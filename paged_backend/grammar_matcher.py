@@ -63,9 +63,8 @@ class GrammarTokenizer:
         """llguidance's tables for the tokenizer, built in steps that each hold the GIL briefly
         (an event loop in another thread stalls while one runs; built in one call,
         `llguidance.hf.from_tokenizer`, they held it 0.25-0.33 s on a Zen 4):
-        - each token's bytes, read in Python (`_token_bytes`), or by llguidance from the
-          tokenizer's JSON without the BPE merges (`_without_merges`) for decoders it does not
-          know (that read held the GIL ~0.2 s on a 2-core AVX2 EPYC);
+        - each token's bytes, read in Python (`_token_bytes`; llguidance's own read of the
+          tokenizer's JSON held the GIL ~0.2 s on a 2-core AVX2 EPYC);
         - the tables from those bytes, with this tokenizer's own `encode` (merges and all:
           llguidance spells forced text in the tokenizer's canonical tokens);
         - the vocabulary slices that make masks fast."""
@@ -73,7 +72,13 @@ class GrammarTokenizer:
         backend = self._tokenizer.backend_tokenizer
         if backend is None:
             raise ValueError("structured output needs a fast (Rust) tokenizer; this model has none")
-        tokens, specials = _token_bytes(backend) or _spelled_by_llguidance(llg, backend)
+        read = _token_bytes(backend)
+        if read is None:
+            raise ValueError(
+                "structured output needs a byte-level or byte-fallback tokenizer (the decoders "
+                f"llguidance reads); this tokenizer's decoder is {_decoder(backend).get('type')}"
+            )
+        tokens, specials = read
         tokens += [b""] * (self.vocab_size - len(tokens))  # ids the model has past the tokenizer
         self._vocabulary = _Vocabulary(tokens, specials, self._tokenizer, self.stop_token_ids)
         tables = llg.LLTokenizer(
@@ -112,18 +117,6 @@ class GrammarTokenizer:
         return self.ll.tokenize_bytes(text) if None in tokens else tokens
 
 
-def _without_merges(tokenizer_json: str) -> str:
-    """A tokenizer's JSON with an empty list of BPE merges, which the token bytes do not need
-    and which made up most of the parsing. The text is cut, not parsed: `json.loads` and
-    `json.dumps` of it held the GIL 0.1-0.17 s each. The Rust tokenizers library writes the model
-    last and a BPE model's merges last, so the list runs to the end of the text; a JSON laid
-    out otherwise is returned whole (slower to read, the same bytes)."""
-    key = '"merges":['
-    if tokenizer_json.count(key) != 1 or not tokenizer_json.endswith("]}}"):
-        return tokenizer_json
-    return tokenizer_json[: tokenizer_json.index(key)] + key + "]}}"
-
-
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-level alphabet: the character that stands for each byte in a byte-level
     vocabulary (printable Latin-1 bytes themselves, the others from U+0100 on, in order)."""
@@ -132,15 +125,20 @@ def _byte_level_alphabet() -> dict[str, int]:
     return {chr(b if b in printable else next(others)): b for b in range(256)}
 
 
+def _decoder(backend) -> dict:
+    """The tokenizer's decoder as its JSON reads ({} where it has none)."""
+    return json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else {}
+
+
 def _token_bytes(backend) -> tuple[list[bytes], list[int]] | None:
     """Each token's bytes and the special tokens' ids, read in Python (its loop lets other
     threads run) as llguidance reads them, for the two decoders it knows: byte-level (a
     character a byte, `_byte_level_alphabet`) and byte fallback (`<0xHH>` tokens for bytes, and
-    a `Replace` decoder's space character as a space). None for any other decoder. An added
-    token is special where the tokenizer says so or where it reads `<...>` (Qwen's `<tool_call>`,
-    say), as llguidance has it; other added tokens are read as the vocabulary's, as they are
-    where a byte-level one is not in the alphabet."""
-    decoder = json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else {}
+    a `Replace` decoder's space character as a space). None for any other decoder (llguidance
+    refuses them too). An added token is special where the tokenizer says so or where it reads
+    `<...>` (Qwen's `<tool_call>`, say), as llguidance has it; other added tokens are read as the
+    vocabulary's, as they are where a byte-level one is not in the alphabet."""
+    decoder = _decoder(backend)
     parts = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else []
     byte_level = decoder.get("type") == "ByteLevel"
     byte_fallback = any(part.get("type") == "ByteFallback" for part in parts)
@@ -173,14 +171,6 @@ def _token_bytes(backend) -> tuple[list[bytes], list[int]] | None:
             piece = b"" if extra is None else name.encode()
         tokens.append(piece)
     return tokens, specials
-
-
-def _spelled_by_llguidance(llg, backend) -> tuple[list[bytes], list[int]]:
-    """`_token_bytes` read by llguidance from the tokenizer's JSON."""
-    spelling = llg.LLTokenizer(_without_merges(backend.to_str()), slices=[])
-    size = spelling.vocab_size
-    tokens = [spelling.decode_bytes([t]) for t in range(size)]
-    return tokens, [t for t in range(size) if spelling.is_special_token(t)]
 
 
 class _Vocabulary:

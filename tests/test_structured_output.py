@@ -8,6 +8,7 @@ import json
 import re
 import sys
 import threading
+from types import SimpleNamespace
 from typing import Annotated, Literal
 
 import pytest
@@ -16,7 +17,7 @@ from conftest import make_tiny_model
 from pydantic import BaseModel, ConfigDict, Field
 
 from paged_backend import LLM, AsyncEngine, SamplingParams, StructuredOutputsParams
-from paged_backend.grammar_matcher import _token_bytes, _without_merges
+from paged_backend.grammar_matcher import GrammarTokenizer, _token_bytes
 from paged_backend.json_bounds import MAX_FRACTION_DIGITS, MAX_INTEGER_DIGITS, MAX_WHITESPACE_RUN
 from paged_backend.structured_output import GrammarCache, apply_grammar_bitmask
 from paged_backend.tokenizer import Tokenizer
@@ -349,7 +350,7 @@ def _sentencepiece_like() -> tokenizers.Tokenizer:
 
 
 def _unigram() -> tokenizers.Tokenizer:
-    """A Unigram model (T5's kind): no merges, its JSON read whole."""
+    """A Unigram model (T5's kind) behind a byte-fallback decoder."""
     from tokenizers import decoders, models, pre_tokenizers
 
     pieces = [("<unk>", 0.0), ("\u2581a", -1.0), ("b", -2.0), ("\u2581", -3.0)]
@@ -359,28 +360,6 @@ def _unigram() -> tokenizers.Tokenizer:
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     )
     return tok
-
-
-@pytest.mark.parametrize("kind", ["default", "sentencepiece-like", "unigram"])
-def test_token_bytes_read_without_the_merges_are_the_whole_tokenizers(kind, default_model_path):
-    """llguidance reads each token's bytes from the tokenizer's JSON cut before its merges (the
-    cut holds the GIL ~1 ms, parsing and rewriting the JSON ~340 ms): the same bytes and
-    special tokens as from the whole JSON."""
-    llguidance = pytest.importorskip("llguidance")
-    tok = {
-        "default": lambda: Tokenizer(default_model_path).backend_tokenizer,
-        "sentencepiece-like": _sentencepiece_like,
-        "unigram": _unigram,
-    }[kind]()
-    whole = tok.to_str()
-    cut = _without_merges(whole)
-    assert (len(cut) < len(whole)) == (kind != "unigram")
-    spellings = [llguidance.LLTokenizer(text, slices=[]) for text in (cut, whole)]
-    size = tok.get_vocab_size()
-    assert [s.vocab_size for s in spellings] == [size, size]
-    for t in range(size):
-        assert spellings[0].decode_bytes([t]) == spellings[1].decode_bytes([t])
-        assert spellings[0].is_special_token(t) == spellings[1].is_special_token(t)
 
 
 def _llama2_like() -> tokenizers.Tokenizer:
@@ -453,12 +432,16 @@ def test_token_bytes_read_in_python_are_llguidances(kind, default_model_path):
         assert len(specials) >= 4  # the special token and three read as `<...>`
 
 
-def test_token_bytes_leave_unknown_decoders_to_llguidance():
+def test_a_tokenizer_llguidance_cannot_read_is_refused_by_its_decoder():
     from tokenizers import decoders
 
     tok = _sentencepiece_like()
     tok.decoder = decoders.Metaspace()  # llguidance itself refuses it
     assert _token_bytes(tok) is None
+    pytest.importorskip("llguidance")
+    grammar_tokenizer = GrammarTokenizer(SimpleNamespace(backend_tokenizer=tok), 400, [2])
+    with pytest.raises(ValueError, match=r"byte-level or byte-fallback.*decoder is Metaspace"):
+        grammar_tokenizer.ll  # noqa: B018 (builds the tables)
 
 
 def test_bitmask_bans_exactly_what_the_matcher_rejects_on_constrained_rows_only(
