@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -138,13 +139,17 @@ class ModelRunner:
 
     def _c_decode_rows(self, rows: list[tuple[Request, int]], drafts: dict) -> int:
         """The most rows a sequence may have for the C decode kernel to run a forward of these
-        (request, rows) pairs: a decode and the drafts it verifies. fp32's kernel reads a
-        sequence's keys once for all its rows, so it takes any chunk that short too; bf16's
-        reads them again for each row (a chunk of a few rows over a long context runs faster in
-        the prefill kernel), so it takes drafts only, and only in a forward whose every
-        multi-row sequence verifies drafts: a forward without drafts then runs the kernels it
-        runs without speculative decoding, for the same bits."""
-        if self.dtype == torch.float32 or all(r in drafts for r, n in rows if n > 1):
+        (request, rows) pairs. fp32's kernel takes every row (decodes, drafts, prompt chunks of
+        any length): a row's bits then do not depend on the step, so a prefix-cache hit, a
+        chunk boundary or a batch gives the tokens of the prompt computed alone (exactly, where
+        the linears are exact per row: int8 activations). bf16's reads the keys again for each
+        row (a chunk of a few rows over a long context runs faster in the prefill kernel), so it
+        takes a decode and the drafts it verifies, and only in a forward whose every multi-row
+        sequence verifies drafts: a forward without drafts then runs the kernels it runs
+        without speculative decoding, for the same bits."""
+        if self.dtype == torch.float32:
+            return sys.maxsize
+        if all(r in drafts for r, n in rows if n > 1):
             return 1 + MAX_SPECULATIVE_TOKENS
         return 1
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import platform
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -485,8 +486,9 @@ def test_bf16_rows_of_a_sequence_merge_the_shared_prefix_row_by_row():
 
 @needs_ops
 def test_decode_attention_takes_every_step_of_decodes_only():
-    """Any number of sequences and keys; a shared prefix only where the prefix kernel runs too;
-    never a step with a prefill chunk."""
+    """Any number of sequences and keys; a shared prefix attended once only where the prefix
+    kernel runs (bf16's: fp32's kernel rereads it for each sequence, each row's bits as alone);
+    a step with a prefill chunk only where the runner lets its rows in (fp32's: any)."""
     for lens in ([5000, 4000], [10] * 40):
         *_, meta = _decode_step(lens, 16, 3, 3, 64, True, 0)
         TorchAttention(9, 3, c_decode=True).prepare(meta)
@@ -494,12 +496,15 @@ def test_decode_attention_takes_every_step_of_decodes_only():
     for c_prefix in (False, True):
         *_, meta = _decode_step([20, 30], 4, 3, 3, 64, True, 0, shared_blocks=2)
         TorchAttention(9, 3, c_decode=True, c_prefix=c_prefix).prepare(meta)
-        assert meta.prepared[None].shared is not None
-        assert isinstance(meta.prepared[None], CDecodePlan) == c_prefix
+        assert isinstance(meta.prepared[None], CDecodePlan)
+        assert (meta.prepared[None].shared is not None) == c_prefix
     *_, meta = _decode_step([20, 30], 4, 3, 3, 64, True, 0)
     meta.num_decodes = 1  # the second sequence is a 1-token prefill chunk
     TorchAttention(9, 3, c_decode=True).prepare(meta)
     assert not isinstance(meta.prepared[None], CDecodePlan)
+    meta.c_decode_rows = sys.maxsize
+    TorchAttention(9, 3, c_decode=True).prepare(meta)
+    assert isinstance(meta.prepared[None], CDecodePlan)
 
 
 @needs_ops

@@ -181,9 +181,8 @@ class FusedDecode:
         prefix, if any) where there are some."""
         if rows > self.max_rows:
             return None
-        # (an fp32 step with a shared prefix has none: without a C prefix kernel it is planned
-        # for the torch path; another backend's step, the Triton one's under the interpreter,
-        # has no per-window plans at all)
+        # (another backend's step, the Triton one's under the interpreter, has no per-window
+        # plans at all)
         plans = meta.prepared
         if not isinstance(plans, dict) or not all(
             isinstance(p, CDecodePlan) for p in plans.values()

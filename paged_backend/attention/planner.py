@@ -16,6 +16,9 @@ from paged_backend.attention.backend import AttentionMetadata
 from paged_backend.block_pool import FREED_BLOCK
 
 MIN_SHARED_BLOCKS = 2  # shorter shared prefixes are not worth a separate pass
+# the most rows of a sequence whose scores a thread holds at once in the C decode kernel (fp32's
+# reads the keys once for them: a prompt's chunk takes several passes)
+SCRATCH_ROWS = 64
 
 
 @dataclass
@@ -129,7 +132,10 @@ def plan_step(
     most_rows = max(b - a for a, b in itertools.pairwise(qsl))
     rows = meta.c_decode_rows
     c_decode = c_decode and (nd == len(meta.seq_lens) if rows == 1 else most_rows <= rows)
-    members, num_shared = shared_prefix(meta, c_decode) if window is None else ([], 0)
+    # No cascade where fp32's C kernel runs the step (there is no fp32 C prefix kernel): it
+    # gives each row the bits it has alone, and its sequences reread a shared prefix from cache.
+    cascade = window is None and (c_prefix or not c_decode)
+    members, num_shared = shared_prefix(meta, c_decode) if cascade else ([], 0)
     shared = None
     row_pos: dict[int, list[int]] = {}  # member -> positions of its rows in `shared.rows`
     if num_shared:
@@ -145,7 +151,9 @@ def plan_step(
         return CDecodePlan(
             torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int32)),
             torch.tensor(meta.seq_lens, dtype=torch.int32),
-            torch.empty(torch.get_num_threads(), group * most_rows * max(meta.seq_lens)),
+            torch.empty(
+                torch.get_num_threads(), group * min(most_rows, SCRATCH_ROWS) * max(meta.seq_lens)
+            ),
             shared,
             torch.tensor(
                 [p for i, n in enumerate(np.diff(qsl)) for p in row_pos.get(i, [-1] * n)],

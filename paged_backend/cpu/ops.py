@@ -365,11 +365,12 @@ def decode_attention(
     `block_tables` (int32 [S, width], contiguous): out [S, heads, dim] in q's dtype, bf16 or
     fp32. The caches hold q's dtype, or fp16 for fp32 q (k/v rounded to nearest even as they
     are written; the scores and sums those of fp32 caches holding the same values). `scratch`:
-    fp32 [threads, heads / kv_heads * max(seq_lens)], one row for each thread to use. With
-    `query_start` (int32 [S + 1]) a sequence has several rows, its last tokens (q, k, v, out
-    are then [rows, ...]: a decode and its drafts), each attending causally; `scratch` rows
-    then hold the most rows a sequence has times that. (fp32's kernel reads a sequence's keys
-    once for all its rows; bf16's reads them for each row.)
+    fp32 [threads, at least heads / kv_heads * max(seq_lens)], one row for each thread to use.
+    With `query_start` (int32 [S + 1]) a sequence has several rows, its last tokens (q, k, v,
+    out are then [rows, ...]: a decode and its drafts, or a prompt's chunk), each attending
+    causally. fp32's kernel reads a sequence's keys once for as many of its rows as a `scratch`
+    row holds scores of (a longer one: fewer passes), each row with the bits it has alone;
+    bf16's reads them for each row.
 
     `prefix` = (pos, length, out, lse) merges a shared prefix's attention (`prefix_attention`'s
     out [kv_heads, prefix rows, dim] and lse; bf16 only): row t with pos[t] >= 0 (int32
@@ -403,9 +404,8 @@ def decode_attention(
         scratch.dtype == torch.float32 and scratch.is_contiguous() and scratch.dim() == 2,
         "scratch must be contiguous fp32 [threads, scores]",
     )
-    if query_start is not None:
-        need = int(counts.max()) * (num_heads // kv_heads) * int(seq_lens.max())
-        _require(scratch.shape[1] >= need, "scratch rows are too short")
+    need = num_heads // kv_heads * int(seq_lens.max())
+    _require(scratch.shape[1] >= need, f"scratch rows must hold {need} scores")
     q, k, v = _heads_packed(q), _heads_packed(k), _heads_packed(v)
     out = torch.empty(rows, num_heads, dim, dtype=q.dtype)
     args = dict(

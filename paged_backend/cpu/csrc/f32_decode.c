@@ -307,7 +307,7 @@ static inline int64_t window_first(int64_t pos, int64_t window) {
     return window > 0 && pos + 1 > window ? pos + 1 - window : 0;
 }
 
-/* The rows of a decode step, or of a step verifying drafts: sequence s has the rows
+/* The rows of a step (decodes, drafts being verified, chunks of prompts): sequence s has the rows
  * query_start[s] .. query_start[s + 1] - 1, its last tokens, at positions up to seq_lens[s] - 1.
  * Write each row's new k/v (rows `k_stride`/`v_stride` apart, heads side by side) at its
  * position, then attend its q (heads side by side, rows `q_stride` apart) causally over the
@@ -319,7 +319,9 @@ static inline int64_t window_first(int64_t pos, int64_t window) {
  * query heads of the kv head meet its keys a block at a time (`key_scores`, tiles of 4 keys by
  * up to 3 query vectors), then each row's softmax over its own keys (`softmax_row`), then P.V
  * with each value row read once for up to 3 heads (`weighted_values`). Scores go in `scores` (a
- * row of `scores_stride` >= group * the most rows a sequence has * context for each thread).
+ * row of `scores_stride` >= group * the longest context for each thread; chunks have at most
+ * as many rows as it holds). Each row's bits are those of the row attended alone, whatever the
+ * step (its batch, its chunk of a prompt, the cached context before it).
  * `softcap` > 0 caps the scaled scores (tanh(s / cap) * cap, Gemma 2). */
 void decode_attention_f32(const float *q, const float *k, const float *v, int64_t q_stride,
                           int64_t k_stride, int64_t v_stride, void *k_cache, void *v_cache,
@@ -344,11 +346,18 @@ void decode_attention_f32(const float *q, const float *k, const float *v, int64_
         }
     /* A unit: one kv head of a sequence over a chunk of its rows, which meet each key and value
      * row in one pass (a verifying step's rows would each stream the layer's cache from memory
-     * again). A step of few sequences splits their rows so that each thread has two units. */
+     * again). A step of few sequences splits their rows so that each thread has two units, and
+     * a chunk has no more rows than a thread's scores hold over the longest context (a prompt's
+     * chunk splits into many). A row's bits do not depend on its chunk. */
     int64_t chunk_seq[total_rows], chunk_row[total_rows], chunk_rows[total_rows], chunks = 0;
     int64_t pieces = (2 * threads + num_seqs * num_kv_heads - 1) / (num_seqs * num_kv_heads);
+    int64_t longest = 1, most_rows;
+    for (int64_t s = 0; s < num_seqs; s++) longest = seq_lens[s] > longest ? seq_lens[s] : longest;
+    most_rows = scores_stride / (group * longest);
+    most_rows = most_rows > 1 ? most_rows : 1;
     for (int64_t s = 0; s < num_seqs; s++) {
         int64_t a = query_start[s], r = query_start[s + 1] - a, c = r < pieces ? r : pieces;
+        if (c < (r + most_rows - 1) / most_rows) c = (r + most_rows - 1) / most_rows;
         for (int64_t i = 0; i < c; i++, chunks++) {
             chunk_seq[chunks] = s;
             chunk_row[chunks] = a + r * i / c;
