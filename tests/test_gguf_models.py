@@ -18,8 +18,9 @@ from paged_backend import LLM, SamplingParams, cpu
 from paged_backend import engine as engine_module
 from paged_backend.cpu.quant import QuantEmbedding, QuantLinear
 from paged_backend.default_model import default_model_file
+from paged_backend.gguf import weights as weights_module
 from paged_backend.gguf.random_checkpoint import write_checkpoint
-from paged_backend.gguf.weights import config_fixes
+from paged_backend.gguf.weights import config_fixes, read_gguf_faster
 from paged_backend.model_loader import convert_gguf, gguf_weights_file, resolve_model_path
 from paged_backend.models.config import ModelConfig
 
@@ -444,6 +445,47 @@ def _metadata_file(path, arch: str, layers: int, keys: dict) -> GGUFReader:
     writer.write_tensors_to_file()
     writer.close()
     return GGUFReader(path)
+
+
+def test_metadata_read_faster_gives_gguf_readers_fields(tmp_path, monkeypatch):
+    """`read_gguf_faster` (every GGUFReader of a GGUF file's first start) reads an array in one
+    pass: the fields gguf's own reader gives, part for part, for each kind of value: scalars,
+    strings (empty, multi-byte), arrays of numbers, of strings and of arrays."""
+    path = tmp_path / "kinds.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_string("string", "héllo")
+    for add, value in [("uint8", 7), ("int32", -5), ("uint64", 2**40), ("float32", 0.25)]:
+        getattr(writer, f"add_{add}")(add, value)
+    writer.add_bool("bool", True)
+    writer.add_array("strings", ["a", "", "ü", "long " * 50])
+    writer.add_array("ints", [1, -2, 3])
+    writer.add_array("floats", [0.5, 1.5])
+    writer.add_array("bools", [True, False])
+    writer.add_array("nested", [[1, 2], [3]])
+    writer.add_array("nested strings", [["x", "yz"], ["w"]])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    def fields() -> dict:
+        return {
+            key: (
+                f.offset,
+                [(part.dtype.str, part.shape, part.tobytes()) for part in f.parts],
+                list(f.data),
+                [int(t) for t in f.types],
+                f.contents(),
+            )
+            for key, f in GGUFReader(path).fields.items()
+        }
+
+    read_gguf_faster()
+    fast = fields()
+    monkeypatch.setattr(GGUFReader, "_get_field_parts", weights_module._field_parts)
+    assert fast == fields()
+    assert fast["strings"][4] == ["a", "", "ü", "long " * 50]
+    assert fast["nested strings"][4] == ["x", "yz", "w"]  # gguf flattens nested arrays
 
 
 def test_config_fixes_are_what_the_file_holds_and_transformers_drops(tmp_path):

@@ -60,6 +60,7 @@ import torch
 
 from paged_backend.default_model import default_model_file
 from paged_backend.gguf.quantize import QK_K, quantize
+from paged_backend.gguf.weights import read_gguf_faster
 from paged_backend.int4_checkpoint import gptq_tensors, int4_levels
 from paged_backend.model_loader import resolve_model_path
 
@@ -443,7 +444,8 @@ def hf_config(shape: Shape, default_dir: Path) -> dict:
 @functools.cache
 def tokenizer_fields(path: Path) -> tuple[tuple[str, object, list[gguf.GGUFValueType]], ...]:
     """Every `tokenizer.*` key of a GGUF file: (key, value, its types). Cached: GGUFReader
-    takes seconds over a vocabulary's ~100k strings."""
+    takes seconds over a vocabulary's ~100k strings, even read faster."""
+    read_gguf_faster()
     reader = gguf.GGUFReader(path)
     return tuple(
         (key, field.contents(), field.types)

@@ -144,11 +144,49 @@ class _PlainMapNumpy(types.ModuleType):
         return np.memmap(*args, **kwargs).view(np.ndarray)
 
 
+_field_parts = GGUFReader._get_field_parts
+
+
+def _array_parts(reader: GGUFReader, orig_offs: int, raw_type: int):
+    """`GGUFReader._get_field_parts` with an array of scalars or of strings read in one pass:
+    the same parts, a view for each element (the form transformers' GGUF loader reads), without
+    gguf's recursion into each element (~10 numpy calls each; a 49k-token vocabulary's tokens,
+    types and merges are ~150k elements)."""
+    if raw_type != gguf_reader.GGUFValueType.ARRAY or reader.byte_order != "I":
+        return _field_parts(reader, orig_offs, raw_type)
+    raw_itype, alen = reader._get(orig_offs, np.uint32), reader._get(orig_offs + 4, np.uint64)
+    item, count, offs = gguf_reader.GGUFValueType(int(raw_itype[0])), int(alen[0]), orig_offs + 12
+    parts: list[np.ndarray] = [raw_itype, alen]
+    if item == gguf_reader.GGUFValueType.STRING:
+        data, lengths = reader.data, memoryview(reader.data).cast("B")
+        for _ in range(count):
+            size = int.from_bytes(lengths[offs : offs + 8], "little")
+            parts += (data[offs : offs + 8].view(np.uint64), data[offs + 8 : offs + 8 + size])
+            offs += 8 + size
+        data_idxs = list(range(3, 2 + 2 * count, 2))
+    elif item in reader.gguf_scalar_to_np:
+        values = reader._get(offs, reader.gguf_scalar_to_np[item], count)
+        parts += list(values.reshape(count, 1))
+        offs += values.nbytes
+        data_idxs = list(range(2, 2 + count))
+    else:  # arrays of arrays
+        return _field_parts(reader, orig_offs, raw_type)
+    return (
+        offs - orig_offs,
+        parts,
+        data_idxs,
+        [gguf_reader.GGUFValueType.ARRAY, item][: 1 + (count > 0)],
+    )
+
+
 def read_gguf_faster() -> None:
     """Make every `GGUFReader` (ours and transformers' GGUF loader) read through
-    `_PlainMapNumpy`: parsing a file's metadata ~2.6x faster (a tiny model's file: 4.3 -> 1.6 s,
-    three times at a GGUF file's first start), the same values. Idempotent."""
+    `_PlainMapNumpy` and `_array_parts`: the same fields, parsed faster (the default model's
+    file on a 2-core AVX2 EPYC: 4.9 s through the plain map alone, 0.4 s with both; a GGUF
+    file's first start reads it three times, a tiny model's first load 17.3 -> 4.1 s).
+    Idempotent."""
     gguf_reader.np = _PlainMapNumpy("numpy")
+    GGUFReader._get_field_parts = _array_parts
 
 
 def read_metadata(path: Path) -> tuple[str, dict, list[dict]]:
