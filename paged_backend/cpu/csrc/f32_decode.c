@@ -8,6 +8,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
@@ -99,6 +100,10 @@ void act_and_mul_f32(const float *x, float *out, int64_t rows, int64_t dim, int 
  * caches hold fp32 or fp16 rows (`half`); fp16 values convert exactly as they are read, so an
  * fp16 cache gives the bits of an fp32 cache holding the same values. */
 #define SCORE_KEYS 4 /* keys a score tile */
+/* A unit's keys converted to fp32 lie in one "block" of this many rows (a power of two, so
+ * `slot_of` shifts), from slot 0 of `FLAT_TABLE`. */
+#define FLAT_BLOCK ((int64_t)1 << 40)
+static const int32_t FLAT_TABLE = 0;
 #define VALUE_HEADS 3 /* query heads sharing each value row read */
 
 /* Row `row` of `dim` values of a cache of fp32 or fp16 rows. */
@@ -302,6 +307,20 @@ static void weighted_values(const float *p, int64_t p_stride, int64_t heads, con
 #endif
 }
 
+/* out[j] = cache row of key first + j (through the block table) as fp32, for n keys of an fp16
+ * cache: exact, so the tiles read the bits they would convert themselves. */
+static void keys_to_f32(const uint16_t *cache, const int32_t *table, int64_t first, int64_t n,
+                        int64_t block_size, int64_t dim, float *out) {
+    for (int64_t j = 0; j < n; j++) {
+        const uint16_t *row = cache + slot_of(table, first + j, block_size) * dim;
+        int64_t d = 0;
+#ifdef __AVX2__
+        for (; d < dim; d += 8) _mm256_storeu_ps(out + j * dim + d, load_f16(row + d));
+#endif
+        for (; d < dim; d++) out[j * dim + d] = f16_to_f32(row + d);
+    }
+}
+
 /* The first key position the query at `pos` sees: the last `window` (where > 0), else all. */
 static inline int64_t window_first(int64_t pos, int64_t window) {
     return window > 0 && pos + 1 > window ? pos + 1 - window : 0;
@@ -375,15 +394,26 @@ void decode_attention_f32(const float *q, const float *k, const float *v, int64_
         const int32_t *table = block_tables + s * max_blocks;
         const void *kc = cache_row(k_cache, kv_half, h * head_rows, dim);
         const void *vc = cache_row(v_cache, kv_half, h * head_rows, dim);
+        int half = kv_half;
+        int64_t key0 = first, bs = block_size; /* where key `first` is, through `table` */
+        /* A chunk of several rows over fp16 K/V reads its keys and values converted once (the
+         * tiles would convert each again for every 3 query vectors, on the FMA ports). */
+        float *kv32 = half && rows > 1 ? malloc(2 * n * dim * sizeof(float)) : NULL;
+        if (kv32) {
+            keys_to_f32(kc, table, first, n, block_size, dim, kv32);
+            keys_to_f32(vc, table, first, n, block_size, dim, kv32 + n * dim);
+            kc = kv32, vc = kv32 + n * dim, half = 0;
+            table = &FLAT_TABLE, key0 = 0, bs = FLAT_BLOCK;
+        }
         const float *qs[nq];
         for (int64_t i = 0; i < nq; i++)
             qs[i] = q + (t0 + i / group) * q_stride + (head + i % group) * dim;
         float *sc = scores + omp_get_thread_num() * scores_stride; /* [nq][n] */
         for (int64_t j = 0; j < n;) { /* the keys of one block at a time */
-            int64_t slot = slot_of(table, first + j, block_size);
-            int64_t count = block_size - (first + j) % block_size;
+            int64_t slot = slot_of(table, key0 + j, bs);
+            int64_t count = bs - (key0 + j) % bs;
             count = count < n - j ? count : n - j;
-            key_scores(qs, nq, cache_row(kc, kv_half, slot, dim), kv_half, count, dim, sc + j, n);
+            key_scores(qs, nq, cache_row(kc, half, slot, dim), half, count, dim, sc + j, n);
             j += count;
         }
         for (int64_t r = 0; r < rows; r++) { /* each row over its own keys */
@@ -392,8 +422,9 @@ void decode_attention_f32(const float *q, const float *k, const float *v, int64_
             for (int64_t m = 0; m < group; m++) softmax_row(p + m * n, pos + 1 - from, scale, softcap);
             for (int64_t m = 0; m < group; m += VALUE_HEADS)
                 weighted_values(p + m * n, n, group - m < VALUE_HEADS ? group - m : VALUE_HEADS, vc,
-                                kv_half, table, from, pos + 1 - from, block_size, dim,
+                                half, table, key0 + from - first, pos + 1 - from, bs, dim,
                                 out + ((t0 + r) * num_heads + head + m) * dim);
         }
+        free(kv32);
     }
 }
