@@ -47,7 +47,7 @@ class Tokenizer:
             if state is not None:
                 write_checked(entry, json.dumps(state).encode())
                 self._backend = _backend(state)
-            if chat_template is None:
+            if state is None and chat_template is None:  # it runs every encode and decode
                 self._hf = hf
             eos = hf.eos_token_id
         self.eos_token_id = state["eos_token_id"] if state else eos

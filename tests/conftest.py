@@ -21,9 +21,10 @@ from paged_backend.file_cache import cache_path
 from paged_backend.model_loader import resolve_model_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-# The user's cache (CI's own where it sets PAGED_BACKEND_CACHE), read before the override below:
-# tests only read the default model out of it and never write into it.
-REAL_CACHE = cache_path()
+# The user's cache (CI's own where it sets PAGED_BACKEND_CACHE), read before the override below
+# (by the controller, for pytest-xdist's workers, which inherit the override): tests only read the
+# default model out of it and never write into it.
+REAL_CACHE = Path(os.environ.get("PAGED_BACKEND_TEST_REAL_CACHE") or cache_path())
 
 
 def pytest_configure(config) -> None:
@@ -31,13 +32,27 @@ def pytest_configure(config) -> None:
     builds and timings of a test run land there (one run once left a 1.1 GB converted model in
     the user's cache). The C kernels build into it once (seconds); the converted default model
     is linked, not copied (500 MB). LlamaIndex's cache goes there too: its `HuggingFaceEmbedding`
-    (the documentation's RAG snippet) creates that directory even for a local model."""
-    temp = Path(tempfile.mkdtemp(prefix="paged-backend-test-cache-"))  # mode 0700
-    _link_default_model(REAL_CACHE, temp)
+    (the documentation's RAG snippet) creates that directory even for a local model. Under
+    pytest-xdist the workers share the controller's (`pytest_configure_node`): one C build and
+    one set of kernel timings a run, not one a worker; the cache locks what processes fill at
+    once."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        temp = Path(workerinput[_TEMP_CACHE_INPUT])
+    else:
+        temp = Path(tempfile.mkdtemp(prefix="paged-backend-test-cache-"))  # mode 0700
+        _link_default_model(REAL_CACHE, temp)
+        config.stash[_TEMP_CACHE] = temp  # the controller's (or a run without xdist's) to remove
+        os.environ["PAGED_BACKEND_TEST_REAL_CACHE"] = str(REAL_CACHE)
     os.environ["PAGED_BACKEND_CACHE"] = str(temp)
     os.environ["LLAMA_INDEX_CACHE_DIR"] = str(temp / "llama_index")
-    config.stash[_TEMP_CACHE] = temp
     _share_cores_among_workers()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """pytest-xdist, in the controller, for each worker it starts: the cache to share."""
+    node.workerinput[_TEMP_CACHE_INPUT] = str(node.config.stash[_TEMP_CACHE])
 
 
 def _share_cores_among_workers() -> None:
@@ -58,6 +73,7 @@ def pytest_unconfigure(config) -> None:
 
 
 _TEMP_CACHE = pytest.StashKey[Path]()
+_TEMP_CACHE_INPUT = "paged_backend_test_cache"
 
 
 def _link_default_model(real: Path, temp: Path) -> None:
