@@ -33,10 +33,11 @@ def test_linear_f32_gives_torchs_values(n, rows, bias):
     torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [2, 3, 5, 6, 11])  # each a tile shape of its own
+@pytest.mark.parametrize("rows", [2, 3, 5, 6, 11, 300])  # each a tile shape; 300: row blocks
 @pytest.mark.parametrize("weights", ["fp32", *EXACT_F32_FORMATS])
 def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_threads(rows, weights):
-    """For an fp32 weight and for GGUF blocks (`linear_blocks_f32`) alike."""
+    """For an fp32 weight and for GGUF blocks (`linear_blocks_f32`) alike; a prefill's rows go
+    in blocks whose activations a core's L2 holds (112 rows at 576 inputs)."""
     torch.manual_seed(rows)
     x = torch.randn(rows, 576)
     if weights == "fp32":

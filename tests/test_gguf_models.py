@@ -16,6 +16,7 @@ from gguf import GGUFReader
 
 from paged_backend import LLM, SamplingParams, cpu
 from paged_backend import engine as engine_module
+from paged_backend.cpu import kernel_choice
 from paged_backend.cpu.quant import QuantEmbedding, QuantLinear
 from paged_backend.default_model import default_model_file
 from paged_backend.gguf import weights as weights_module
@@ -95,15 +96,22 @@ def test_dequantized_load_gives_the_converted_models_tokens(llm_fp32):
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in reference]
 
 
-def test_a_prompts_tokens_do_not_depend_on_its_step(quantized):
-    """In fp32 on the file's blocks each row gets the bits it has alone: the quantized linears
-    are exact per row (tests/test_quant_kernels.py) and the C attention kernel runs every row,
-    prompt chunks too, without a cascade. So a prompt's greedy tokens and their logprobs are
-    the same computed alone and whole, in a batch whose prompts share a cached prefix, again
-    from the cache, and in chunks of a small token budget (int8 activations would turn any
-    last-bit difference into another level, and a near-tie into another token)."""
-    shared = "Answer in one short, clear sentence and never repeat this instruction. " * 2
-    prompts = [shared + p for p in PROMPTS]
+@pytest.mark.parametrize("source", ["file", "converted"])
+def test_a_prompts_tokens_do_not_depend_on_its_step(source, monkeypatch):
+    """In fp32 each row gets the bits it has alone: the file's quantized linears are exact per
+    row (tests/test_quant_kernels.py), the converted model's C fp32 linear is too and serves
+    steps of every size where torch does not win clearly at a prefill's (`kernel_choice`;
+    forced here, as on a machine where it keeps up), and the C attention kernel runs every row,
+    prompt chunks too, without a cascade. So a prompt's greedy tokens and their logprobs are the
+    same computed alone and whole, in a batch whose prompts share a cached prefix, again from
+    the cache, and in chunks of a small token budget (int8 activations would turn any last-bit
+    difference into another level, and a near-tie into another token)."""
+    if source == "converted":
+        every_step = lambda shapes: dict.fromkeys(shapes, kernel_choice.ALL_ROWS)  # noqa: E731
+        monkeypatch.setattr(kernel_choice, "f32_max_rows", every_step)
+    model = str(default_model_file()) if source == "file" else None
+    shared = "Answer in one short, clear sentence and never repeat this instruction. " * 6
+    prompts = [shared + p for p in PROMPTS]  # ~90 tokens: a whole prompt is a step of 64+ rows
     params = replace(GREEDY, logprobs=0)
 
     def run(llm: LLM, batch: list[str]) -> list[tuple[list[int], list[float]]]:
@@ -113,21 +121,19 @@ def test_a_prompts_tokens_do_not_depend_on_its_step(quantized):
             for o in outs
         ]
 
-    whole = LLM(model=str(default_model_file()), dtype="float32", enable_prefix_caching=False)
+    whole = LLM(model=model, dtype="float32", enable_prefix_caching=False)
     alone = [run(whole, [p])[0] for p in prompts]
-    together = run(quantized, prompts)
-    hits = quantized.engine.stats()["prefix_cache_hits"]
-    again = run(quantized, prompts)  # from the cache, sharing its blocks in each step
-    assert quantized.engine.stats()["prefix_cache_hits"] - hits >= len(prompts) * 16
+    cached = LLM(model=model, dtype="float32", num_kv_blocks=256)
+    together = run(cached, prompts)
+    hits = cached.engine.stats()["prefix_cache_hits"]
+    again = run(cached, prompts)  # from the cache, sharing its blocks in each step
+    assert cached.engine.stats()["prefix_cache_hits"] - hits >= len(prompts) * 64
     chunked = LLM(
-        model=str(default_model_file()),
-        dtype="float32",
-        max_num_batched_tokens=24,
-        max_num_seqs=len(prompts),
+        model=model, dtype="float32", max_num_batched_tokens=24, max_num_seqs=len(prompts)
     )
     assert run(chunked, prompts) == alone
     assert together == alone and again == alone
-    assert_all_blocks_free(quantized.engine)
+    assert_all_blocks_free(cached.engine)
 
 
 def test_greedy_rows_take_their_tokens_from_the_head_without_their_logits(quantized, monkeypatch):

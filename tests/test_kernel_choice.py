@@ -199,6 +199,36 @@ def test_the_int8_product_keeps_small_steps_and_gives_large_ones_to_a_clear_gemm
     assert kernel_choice._time_int8([weight]) == rows
 
 
+@pytest.mark.parametrize(
+    ("torch_share", "rows"),
+    [
+        (1.0, kernel_choice.ALL_ROWS),
+        ({32: 0.8}, kernel_choice.ALL_ROWS),
+        ({256: 0.8}, 64),
+        ({256: 0.8, 32: 0.8}, 16),
+        (0.5, 0),
+    ],
+)
+def test_the_c_fp32_linear_serves_every_step_where_it_keeps_up_at_a_prefill(
+    monkeypatch, torch_share, rows
+):
+    """Where torch does not win clearly at a prefill's 256 rows (timed on at most 4,096 of the
+    outputs), the C fp32 linear serves steps of every size, whatever a smaller count's timing:
+    a row's bits then never depend on its step. Else it keeps the counts up to torch's first
+    clear win."""
+    widths = {}
+
+    def best_times(*calls, before=None):
+        x, weight = calls[0][1], calls[0][2]  # each call: (kernel, x, weight, ...)
+        widths[len(x)] = len(weight)
+        share = torch_share.get(len(x), 1.0) if isinstance(torch_share, dict) else torch_share
+        return [1.0, share]  # the C linear's time, then torch's
+
+    monkeypatch.setattr(kernel_choice, "_best_times", best_times)
+    assert kernel_choice._time_f32_shape(5000, 16) == rows
+    assert widths.get(256, 4096) == 4096 and widths.get(1, 5000) == 5000
+
+
 def test_a_linears_parts_are_timed_together(private_cache, monkeypatch):
     """A fused linear's parts run in one step together: their choice is timed on all of them
     (a fused qkv's small k and v parts alone can favour the other kernel than the whole)."""

@@ -4,7 +4,11 @@ fp32 models (CPUs without native bf16) have the same choice between torch's `F.l
 C fp32 linear (`cpu_ops.linear_f32`), timed the same way (`f32_max_rows`). On a 2-core AVX2 Zen 3
 the C one wins at every timed step up to 64 rows (the default model's linears at one row: 12.2
 against 20.7 ms; at five rows ~1.2x its own one-row time against 51.1 ms), since torch's GEMM
-streams the weights slowly below a few dozen rows.
+streams the weights slowly below a few dozen rows. Where torch does not win clearly at a
+prefill's 256 rows either, the C one serves every step, whatever the smaller counts' timings say
+(on a 2-core AVX2 EPYC it matched or beat torch at 512 rows on the default model's linears once
+it took a prefill's rows in L2-sized blocks): then a row's bits never depend on its step, and a
+prompt's logprobs are the same from the prefix cache, in chunks or in any batch.
 
 Two kernels compute the same exact-bf16-product, fp32-sum linear: oneDNN's packed linear
 (`CpuLinear.packed`, AMX tiles where the CPU has them) and the C GEMM (`cpu_ops.gemm`, AVX512-BF16
@@ -65,6 +69,8 @@ _INT8_MIN_ROWS = 4  # the int8 product serves at least steps this small (`_time_
 _INT8_ROW_COUNTS = (*ROW_COUNTS, 256)
 ALL_ROWS = 1 << 30  # a kernel that wins at every timed count serves every step
 _EVICT_BYTES = 128 << 20  # read before each cold call: more than a CPU's last-level cache
+_F32_WIDE_ROWS = 256  # the fp32 linears' prefill step timed: C serves every step if it keeps up
+_F32_WIDE_OUTPUTS = 4096
 
 
 def gemm_max_rows(shapes: set[tuple[int, int]]) -> dict[tuple[int, int], int]:
@@ -180,15 +186,27 @@ def _time_shape(n: int, k: int) -> int:
 
 
 def _time_f32_shape(n: int, k: int) -> int:
-    """The largest row count up to which torch's fp32 linear beats `linear_f32` clearly at no
-    timed count."""
+    """`ALL_ROWS` where torch's fp32 linear does not beat `linear_f32` clearly at a prefill's
+    `_F32_WIDE_ROWS` (timed on at most `_F32_WIDE_OUTPUTS` of the outputs: both kernels take
+    outputs in independent tiles, and a head's 49,152 at 256 rows took ~0.3 s a call on a
+    2-core Zen): a row's bits then never depend on its step (prefix-cache hits, chunks and
+    batches give the same logits), worth more than a near tie at some smaller count, which a
+    2-core VM's timings flip from run to run. Else the largest row count up to which torch
+    beats it clearly at no timed count."""
     weight = torch.randn(n, k)
-    return _rows_c_serves(
-        k,
-        torch.float32,
-        lambda x: (cpu_ops.linear_f32, x, weight, None),
-        lambda x: (torch.nn.functional.linear, x, weight),
-    )
+
+    def rows_c_serves(weight: torch.Tensor, counts: tuple[int, ...]) -> int:
+        return _rows_c_serves(
+            k,
+            torch.float32,
+            lambda x: (cpu_ops.linear_f32, x, weight, None),
+            lambda x: (torch.nn.functional.linear, x, weight),
+            counts=counts,
+        )
+
+    if rows_c_serves(weight[:_F32_WIDE_OUTPUTS], (_F32_WIDE_ROWS,)):
+        return ALL_ROWS
+    return rows_c_serves(weight, ROW_COUNTS)
 
 
 def _time_block_shape(fmt: str, n: int, k: int) -> int:
@@ -253,7 +271,7 @@ def _machine_key() -> str:
     build (its file name holds a hash of the source, the flags and the CPU's flags)."""
     lib = library.load_library()
     built = Path(lib.path).name if lib is not None else ""
-    rule = f"{torch.__version__}|{built}|{_TORCH_WINS}"  # a new rule times again
+    rule = f"{torch.__version__}|{built}|{_TORCH_WINS}|{_F32_WIDE_ROWS}"  # a new rule: time again
     build = hashlib.sha256(rule.encode()).hexdigest()[:12]
     return f"{cpu_description()} / {torch.get_num_threads()} threads / {build}"
 
