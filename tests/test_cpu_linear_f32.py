@@ -33,17 +33,31 @@ def test_linear_f32_gives_torchs_values(n, rows, bias):
     torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [2, 3, 5, 6, 11, 300])  # each a tile shape; 300: row blocks
+# each a tile shape of its own; then a prefill's rows in blocks whose activations a core's L2
+# holds: 2 (57 + 56 rows) and 3 at 576 inputs, and blocks of 5 + 4 and 6 + 6 + 5 at 8,192
+@pytest.mark.parametrize(
+    ("rows", "k"),
+    [
+        (2, 576),
+        (3, 576),
+        (5, 576),
+        (6, 576),
+        (11, 576),
+        (113, 576),
+        (300, 576),
+        (9, 8192),
+        (17, 8192),
+    ],
+)
 @pytest.mark.parametrize("weights", ["fp32", *EXACT_F32_FORMATS])
-def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_threads(rows, weights):
-    """For an fp32 weight and for GGUF blocks (`linear_blocks_f32`) alike; a prefill's rows go
-    in blocks whose activations a core's L2 holds (112 rows at 576 inputs)."""
+def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_threads(rows, k, weights):
+    """For an fp32 weight and for GGUF blocks (`linear_blocks_f32`) alike."""
     torch.manual_seed(rows)
-    x = torch.randn(rows, 576)
+    x = torch.randn(rows, k)
     if weights == "fp32":
-        linear = partial(cpu_ops.linear_f32, weight=torch.randn(250, 576), bias=None)
+        linear = partial(cpu_ops.linear_f32, weight=torch.randn(250, k), bias=None)
     else:
-        linear = partial(linear_blocks_f32, weights=[random_blocks(weights, 250, 576, seed=rows)])
+        linear = partial(linear_blocks_f32, weights=[random_blocks(weights, 250, k, seed=rows)])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -8,8 +8,8 @@
  * step of up to 6 rows takes all its rows in one pass over the weights, with at least as many
  * multiply-adds as loads: a verifying step of 5 rows costs little more than a decode of one.
  * The weight tile is read from memory once a step and from L1 for further groups of rows.
- * A prefill's rows go in blocks whose activations a core's L2 holds (`X_BLOCK_BYTES`; 112 rows
- * at 576 inputs), each block through every weight tile: one pass over all rows per tile
+ * A prefill's rows go in blocks whose activations a core's L2 holds (`X_BLOCK_BYTES`: 113 rows
+ * at 576 inputs as 57 + 56), each block through every weight tile: one pass over all rows per tile
  * streamed them from L3 (960 x 576 at 512 rows on a 2-core AVX2 EPYC: 10.8 -> 8.3 ms, torch's
  * 9.0-9.5), so that where torch's GEMM is not clearly faster there, this kernel serves every
  * step (`kernel_choice`) and a row's bits never depend on its step.
@@ -250,22 +250,26 @@ static void f32_rows(const float *x, int64_t rows, int64_t xs, const void *w, in
 
 #define X_BLOCK_BYTES (256 << 10)
 
+/* The rows in blocks of about even size whose activations take at most X_BLOCK_BYTES (at least
+ * 8 rows), each block through every weight tile in a tile shape of its own size. */
 static void linear_rows(const float *x, int64_t rows, int64_t x_stride, const void *w, int type,
                         int64_t n, int64_t k, float *y, int64_t y_stride, int threads) {
     if (rows <= 0) return; /* a step's empty part (no rows of its kind) */
-    int nw, nx;
-    tile_shape(rows, &nw, &nx);
-    int64_t tiles = (n + nw - 1) / nw;
-    int64_t block = X_BLOCK_BYTES / (4 * k) / 4 * 4;
-    if (block < 8) block = 8;
-    for (int64_t m0 = 0; m0 < rows; m0 += block) {
-        int64_t mb = rows - m0 < block ? rows - m0 : block;
+    int64_t most = X_BLOCK_BYTES / (4 * k) / 4 * 4;
+    if (most < 8) most = 8;
+    int64_t blocks = (rows + most - 1) / most;
+    for (int64_t b = 0, m0 = 0; b < blocks; b++) {
+        int64_t mb = (rows - m0) / (blocks - b) + ((rows - m0) % (blocks - b) != 0);
+        int nw, nx;
+        tile_shape(mb, &nw, &nx);
+        int64_t tiles = (n + nw - 1) / nw;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             int64_t j = t * nw;
             f32_rows(x + m0 * x_stride, mb, x_stride, w, type, j, n - j < nw ? (int)(n - j) : nw,
                      nw, nx, k, y + m0 * y_stride, y_stride);
         }
+        m0 += mb;
     }
 }
 
