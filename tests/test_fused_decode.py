@@ -196,6 +196,24 @@ def test_steps_beyond_the_gemm_rows_run_the_modules(tiny_model, monkeypatch, dty
     assert llm.engine.runner.model.fused_decode.max_rows == 2
 
 
+@needs_ops
+def test_fp32_steps_of_any_size_run_fused_where_the_c_linear_serves_every_step(
+    tiny_model, monkeypatch
+):
+    """Where the C fp32 linear serves every step (`kernel_choice`: torch not clearly faster at
+    a prefill's 256 rows; forced here), steps past 64 rows run fused too, a prompt's included,
+    with the modules' bits."""
+    every_step = lambda shapes: dict.fromkeys(shapes, kernel_choice.ALL_ROWS)  # noqa: E731
+    monkeypatch.setattr(kernel_choice, "f32_max_rows", every_step)
+    llm = LLM(model=str(tiny_model), dtype="float32", enable_prefix_caching=False)
+    prompts = [[1, 5 + i, 17, 923, 4 + i] for i in range(70)]
+    fused, steps = generate_counting(llm, monkeypatch, [3] * 70, prompts)
+    assert {rows for rows, _ in steps} == {350, 70}  # the prompts, then their decodes
+    llm.engine.runner.model.fused_decode = None
+    plain, none = generate_counting(llm, monkeypatch, [3] * 70, prompts)
+    assert not none and fused == plain
+
+
 @needs_bf16
 def test_bf16_steps_past_the_int8_rows_dequantize_through_the_modules(tmp_path, monkeypatch):
     """A bf16 model's quantized linears take the int8 product up to the rows timing gives it
