@@ -89,6 +89,16 @@ def _link_default_model(real: Path, temp: Path) -> None:
             target.symlink_to(source, target_is_directory=source.is_dir())
 
 
+@pytest.fixture
+def f32_linears_every_step(monkeypatch) -> None:
+    """fp32 models' C linear serves steps of every size, as `kernel_choice` picks it on a machine
+    where torch's GEMM is not clearly faster at a prefill's rows."""
+    from paged_backend.cpu import kernel_choice
+
+    every_step = lambda shapes: dict.fromkeys(shapes, kernel_choice.ALL_ROWS)  # noqa: E731
+    monkeypatch.setattr(kernel_choice, "f32_max_rows", every_step)
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     return resolve_model_path(None)

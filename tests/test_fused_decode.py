@@ -198,13 +198,11 @@ def test_steps_beyond_the_gemm_rows_run_the_modules(tiny_model, monkeypatch, dty
 
 @needs_ops
 def test_fp32_steps_of_any_size_run_fused_where_the_c_linear_serves_every_step(
-    tiny_model, monkeypatch
+    tiny_model, monkeypatch, f32_linears_every_step
 ):
     """Where the C fp32 linear serves every step (`kernel_choice`: torch not clearly faster at
     a prefill's 256 rows; forced here), steps past 64 rows run fused too, a prompt's included,
     with the modules' bits."""
-    every_step = lambda shapes: dict.fromkeys(shapes, kernel_choice.ALL_ROWS)  # noqa: E731
-    monkeypatch.setattr(kernel_choice, "f32_max_rows", every_step)
     llm = LLM(model=str(tiny_model), dtype="float32", enable_prefix_caching=False)
     prompts = [[1, 5 + i, 17, 923, 4 + i] for i in range(70)]
     fused, steps = generate_counting(llm, monkeypatch, [3] * 70, prompts)

@@ -16,7 +16,6 @@ from gguf import GGUFReader
 
 from paged_backend import LLM, SamplingParams, cpu
 from paged_backend import engine as engine_module
-from paged_backend.cpu import kernel_choice
 from paged_backend.cpu.quant import QuantEmbedding, QuantLinear
 from paged_backend.default_model import default_model_file
 from paged_backend.gguf import weights as weights_module
@@ -97,7 +96,7 @@ def test_dequantized_load_gives_the_converted_models_tokens(llm_fp32):
 
 
 @pytest.mark.parametrize("source", ["file", "converted"])
-def test_a_prompts_tokens_do_not_depend_on_its_step(source, monkeypatch):
+def test_a_prompts_tokens_do_not_depend_on_its_step(source, request):
     """In fp32 each row gets the bits it has alone: the file's quantized linears are exact per
     row (tests/test_quant_kernels.py), the converted model's C fp32 linear is too and serves
     steps of every size where torch does not win clearly at a prefill's (`kernel_choice`;
@@ -107,8 +106,7 @@ def test_a_prompts_tokens_do_not_depend_on_its_step(source, monkeypatch):
     the cache, and in chunks of a small token budget (int8 activations would turn any last-bit
     difference into another level, and a near-tie into another token)."""
     if source == "converted":
-        every_step = lambda shapes: dict.fromkeys(shapes, kernel_choice.ALL_ROWS)  # noqa: E731
-        monkeypatch.setattr(kernel_choice, "f32_max_rows", every_step)
+        request.getfixturevalue("f32_linears_every_step")
     model = str(default_model_file()) if source == "file" else None
     shared = "Answer in one short, clear sentence and never repeat this instruction. " * 6
     prompts = [shared + p for p in PROMPTS]  # ~90 tokens: a whole prompt is a step of 64+ rows

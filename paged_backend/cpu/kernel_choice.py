@@ -193,9 +193,9 @@ def _time_f32_shape(n: int, k: int) -> int:
     batches give the same logits), worth more than a near tie at some smaller count, which a
     2-core VM's timings flip from run to run. Else the largest row count up to which torch
     beats it clearly at no timed count."""
-    weight = torch.randn(n, k)
 
-    def rows_c_serves(weight: torch.Tensor, counts: tuple[int, ...]) -> int:
+    def rows_c_serves(outputs: int, counts: tuple[int, ...]) -> int:
+        weight = torch.randn(outputs, k)
         return _rows_c_serves(
             k,
             torch.float32,
@@ -204,9 +204,9 @@ def _time_f32_shape(n: int, k: int) -> int:
             counts=counts,
         )
 
-    if rows_c_serves(weight[:_F32_WIDE_OUTPUTS], (_F32_WIDE_ROWS,)):
+    if rows_c_serves(min(n, _F32_WIDE_OUTPUTS), (_F32_WIDE_ROWS,)):
         return ALL_ROWS
-    return rows_c_serves(weight, ROW_COUNTS)
+    return rows_c_serves(n, ROW_COUNTS)  # the whole weight only where it is needed
 
 
 def _time_block_shape(fmt: str, n: int, k: int) -> int:

@@ -307,9 +307,10 @@ static void weighted_values(const float *p, int64_t p_stride, int64_t heads, con
 #endif
 }
 
-/* out[j] = cache row of key first + j (through the block table) as fp32, for n keys of an fp16
- * cache: exact, so the tiles read the bits they would convert themselves. */
-static void keys_to_f32(const uint16_t *cache, const int32_t *table, int64_t first, int64_t n,
+/* out[j] = cache row of position first + j (through the block table) as fp32, for n positions
+ * of an fp16 key or value cache: exact, so the tiles read the bits they would convert
+ * themselves. */
+static void rows_to_f32(const uint16_t *cache, const int32_t *table, int64_t first, int64_t n,
                         int64_t block_size, int64_t dim, float *out) {
     for (int64_t j = 0; j < n; j++) {
         const uint16_t *row = cache + slot_of(table, first + j, block_size) * dim;
@@ -400,8 +401,8 @@ void decode_attention_f32(const float *q, const float *k, const float *v, int64_
          * tiles would convert each again for every 3 query vectors, on the FMA ports). */
         float *kv32 = half && rows > 1 ? malloc(2 * n * dim * sizeof(float)) : NULL;
         if (kv32) {
-            keys_to_f32(kc, table, first, n, block_size, dim, kv32);
-            keys_to_f32(vc, table, first, n, block_size, dim, kv32 + n * dim);
+            rows_to_f32(kc, table, first, n, block_size, dim, kv32);
+            rows_to_f32(vc, table, first, n, block_size, dim, kv32 + n * dim);
             kc = kv32, vc = kv32 + n * dim, half = 0;
             table = &FLAT_TABLE, key0 = 0, bs = FLAT_BLOCK;
         }
