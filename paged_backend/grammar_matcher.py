@@ -13,7 +13,9 @@ allows token `t`. Ids past the tokenizer's vocabulary are never allowed.
 from __future__ import annotations
 
 import json
+import sys
 import threading
+import time
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -87,6 +89,10 @@ class GrammarTokenizer:
             eos_token=self.stop_token_ids,
             slices=[],
         )
+        # The two Rust calls hold the GIL ~0.1 s each. Between them a thread that waits for it
+        # (an event loop) must get it: dropped at a bytecode boundary, it can go to a third
+        # thread instead, and the loop waits through both calls.
+        time.sleep(sys.getswitchinterval())
         return tables.with_slices(llg.LLTokenizer.general_slices())
 
     @cached_property
