@@ -20,7 +20,12 @@ from paged_backend.cpu.memory import (
     move_to_huge_pages_,
     resident_bytes,
 )
-from paged_backend.cpu.quant import QuantLinear, QuantWeight, can_dequantize_to_bf16
+from paged_backend.cpu.quant import (
+    QuantLinear,
+    QuantWeight,
+    can_dequantize_to_bf16,
+    interleave_model_rows_,
+)
 from paged_backend.gguf import ARCHITECTURES as GGUF_ARCHITECTURES
 from paged_backend.int4_checkpoint import int4_scheme, load_int4_checkpoint
 from paged_backend.model_loader import (
@@ -110,6 +115,7 @@ class ModelRunner:
         if self.device.type == "cpu" and model_config.impl != "transformers":
             # one-row steps stream the weights: from 2 MiB pages (`move_to_huge_pages_`)
             move_to_huge_pages_(_weight_tensors(model))
+            interleave_model_rows_(model)  # in place, in the region just written
             if getattr(model, "fused_decode", None) is not None:  # a table of old addresses
                 model.fuse_decode_()
         quantized = any(isinstance(m, QuantLinear) for m in model.modules())

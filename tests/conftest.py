@@ -99,6 +99,14 @@ def f32_linears_every_step(monkeypatch) -> None:
     monkeypatch.setattr(kernel_choice, "f32_max_rows", every_step)
 
 
+def served_format(fmt: str) -> str:
+    """The format a model's linear or embedding of block format `fmt` (rows a multiple of 8)
+    runs in: its interleaved-row layout where the kernels read one (`quant.interleave_rows_`)."""
+    from paged_backend.cpu.quant import ROWS8_FORMATS, rows8_built
+
+    return ROWS8_FORMATS.get(fmt, fmt) if rows8_built() else fmt
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     return resolve_model_path(None)

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_all_blocks_free, token_agreement
+from conftest import assert_all_blocks_free, served_format, token_agreement
 from gguf import GGUFReader
 
 from paged_backend import LLM, SamplingParams, cpu
 from paged_backend import engine as engine_module
-from paged_backend.cpu.quant import QuantEmbedding, QuantLinear
+from paged_backend.cpu.quant import QuantEmbedding, QuantLinear, rows8_built
 from paged_backend.default_model import default_model_file
 from paged_backend.gguf import weights as weights_module
 from paged_backend.gguf.random_checkpoint import write_checkpoint
@@ -53,7 +53,7 @@ def test_linears_and_embedding_keep_the_files_blocks(quantized):
     attn = model.layers[0].self_attn
     assert isinstance(attn.qkv_proj, QuantLinear) and isinstance(model.embed_tokens, QuantEmbedding)
     assert [w.format for w in attn.qkv_proj.weights] == ["Q4_1"] * 3
-    assert model.embed_tokens.weight_q.format == "Q8_0"
+    assert model.embed_tokens.weight_q.format == served_format("Q8_0")
     assert isinstance(model.cpu_head, QuantLinear)  # tied: the head reads the embedding's blocks
     weights = sum(p.numel() for p in model.parameters())
     assert weights < 100_000  # only norms: no dequantized copy of any linear
@@ -95,6 +95,37 @@ def test_dequantized_load_gives_the_converted_models_tokens(llm_fp32):
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in reference]
 
 
+def _greedy_with_logprobs(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's greedy tokens and their logprobs."""
+    outs = llm.generate(prompts, replace(GREEDY, logprobs=0), use_tqdm=False)
+    return [
+        (o.token_ids, [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids, strict=True)])
+        for o in (out.outputs[0] for out in outs)
+    ]
+
+
+@pytest.mark.skipif(not cpu.available() or not rows8_built(), reason="AVX2 builds only")
+def test_q4_0_and_q8_0_files_run_interleaved_with_the_bits_of_their_layout(tmp_path, monkeypatch):
+    """Where the kernels read Q4_0 and Q8_0 weights 8 rows interleaved, a file's are laid out so
+    once loaded, in place (no second copy): the same tokens and logprobs as in the file's layout,
+    in a batch and in one-row decode steps, fused or not."""
+    from paged_backend import model_runner
+
+    for path in write_checkpoint("tiny", tmp_path, ("q4_0", "q8_0")):
+        runs = []
+        for interleave in (True, False):
+            if not interleave:
+                monkeypatch.setattr(model_runner, "interleave_model_rows_", lambda model: None)
+            llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
+            model = llm.engine.runner.model
+            formats = {w.format for m in model.modules() for w in getattr(m, "weights", [])}
+            assert any(f.endswith("_R8") for f in formats) == interleave
+            runs.append(_greedy_with_logprobs(llm, PROMPTS))
+            runs.append(llm.stats()["weights_bytes"])
+            monkeypatch.undo()
+        assert runs[0] == runs[2] and runs[1] == runs[3]
+
+
 @pytest.mark.parametrize("source", ["file", "converted"])
 def test_a_prompts_tokens_do_not_depend_on_its_step(source, request):
     """In fp32 each row gets the bits it has alone: the file's quantized linears are exact per
@@ -110,15 +141,8 @@ def test_a_prompts_tokens_do_not_depend_on_its_step(source, request):
     model = str(default_model_file()) if source == "file" else None
     shared = "Answer in one short, clear sentence and never repeat this instruction. " * 6
     prompts = [shared + p for p in PROMPTS]  # ~90 tokens: a whole prompt is a step of 64+ rows
-    params = replace(GREEDY, logprobs=0)
 
-    def run(llm: LLM, batch: list[str]) -> list[tuple[list[int], list[float]]]:
-        outs = [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
-        return [
-            (o.token_ids, [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids, strict=True)])
-            for o in outs
-        ]
-
+    run = _greedy_with_logprobs
     whole = LLM(model=model, dtype="float32", enable_prefix_caching=False)
     alone = [run(whole, [p])[0] for p in prompts]
     cached = LLM(model=model, dtype="float32", num_kv_blocks=256)
@@ -381,7 +405,8 @@ def test_int8_linears_are_int8_blocks_of_the_float_weights(llm_fp32, monkeypatch
     int8 = LLM(dtype="float32", quantization="int8", num_kv_blocks=256)
     model, reference = int8.engine.runner.model, llm_fp32.engine.runner.model
     qkv, down = model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.down_proj
-    assert isinstance(qkv, QuantLinear) and [w.format for w in qkv.weights] == ["Q8_0"]
+    assert isinstance(qkv, QuantLinear)
+    assert [w.format for w in qkv.weights] == [served_format("Q8_0")]
     q8_256 = "Q8_256_VNNI" if vnni_gemm_built() else "Q8_256"  # 576 outputs: 18 strips
     assert isinstance(down, QuantLinear) and [w.format for w in down.weights] == [q8_256]
     assert isinstance(model.cpu_head, QuantLinear)
@@ -411,7 +436,7 @@ def test_int8_runs_an_untied_head_as_q8_0_blocks(tiny_model, monkeypatch):
     llm = LLM(model=str(tiny_model), dtype="float32", quantization="int8", num_kv_blocks=64)
     int8 = llm.engine.runner.model
     assert int8.lm_head is None and isinstance(int8.cpu_head, QuantLinear)
-    assert [w.format for w in int8.cpu_head.weights] == ["Q8_0"]
+    assert [w.format for w in int8.cpu_head.weights] == [served_format("Q8_0")]
     x = torch.randn(3, full.config.hidden_size)
     assert F.cosine_similarity(int8.logits(x), full.logits(x), dim=-1).min() > 0.999
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import logits_of, make_tiny_model
+from conftest import logits_of, make_tiny_model, served_format
 from safetensors.torch import load_file, save_file
 
 from paged_backend import LLM, SamplingParams, cpu
@@ -126,7 +126,8 @@ def test_an_int4_checkpoint_runs_on_its_blocks(
     layer = model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, QuantLinear)
     assert model.fused_decode is not None  # the one-call decode step takes the blocks
-    assert {w.format for w in layer.mlp.down_proj.weights} == {"Q4_0" if sym else "Q4_1"}
+    down_format = served_format("Q4_0") if sym else "Q4_1"
+    assert {w.format for w in layer.mlp.down_proj.weights} == {down_format}
     ids = llm.get_tokenizer()("The archive of Lindenfeld holds maps of the river valley").input_ids
     got, want = logits_of(llm, ids), logits_of(reference, ids)
     # int8 activations: close to the fp32 product of the same weights (other weights, or the

@@ -20,9 +20,11 @@ from paged_backend.cpu.quant import (
     activation_stride,
     can_dequantize_to_bf16,
     dequantize,
+    interleave_rows_,
     quant_gemm_bf16,
     quant_matmul,
     quantize_activations,
+    rows8_built,
     vnni_gemm_built,
     vnni_strips,
 )
@@ -45,8 +47,12 @@ FP16_FIELDS = {
 }
 
 
-# The formats whose bytes are rows of blocks (Q8_256_VNNI: Q8_256's, laid out in strips)
-ROW_FORMATS = [fmt for fmt in BLOCK_FORMATS if fmt != "Q8_256_VNNI"]
+# The formats whose bytes are rows of blocks (Q8_256_VNNI: Q8_256's, laid out in strips; the
+# `_R8` formats: Q4_0's and Q8_0's, 8 rows interleaved)
+ROW_FORMATS = [fmt for fmt in BLOCK_FORMATS if fmt != "Q8_256_VNNI" and not fmt.endswith("_R8")]
+needs_rows8 = pytest.mark.skipif(
+    not cpu.available() or not rows8_built(), reason="no interleaved-row kernels (AVX2 only)"
+)
 needs_vnni = pytest.mark.skipif(
     not cpu.available() or not vnni_gemm_built(), reason="no AVX512-VNNI GEMM"
 )
@@ -312,6 +318,7 @@ def test_rows_have_the_bits_of_one_row_in_steps_of_any_size(fmt):
         ("Q4_0", 48, torch.zeros(2, 27, dtype=torch.uint8), "multiple of 32"),
         ("Q4_0", 64, torch.zeros(2, 40, dtype=torch.uint8), "take 36 bytes"),
         ("Q8_0", 32, torch.zeros(2, 34), "uint8"),
+        ("Q4_0_R8", 64, torch.zeros(12, 36, dtype=torch.uint8), "multiple of 8 rows"),
     ],
 )
 def test_malformed_weights_are_refused(fmt, k, data, match):
@@ -369,3 +376,51 @@ def test_q8_256_in_vnni_strips_gives_the_bits_of_its_rows_in_any_step():
         QuantWeight("Q8_256_VNNI", rows_major.data[:48], 768)
     with pytest.raises(ValueError, match="Q8_256 weights of 32k rows"):
         vnni_strips(random_weight("Q8_256", 48, 768))
+
+
+@needs_rows8
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q5_0", "Q8_0"])
+def test_rows_interleaved_by_8_give_the_bits_of_the_files_layout_in_any_step(fmt):
+    """`interleave_rows_` lays out 8 rows at a time in place (same bytes a group of rows): the
+    same weight row by row, and every step of it (one row; 40, past a tile of 32; a fused linear
+    whose other part keeps the file's layout; the head's argmax a slice at a time) gives the
+    file layout's bits, on one or two threads (12 groups of 8 rows, split unevenly), fp32 and
+    bf16 out; 800 inputs end a row in a partial chunk of 256."""
+    file_rows = random_weight(fmt, 96, 800, seed=7)
+    weight = QuantWeight(fmt, file_rows.data.clone(), 800)
+    assert interleave_rows_(weight)
+    assert weight.format == f"{fmt}_R8" and not torch.equal(weight.data, file_rows.data)
+    assert torch.equal(dequantize(weight), dequantize(file_rows))
+    ids = torch.tensor([95, 0, 33, 8, 7])
+    assert torch.equal(dequantize(weight, ids), dequantize(file_rows)[ids])
+    other = random_weight("Q6_K", 32, 800 // 256 * 256, seed=8)
+    x = torch.randn(40, 800)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in (1, 3, 40):
+                for dtype in (torch.float32, torch.bfloat16):
+                    expected = quant_matmul(x[:rows], [file_rows], dtype)
+                    assert torch.equal(quant_matmul(x[:rows], [weight], dtype), expected)
+    finally:
+        torch.set_num_threads(threads)
+    fused = QuantLinear([weight, QuantWeight(fmt, file_rows.data[:32], 800)])
+    expected = QuantLinear([file_rows, QuantWeight(fmt, file_rows.data[:32], 800)])(x[:5])
+    assert torch.equal(fused(x[:5]), expected)
+    assert other.format == "Q6_K"  # no interleaved layout: left as it is
+    assert not interleave_rows_(other)
+    odd = random_weight(fmt, 12, 800, seed=9)
+    assert not interleave_rows_(odd) and odd.format == fmt  # rows not a multiple of 8
+
+
+@needs_rows8
+def test_an_interleaved_heads_argmax_a_slice_at_a_time_is_its_outputs_argmax(monkeypatch):
+    """Slices of the head start at multiples of 32 outputs: whole groups of 8 rows."""
+    monkeypatch.setattr(cpu_ops, "ARGMAX_SLICE_BYTES", 4 * 3 * 64)
+    file_rows = random_weight("Q4_0", 320, 640, seed=10)
+    weight = QuantWeight("Q4_0", file_rows.data.clone(), 640)
+    assert interleave_rows_(weight)
+    head, x = QuantLinear([weight]), torch.randn(3, 640)
+    expected = QuantLinear([file_rows])(x, torch.float32)[:, :300].argmax(-1)
+    assert torch.equal(head.argmax(x, 300), expected)

@@ -42,7 +42,12 @@ BLOCK_FORMATS = {
     "Q6_K": (14, 256, 210),
     "Q8_256": (64, 256, 260),
     "Q8_256_VNNI": (65, 256, 260),
+    "Q4_0_R8": (66, 32, 18),
+    "Q8_0_R8": (67, 32, 34),
+    "Q5_0_R8": (68, 32, 22),
 }
+# Formats whose weights `interleave_rows_` lays out 8 rows at a time, and the names of the results
+ROWS8_FORMATS = {"Q4_0": "Q4_0_R8", "Q5_0": "Q5_0_R8", "Q8_0": "Q8_0_R8"}
 _CHUNK = 256  # a super-block: the kernels' unit along the inputs
 
 
@@ -71,6 +76,13 @@ class QuantWeight:
             )
         if self.data.shape[1] != row or self.data.stride(1) != 1:
             raise ValueError(f"{self.format} rows of {self.in_features} inputs take {row} bytes")
+        if self.format in ROWS8_FORMATS.values() and not (
+            rows8_built() and self.out_features % 8 == 0 and self.data.is_contiguous()
+        ):
+            raise ValueError(
+                f"{self.format} weights need the interleaved-row kernels (AVX2 builds without "
+                "AVX-512's), a multiple of 8 rows, and contiguous bytes"
+            )
         if self.format == "Q8_256_VNNI" and not (
             vnni_gemm_built()
             and self.out_features % 32 == 0
@@ -98,6 +110,50 @@ class QuantWeight:
 def vnni_gemm_built() -> bool:
     """Whether the kernels were built with the VNNI GEMM (AVX512-VNNI and -BW)."""
     return load_library().has("vnni_matmul")
+
+
+def rows8_built() -> bool:
+    """Whether the kernels were built with the interleaved-row products (`csrc/quant_ops.c`,
+    `ROWS8`: AVX2 builds without the AVX-512 kernels, which read the files' layout)."""
+    return load_library().has("interleave_rows8")
+
+
+def interleave_rows_(weight: QuantWeight) -> bool:
+    """Lay out a weight of a format of `ROWS8_FORMATS` (rows a multiple of 8, contiguous bytes in
+    writable memory) 8 rows at a time, in place, where the kernels read that layout (the format
+    becomes its `_R8` name): the same bytes, whose products run ~1.5-2.5x faster on AVX2 and
+    whose outputs keep their bits. False (nothing done) where it does not apply."""
+    if (
+        weight.format not in ROWS8_FORMATS
+        or weight.out_features % 8
+        or not weight.data.is_contiguous()
+        or not rows8_built()
+    ):
+        return False
+    fmt = ROWS8_FORMATS[weight.format]
+    load_library().interleave_rows8(
+        type=BLOCK_FORMATS[fmt][0],
+        w=weight.data.data_ptr(),
+        n=weight.out_features,
+        row_bytes=weight.data.stride(0),
+        threads=torch.get_num_threads(),
+    )
+    weight.format = fmt
+    return True
+
+
+def interleave_model_rows_(model: nn.Module) -> None:
+    """`interleave_rows_` on the weights of `model`'s `QuantLinear`s and `QuantEmbedding`s, after
+    `memory.move_to_huge_pages_` (their bytes then in writable memory); a tied head's weight,
+    its embedding's, once."""
+    weights = {}
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            weights.update((id(w), w) for w in module.weights)
+        elif isinstance(module, QuantEmbedding):
+            weights[id(module.weight_q)] = module.weight_q
+    for weight in weights.values():
+        interleave_rows_(weight)
 
 
 # A strip's bytes, [strip, block of 16 outputs, output, super-block, 4-input step, 4] in row-major
@@ -228,7 +284,9 @@ def can_dequantize_to_bf16(weights: list[QuantWeight]) -> bool:
     """Whether `quant_gemm_bf16` takes these weights (with bf16 rows): the AVX512-BF16 kernels
     built, and weights of whole blocks of 16 outputs and 32 inputs, in a row-major format."""
     return load_library().has("quant_gemm_bf16") and all(
-        w.out_features % 16 == 0 and w.in_features % 32 == 0 and w.format != "Q8_256_VNNI"
+        w.out_features % 16 == 0
+        and w.in_features % 32 == 0
+        and w.format not in ("Q8_256_VNNI", *ROWS8_FORMATS.values())
         for w in weights
     )
 

@@ -131,14 +131,22 @@ static inline uint16_t f32_to_f16(float value) {
 
 typedef uint16_t bf16;
 
-/* GGUF (ggml) block types, by their type ids, and ours for `quantization="int8"` (no ggml types,
- * ids past theirs): Q8_256, a super-block of 256 int8 levels, then its fp32 scale; Q8_256_VNNI,
- * the same bytes for 32 outputs at a time laid out as the VNNI GEMM reads them (quant_gemm.c). */
+/* GGUF (ggml) block types, by their type ids, and ours (no ggml types, ids past theirs): for
+ * `quantization="int8"`, Q8_256, a super-block of 256 int8 levels, then its fp32 scale, and
+ * Q8_256_VNNI, the same bytes for 32 outputs at a time laid out as the VNNI GEMM reads them
+ * (quant_gemm.c); Q4_0_R8, Q5_0_R8 and Q8_0_R8, the blocks of Q4_0, Q5_0 and Q8_0 with each 8
+ * rows' bytes interleaved (quant_ops.c, `interleave_rows8`). */
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
-       Q6_K = 14, Q8_256 = 64, Q8_256_VNNI = 65 };
+       Q6_K = 14, Q8_256 = 64, Q8_256_VNNI = 65, Q4_0_R8 = 66, Q8_0_R8 = 67,
+       Q5_0_R8 = 68 };
 
 /* The K-quants (and Q8_256): super-blocks of 256 weights, against the legacy blocks of 32. */
-static inline int is_superblock(int type) { return type >= Q2_K; }
+static inline int is_superblock(int type) { return type >= Q2_K && type <= Q8_256_VNNI; }
+
+/* The block format whose bytes an interleaved one lays out (the type itself for the others). */
+static inline int rows8_base(int type) {
+    return type == Q4_0_R8 ? Q4_0 : type == Q5_0_R8 ? Q5_0 : type == Q8_0_R8 ? Q8_0 : type;
+}
 
 /* Q2_K, Q3_K and Q6_K: 16 groups of 16 weights a super-block (the others' groups are 32). Q3_K's
  * and Q6_K's scales are signed and their levels offset by a constant (w = d * sc * (q - offset));
@@ -150,11 +158,11 @@ static inline int has_signed_scales(int type) { return type == Q3_K || type == Q
 /* Bytes of one block, by type (0: not a block type the kernels read). */
 static inline int64_t block_bytes(int type) {
     switch (type) {
-    case Q4_0: return 18;
+    case Q4_0: case Q4_0_R8: return 18;
     case Q4_1: return 20;
-    case Q5_0: return 22;
+    case Q5_0: case Q5_0_R8: return 22;
     case Q5_1: return 24;
-    case Q8_0: return 34;
+    case Q8_0: case Q8_0_R8: return 34;
     case Q2_K: return 84;
     case Q3_K: return 110;
     case Q4_K: return 144;
