@@ -115,7 +115,8 @@ def vnni_gemm_built() -> bool:
 def rows8_built() -> bool:
     """Whether the kernels were built with the interleaved-row products (`csrc/quant_ops.c`,
     `ROWS8`: AVX2 builds without the AVX-512 kernels, which read the files' layout)."""
-    return load_library().has("interleave_rows8")
+    lib = load_library()
+    return lib is not None and lib.has("interleave_rows8")
 
 
 def interleave_rows_(weight: QuantWeight) -> bool:
