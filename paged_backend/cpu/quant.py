@@ -28,7 +28,8 @@ from paged_backend.cpu.library import load_library
 # ours for `quantization="int8"`, which no GGUF file holds: Q8_256 (256 int8 levels, then their
 # fp32 scale: a K-quant's integer super-block sums with no group scales, so its VNNI GEMM runs
 # `vpdpbusd` and little else) and Q8_256_VNNI (`vnni_strips`: the same bytes laid out as that
-# GEMM reads them, so no step unpacks them)
+# GEMM reads them, so no step unpacks them); and Q4_0, Q5_0 and Q8_0 with 8 rows interleaved
+# (`interleave_rows_`, on AVX2 builds without the AVX-512 kernels)
 BLOCK_FORMATS = {
     "Q4_0": (2, 32, 18),
     "Q4_1": (3, 32, 20),

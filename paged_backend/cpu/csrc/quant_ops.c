@@ -15,7 +15,8 @@
  *   Q8_256 (ours, for `quantization="int8"`: signed levels, one scale a super-block) is read as
  *   a K-quant whose groups all weigh 1 and whose offsets are 0.
  * Steps of 1-3 rows of a 4- or 5-bit legacy format take its blocks apart with byte permutes where
- * the CPU has AVX512-VBMI (`dot_rows_legacy_vbmi`).
+ * the CPU has AVX512-VBMI (`dot_rows_legacy_vbmi`); AVX2 builds without the AVX-512 kernels read
+ * Q4_0, Q5_0 and Q8_0 with 8 rows interleaved (`ROWS8`), a lane a row.
  * A chunk of 256 weights is unpacked once for all rows of a step, so a batch reuses it from
  * registers and L1; with AVX512-VNNI, steps of a few rows on unpack a strip of outputs once
  * into a layout for `vpdpbusd` (`quant_gemm.c`). Without AVX2 a scalar loop computes the same
