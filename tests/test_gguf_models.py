@@ -105,25 +105,26 @@ def _greedy_with_logprobs(llm: LLM, prompts: list[str]) -> list[tuple[list[int],
 
 
 @pytest.mark.skipif(not cpu.available() or not rows8_built(), reason="AVX2 builds only")
-def test_q4_0_and_q8_0_files_run_interleaved_with_the_bits_of_their_layout(tmp_path, monkeypatch):
-    """Where the kernels read Q4_0 and Q8_0 weights 8 rows interleaved, a file's are laid out so
-    once loaded, in place (no second copy): the same tokens and logprobs as in the file's layout,
-    in a batch and in one-row decode steps, fused or not."""
+def test_a_q4_0_file_runs_interleaved_with_the_bits_of_its_layout(tmp_path, monkeypatch):
+    """Where the kernels read Q4_0 weights 8 rows interleaved, a file's are laid out so once
+    loaded, in place (no second copy), its embedding too: the same tokens and logprobs as in the
+    file's layout, in a batch and in the fused one-row decode steps (Q8_0's: the int8 tests;
+    each format's kernels: tests/test_quant_kernels.py)."""
     from paged_backend import model_runner
 
-    for path in write_checkpoint("tiny", tmp_path, ("q4_0", "q8_0")):
-        runs = []
-        for interleave in (True, False):
-            if not interleave:
-                monkeypatch.setattr(model_runner, "interleave_model_rows_", lambda model: None)
-            llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
-            model = llm.engine.runner.model
-            formats = {w.format for m in model.modules() for w in getattr(m, "weights", [])}
-            assert any(f.endswith("_R8") for f in formats) == interleave
-            runs.append(_greedy_with_logprobs(llm, PROMPTS))
-            runs.append(llm.stats()["weights_bytes"])
-            monkeypatch.undo()
-        assert runs[0] == runs[2] and runs[1] == runs[3]
+    (path,) = write_checkpoint("tiny", tmp_path, ("q4_0",))
+    runs = []
+    for interleave in (True, False):
+        if not interleave:
+            monkeypatch.setattr(model_runner, "interleave_model_rows_", lambda model: None)
+        llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
+        model = llm.engine.runner.model
+        formats = {w.format for m in model.modules() for w in getattr(m, "weights", [])}
+        formats.add(model.embed_tokens.weight_q.format)
+        assert formats == ({"Q4_0_R8"} if interleave else {"Q4_0"})
+        assert model.fused_decode is not None
+        runs.append((_greedy_with_logprobs(llm, PROMPTS), llm.stats()["weights_bytes"]))
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.parametrize("source", ["file", "converted"])
