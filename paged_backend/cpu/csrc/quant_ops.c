@@ -150,14 +150,22 @@ static inline __attribute__((always_inline)) __m256i lane_sums8(const __m256i p[
 /* A legacy chunk's value, lane g block g's, from its blocks' integer sums (lane g), scales d8
  * and offsets off8, and the activations' scales xd and 16s' level sums bs: the float sequence
  * of every legacy kernel. */
+/* The float sequence of every legacy kernel, lane by lane: blocks' integer sums, their scales d8
+ * and offsets off8, the activations' block scales xd8 and level sums (ignored for Q8_0). */
+static inline __attribute__((always_inline)) __m256 legacy_scaled(int type, __m256i sums, __m256 d8,
+                                                                  __m256 off8, __m256 xd8,
+                                                                  __m256i levels) {
+    __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d8, xd8));
+    if (type == Q8_0) return sum;
+    return _mm256_fmadd_ps(off8, _mm256_mul_ps(_mm256_cvtepi32_ps(levels), xd8), sum);
+}
+
 static inline __attribute__((always_inline)) __m256 legacy_value(int type, __m256i sums, __m256 d8,
                                                                  __m256 off8, const float *xd,
                                                                  const int16_t *bs) {
-    __m256 xd8 = _mm256_loadu_ps(xd);
-    __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d8, xd8));
-    if (type == Q8_0) return sum;
+    if (type == Q8_0) return legacy_scaled(type, sums, d8, off8, _mm256_loadu_ps(xd), _mm256_setzero_si256());
     __m256i levels = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), _mm256_set1_epi16(1));
-    return _mm256_fmadd_ps(off8, _mm256_mul_ps(_mm256_cvtepi32_ps(levels), xd8), sum);
+    return legacy_scaled(type, sums, d8, off8, _mm256_loadu_ps(xd), levels);
 }
 
 /* A legacy chunk . one row's activations x at it (their blocks' scales xd, their 16s' level sums
@@ -652,11 +660,8 @@ static inline __attribute__((always_inline)) __m256 block_value8(int type, const
         __m256i ones = _mm256_set1_epi16(1);
         sums = _mm256_add_epi32(_mm256_madd_epi16(part[0], ones), _mm256_madd_epi16(part[1], ones));
     }
-    __m256 sum = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d8, xd8));
-    if (type == Q8_0_R8) return sum;
     __m256 off8 = _mm256_mul_ps(d8, _mm256_set1_ps(type == Q5_0_R8 ? -16.0f : -8.0f));
-    __m256 level_sum = _mm256_set1_ps((float)(bs[0] + bs[1]));
-    return _mm256_fmadd_ps(off8, _mm256_mul_ps(level_sum, xd8), sum);
+    return legacy_scaled(rows8_base(type), sums, d8, off8, xd8, _mm256_set1_epi32(bs[0] + bs[1]));
 }
 
 /* The chunk of 8 interleaved rows at blk (`groups` blocks) . a row's activations there: lane r
