@@ -81,12 +81,16 @@ class CompletionFinder:
         self._vocab_size = vocab_size
         self._encode = encode
 
-    def find(self, matcher: GrammarMatcher, *, thorough: bool) -> bytes | None:
+    def find(
+        self, matcher: GrammarMatcher, *, thorough: bool, hints: tuple[bytes, ...] = ()
+    ) -> bytes | None:
         """A text after which `matcher` may stop (b"" if it may stop now), None when there is
         none within the search's bounds: the greedy completion, or with `thorough` the
-        shortest (a best-first search over the pieces, bounded by the greedy completion)."""
+        shortest (a best-first search over the pieces, bounded by the greedy completion).
+        `hints` are the spec's literal strings (a tag's end, a trigger), tried where free text
+        allows every byte and no single byte leads anywhere else."""
         bitmask = self._bitmask()
-        best = self._greedy(matcher, bitmask)
+        best = self._greedy(matcher, bitmask, hints)
         if not thorough:
             return best
         order = itertools.count()
@@ -134,17 +138,22 @@ class CompletionFinder:
         solid = [b for b in solid if not 48 <= b <= 57 or b == digits[0]]
         return _Pieces(tuple(bytes([b]) for b in (solid or allowed)), free_text)
 
-    def _greedy(self, matcher: GrammarMatcher, bitmask) -> bytes | None:
-        """Follows the best-ranked piece that closes something (a quote or bracket outside
-        string content) or leads to a state allowing other bytes, the best one when none
-        does: ends a number or a string, then closes what is open."""
+    def _greedy(self, matcher: GrammarMatcher, bitmask, hints: tuple[bytes, ...]) -> bytes | None:
+        """Follows the best-ranked piece (then hint) that closes something (a quote or bracket
+        outside string content) or leads to a state allowing other bytes, the best piece when
+        none does: ends a number or a string, then closes what is open. Free text that every
+        piece and hint leads back to is then followed one first piece at a time, without
+        trying the others again until the state changes (each try fills a bitmask: free text
+        without a way out took ~17 s to give up on)."""
         state, text = matcher.fork(), b""
         children = self._children(state, bitmask)
+        stuck = None  # free text that nothing led out of, and the piece followed there
         while children is not None:
             if len(text) > _MAX_GREEDY_BYTES:
                 return None
+            tried = stuck[1:] if stuck and stuck[0] == children else children.pieces + hints
             step = None
-            for piece in children.pieces:
+            for piece in tried:
                 child = state.fork()
                 if not child.accept_string(piece):
                     continue
@@ -156,6 +165,8 @@ class CompletionFinder:
                     break
             if step is None:
                 return None
+            if step[2] == children:
+                stuck = (children, step[0])
             piece, state, children = step
             text += piece
         return text
@@ -191,8 +202,11 @@ class BudgetGuard:
     shortest completion; later ones are the greedy completion or the rest of an earlier one:
     the search for the shortest costs ~20 ms, too much for every step, and saves few tokens."""
 
-    def __init__(self, finder: CompletionFinder, text: bytes, tokens: list[int]) -> None:
+    def __init__(
+        self, finder: CompletionFinder, text: bytes, tokens: list[int], hints: tuple[bytes, ...]
+    ) -> None:
         self._finder = finder
+        self._hints = hints  # the spec's literal strings (`CompletionFinder.find`)
         self._set(text, list(tokens))  # a copy: the grammar cache shares its own
 
     def _set(self, text: bytes, tokens: list[int]) -> None:
@@ -255,6 +269,6 @@ class BudgetGuard:
         for text in dict.fromkeys((self.text[at + len(core) :] if at >= 0 else b"", self.text)):
             if text and self._finder.completes(after, text):
                 yield text
-        text = self._finder.find(after, thorough=False)
+        text = self._finder.find(after, thorough=False, hints=self._hints)
         if text is not None:
             yield text

@@ -10,7 +10,9 @@ llguidance is the `[structured]` extra, imported on the first constrained reques
 
 from __future__ import annotations
 
+import contextlib
 import json as jsonlib
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 _CACHE_SIZE = 256  # compiled specs kept per engine
+_MAX_HINT_BYTES = 64  # longer literal strings are not tried as ways out of free text
 
 
 @dataclass
@@ -125,6 +128,7 @@ def _require(ok: bool, name: str, allowed: str, value: Any) -> None:
 
 
 _Shortest = tuple[bytes, list[int]] | None  # a spec's shortest complete output: text, token ids
+_Entry = tuple["llguidance.LLMatcher", _Shortest, tuple[bytes, ...]]  # grammar, shortest, hints
 
 
 class GrammarCache:
@@ -137,7 +141,7 @@ class GrammarCache:
         self._tokenizer = tokenizer
         self._grammar_tokenizer = GrammarTokenizer(tokenizer, vocab_size, stop_token_ids)
         self._first_tokens: dict[str, int] = {}
-        self._compiled: OrderedDict[tuple, tuple[llguidance.LLMatcher, _Shortest]] = OrderedDict()
+        self._compiled: OrderedDict[tuple, _Entry] = OrderedDict()
         self._lock = threading.Lock()  # guards only the dict: compiles may run concurrently
 
     def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
@@ -145,9 +149,10 @@ class GrammarCache:
         sequence gets a copy); raises ValueError if the spec is invalid."""
         return self._entry(params)[0]
 
-    def _entry(self, params: StructuredOutputsParams) -> tuple[llguidance.LLMatcher, _Shortest]:
-        """The compiled grammar of `params` and the shortest completion of its start (text and
-        token ids, or None where the search gave up), both once per spec."""
+    def _entry(self, params: StructuredOutputsParams) -> _Entry:
+        """The compiled grammar of `params`, the shortest completion of its start (text and
+        token ids, or None where the search gave up) and the spec's literal strings that
+        searches try in free text (`CompletionFinder.find`), all once per spec."""
         with self._lock:
             entry = self._compiled.get(params.key)
             if entry is not None:
@@ -155,8 +160,9 @@ class GrammarCache:
                 return entry
         compiled = self._compile(*params.key)
         start = GrammarMatcher(compiled.deep_copy(), self._grammar_tokenizer, self.stop_token_ids)
-        text = self._finder.find(start, thorough=True)
-        entry = (compiled, None if text is None else (text, self._finder.tokens(text)))
+        hints = _literals(*params.key[:2])
+        text = self._finder.find(start, thorough=True, hints=hints)
+        entry = (compiled, None if text is None else (text, self._finder.tokens(text)), hints)
         with self._lock:
             self._compiled[params.key] = entry
             if len(self._compiled) > _CACHE_SIZE:
@@ -193,8 +199,8 @@ class GrammarCache:
 
     def budget_guard(self, params: StructuredOutputsParams) -> BudgetGuard | None:
         """A fresh request's `BudgetGuard`; None when its grammar has no completion in reach."""
-        shortest = self._entry(params)[1]
-        return None if shortest is None else BudgetGuard(self._finder, *shortest)
+        _, shortest, hints = self._entry(params)
+        return None if shortest is None else BudgetGuard(self._finder, *shortest, hints)
 
     def forced_token(self, matcher: GrammarMatcher) -> int | None:
         """The first token of the text the grammar forces next (a key, `": "`, a closing
@@ -243,6 +249,37 @@ def _grammar(llg, kind: str, spec: str, compact: bool) -> str:
         return llg.LLMatcher.grammar_from_lark(any_to_lark(spec))
     except Exception as exc:  # the converter raises what its parser meets
         raise ValueError(str(exc)) from None
+
+
+def _literals(kind: str, spec: str) -> tuple[bytes, ...]:
+    """The literal strings of a structural tag (begins, ends, triggers, separators, constants)
+    or of a grammar (its quoted strings): the ways out of free text, such as a tag's end, that
+    no single byte shows. A regex's literals are not read out: free text that only one ends
+    (`.*!!`) takes the search its byte bound, ~1 s, to give up on (no guard then)."""
+    if kind == "structural_tag":
+        found = list(_string_values(jsonlib.loads(spec)))
+    elif kind == "grammar":
+        found = []
+        for quoted in re.findall(r'"(?:[^"\\\n]|\\.)*"', spec):
+            with contextlib.suppress(ValueError):
+                found.append(jsonlib.loads(quoted))
+    else:
+        return ()
+    encoded = (text.encode(errors="replace") for text in found)
+    return tuple(dict.fromkeys(b for b in encoded if 0 < len(b) <= _MAX_HINT_BYTES))
+
+
+def _string_values(value: Any):
+    """The strings among a JSON value's values, but for the `type` names of its objects."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if key != "type":
+                yield from _string_values(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _string_values(item)
 
 
 def _clean(message: str) -> str:

@@ -180,3 +180,52 @@ def test_content_gets_every_token_the_completion_does_not_need(llm):
     # The scaffolding and the closing quote and brace take as many tokens as the shortest
     # output: the 20 tokens beyond it are all content.
     assert json.loads(completion.text)["story"] == "a" * 20
+
+
+def _tag(fmt: dict) -> StructuredOutputsParams:
+    return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": fmt})
+
+
+CALL = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+TAGGED_CALL = {
+    "type": "tag",
+    "begin": "<f>",
+    "content": {"type": "json_schema", "json_schema": CALL},
+}
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        _tag({"type": "tag", "begin": "<t>", "content": {"type": "any_text"}, "end": "</t>"}),
+        _tag(
+            {
+                "type": "triggered_tags",
+                "triggers": ["<f>"],
+                "tags": [TAGGED_CALL | {"end": "</f>"}],
+                "at_least_one": True,
+            }
+        ),
+        StructuredOutputsParams(grammar='root ::= "Note: " [^!]* "!!"'),
+    ],
+    ids=["tag-of-any-text", "at-least-one-call", "grammar"],
+)
+def test_free_text_that_only_a_literal_ends_is_complete_within_the_budget(llm, spec):
+    """Free text whose way out is a literal string (a tag's end, a trigger, a grammar's quoted
+    string), which no single byte shows: the shortest output is found (the search gave up on
+    these, after ~17 s for the tags), and outputs at budgets from it up end complete."""
+    need = _shortest(llm, spec)
+    params = [
+        SamplingParams(
+            temperature=temperature, seed=7, max_tokens=need + extra, structured_outputs=spec
+        )
+        for extra in (0, 2, 9)
+        for temperature in (0.0, 1.5)
+    ]
+    outputs = llm.generate(["Text:"] * len(params), params, use_tqdm=False)
+    for out, p in zip(outputs, params, strict=True):
+        completion = out.outputs[0]
+        assert len(completion.token_ids) <= p.max_tokens
+        matcher = llm.engine.grammars.matcher(spec, [])
+        assert matcher.accept_string(completion.text) and matcher.is_completed(), completion.text
+    assert not llm.engine.has_unfinished_requests()
