@@ -99,6 +99,25 @@ def f32_linears_every_step(monkeypatch) -> None:
     monkeypatch.setattr(kernel_choice, "f32_max_rows", every_step)
 
 
+@pytest.fixture
+def cache_with_kernels(tmp_path) -> Path:
+    """A new cache (`tmp_path / "cache"`) that holds only the session cache's compiled C ops
+    and kernel timings: for tests of what a first start writes (configs, tokenizers), whose
+    engines would otherwise build and time the kernels again (10-30 s a start on 2 cores),
+    which they do not test."""
+    from paged_backend.cpu import load_library
+    from paged_backend.cpu.kernel_choice import _CACHE_FILE
+
+    load_library()  # into the session cache, where no test built it yet
+    session, cache = cache_path(), tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    for library in session.glob("cpu_ops-*.so"):
+        (cache / library.name).symlink_to(library)
+    if (session / _CACHE_FILE).exists():
+        shutil.copyfile(session / _CACHE_FILE, cache / _CACHE_FILE)
+    return cache
+
+
 def served_format(fmt: str) -> str:
     """The format a model's linear or embedding of block format `fmt` (rows a multiple of 8)
     runs in: its interleaved-row layout where the kernels read one (`quant.interleave_rows_`)."""

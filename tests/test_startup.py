@@ -264,23 +264,25 @@ def _outputs(llm: LLM) -> list:
 
 
 def test_starts_from_the_caches_give_the_first_starts_outputs(
-    tmp_path, default_model_path, monkeypatch
+    cache_with_kernels, default_model_path, monkeypatch
 ):
     """A first start (filling the caches), a second (reading them) and a third after the
     tokenizer entry was corrupted: the same tokens, text and logprobs."""
-    monkeypatch.setenv("PAGED_BACKEND_CACHE", str(tmp_path))
+    monkeypatch.setenv("PAGED_BACKEND_CACHE", str(cache_with_kernels))
     loads = _hf_loads(monkeypatch)
     first = _outputs(LLM(str(default_model_path), dtype="float32"))
     assert _outputs(LLM(str(default_model_path), dtype="float32")) == first
     assert len(loads) == 1
-    for entry in _entries(tmp_path):
+    for entry in _entries(cache_with_kernels):
         entry.write_bytes(b"0" * 64 + entry.read_bytes()[64:])
     assert _outputs(LLM(str(default_model_path), dtype="float32")) == first
     assert len(loads) == 2
 
 
 @pytest.mark.parametrize("model", ["default", "gemma3"])
-def test_a_warm_start_imports_no_transformers(tmp_path, default_model_path, model):
+def test_a_warm_start_imports_no_transformers(
+    tmp_path, cache_with_kernels, default_model_path, model
+):
     """`LLM()` and a generate read the model's config (the default model's plain Llama one, or
     transformers' reading of a Gemma 3 one, kept in the cache) and tokenizer without
     transformers (its import takes 1-2 s of a start), once the first start filled the cache."""
@@ -292,7 +294,7 @@ def test_a_warm_start_imports_no_transformers(tmp_path, default_model_path, mode
         f"LLM({str(path)!r}).generate('Hi', SamplingParams(max_tokens=2), "
         "use_tqdm=False); print('transformers' in sys.modules)"
     )
-    env = dict(os.environ, PAGED_BACKEND_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, PAGED_BACKEND_CACHE=str(cache_with_kernels))
     runs = [
         subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         for _ in range(2)
