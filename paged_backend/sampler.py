@@ -3,6 +3,11 @@
 Greedy rows skip all full-vocabulary work but the argmax. Random rows draw with the exponential
 race (argmax of p / Exp(1) noise), which consumes exactly one vocabulary-sized draw per step per
 request: a seeded request's tokens depend only on its own generator, whatever else is batched.
+Each token races on its own, so logits that differ in the last bits between a batch and a lone
+run (other GEMM blocking) almost never change the winner; an inverse-CDF draw (one number per
+row) flipped ~0.4% of tokens under a 1e-6 relative change, its sums carrying every token's error.
+The noise is -log of uniform numbers: torch's `exponential_` took 52 ms a step for 32 rows of
+49,152 on a 2-core Zen 1, uniform numbers and a log ~12 ms.
 Rows under structured output are first masked to the tokens their grammar allows; their budget
 guard may then replace a sampled token that would leave no room to complete the structure (see
 `completion`).
@@ -18,6 +23,8 @@ from paged_backend.cpu import ops as cpu_ops
 from paged_backend.outputs import Logprob
 from paged_backend.request import Request
 from paged_backend.structured_output import GrammarCache, apply_grammar_bitmask
+
+_CANDIDATES = 256  # tokens ranked per row for top-k / top-p before any whole-row sort
 
 
 @dataclass
@@ -115,16 +122,14 @@ class Sampler:
         min_p = torch.tensor([r.params.min_p for r in requests]).unsqueeze(1)
         if (min_p > 0).any():
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
-        noise = torch.empty_like(probs)
+        noise = torch.empty_like(probs)  # uniform in [0, 1), then Exp(1) as -log(u)
         unseeded = [i for i, r in enumerate(requests) if r.generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(
-                generator=self.generator
-            )
+            noise[unseeded] = torch.rand(len(unseeded), probs.shape[1], generator=self.generator)
         for i, r in enumerate(requests):
             if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
-        return (probs / noise).argmax(dim=-1)
+                noise[i].uniform_(generator=r.generator)
+        return (probs / noise.log_().neg_()).argmax(dim=-1)
 
 
 def takes_argmax(r: Request) -> bool:
@@ -146,6 +151,41 @@ def _needs_adjust(r: Request) -> bool:
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Each row's top-k (0: all), then the smallest prefix of it whose renormalized mass reaches
+    its top-p (the token crossing it included), the rest at -inf; rows with neither keep every
+    logit. Ranked among each row's `_CANDIDATES` best tokens (or its top-k, where larger): a
+    full sort of 32 rows of 49,152 took 84 ms a step on a 2-core Zen 1, `topk` of 256 4 ms.
+    Rows whose nucleus reaches past the candidates (a flat distribution) are sorted whole."""
+    vocab = logits.shape[1]
+    ks = [min(k, vocab) if k > 0 else vocab for k in top_k]
+    width = min(vocab, max([_CANDIDATES, *(k for k in ks if k < vocab)]))
+    values, order = logits.topk(width, dim=-1)
+    k_col, p_col = torch.tensor(ks).unsqueeze(1), torch.tensor(top_p).unsqueeze(1)
+    drop = torch.arange(width).unsqueeze(0) >= k_col
+    values = values.masked_fill(drop, float("-inf"))
+    # Renormalized over the row's top-k: the candidates hold it, or it is the whole row.
+    whole = k_col > width
+    norm = torch.logsumexp(values, dim=-1, keepdim=True)
+    if whole.any():
+        norm = torch.where(whole, torch.logsumexp(logits, dim=-1, keepdim=True), norm)
+    probs = torch.exp(values - norm)
+    drop |= ((probs.cumsum(dim=-1) - probs) >= p_col) & (p_col < 1.0)
+    out = torch.full_like(logits, float("-inf")).scatter_(
+        1, order, values.masked_fill(drop, float("-inf"))
+    )
+    unfiltered = (whole & (p_col >= 1.0)).flatten()
+    beyond = (whole & (p_col < 1.0) & (probs.sum(dim=-1, keepdim=True) < p_col)).flatten()
+    out[unfiltered] = logits[unfiltered]
+    if beyond.any():
+        rows = beyond.nonzero().flatten().tolist()
+        out[rows] = _sorted_top_k_top_p(
+            logits[rows], [top_k[i] for i in rows], [top_p[i] for i in rows]
+        )
+    return out
+
+
+def _sorted_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """`_apply_top_k_top_p` over each row's whole vocabulary, sorted."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[1]
     ks = torch.tensor([k if k > 0 else vocab for k in top_k]).clamp(max=vocab)

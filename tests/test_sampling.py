@@ -17,7 +17,7 @@ from conftest import hf_forward
 
 from paged_backend import LLM, SamplingParams
 from paged_backend.request import Request
-from paged_backend.sampler import Sampler, _apply_top_k_top_p
+from paged_backend.sampler import Sampler, _apply_top_k_top_p, _sorted_top_k_top_p
 
 EOS = 2
 VOCAB = 49152
@@ -222,6 +222,24 @@ def test_sampled_frequencies_follow_the_distribution(params):
             assert counts[t] == 0, f"token {t} is outside the allowed set"
         else:
             assert counts[t] / num == pytest.approx(p, abs=0.03), t
+
+
+def test_top_k_and_top_p_among_candidates_keep_what_a_whole_sort_keeps():
+    """Peaked rows (the nucleus among the best 256), flat ones (past them: sorted whole), a
+    top-k above 256, a grammar's -inf, and rows with neither filter, in one batch."""
+    gen = torch.Generator().manual_seed(3)
+    peaked = torch.randn(4, VOCAB, generator=gen) * 4
+    flat = torch.randn(2, VOCAB, generator=gen) * 0.1
+    masked = peaked[:1].clone()
+    masked[0, torch.rand(VOCAB, generator=gen) < 0.99] = float("-inf")
+    logits = torch.cat([peaked, flat, masked])
+    top_k = [0, 5, 300, 0, 0, 40, 0]
+    top_p = [0.9, 1.0, 0.8, 1.0, 0.95, 0.7, 0.99]
+    fast = _apply_top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(fast, _sorted_top_k_top_p(logits, top_k, top_p))
+    assert torch.equal(fast[3], logits[3])
+    kept = torch.isfinite(fast).sum(dim=1).tolist()
+    assert kept[1] == 5 and kept[2] <= 300 and kept[4] > 256  # a flat nucleus: past 256
 
 
 def test_unfiltered_row_keeps_its_whole_vocabulary_in_any_batch():
