@@ -169,7 +169,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     if whole.any():
         norm = torch.where(whole, torch.logsumexp(logits, dim=-1, keepdim=True), norm)
     probs = torch.exp(values - norm)
-    drop |= ((probs.cumsum(dim=-1) - probs) >= p_col) & (p_col < 1.0)
+    drop |= _past_nucleus(probs, p_col)
     out = torch.full_like(logits, float("-inf")).scatter_(
         1, order, values.masked_fill(drop, float("-inf"))
     )
@@ -193,11 +193,16 @@ def _sorted_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
     drop = ranks >= ks.unsqueeze(1)
     ps = torch.tensor(top_p).unsqueeze(1)
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the token crossing it included). Rows
-    # with top_p == 1 keep all: an fp32 cumsum can reach 1.0 before the tail of the vocabulary.
-    drop |= ((probs.cumsum(dim=-1) - probs) >= ps) & (ps < 1.0)
+    drop |= _past_nucleus(probs, ps)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _past_nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Of probabilities sorted best first, those past the smallest prefix whose mass reaches
+    `top_p` (the token crossing it is kept). Rows with top_p == 1 keep all: an fp32 cumsum can
+    reach 1.0 before the tail of the vocabulary."""
+    return ((probs.cumsum(dim=-1) - probs) >= top_p) & (top_p < 1.0)
 
 
 def _top_logprobs(

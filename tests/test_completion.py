@@ -9,6 +9,7 @@ import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_structural_tags import _tag
 
 from paged_backend import LLM, SamplingParams, StructuredOutputsParams
 
@@ -180,10 +181,6 @@ def test_content_gets_every_token_the_completion_does_not_need(llm):
     # The scaffolding and the closing quote and brace take as many tokens as the shortest
     # output: the 20 tokens beyond it are all content.
     assert json.loads(completion.text)["story"] == "a" * 20
-
-
-def _tag(fmt: dict) -> StructuredOutputsParams:
-    return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": fmt})
 
 
 CALL = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
