@@ -15,7 +15,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from conftest import QUOTED  # noqa: E402
+from conftest import QUOTED, make_tiny_model  # noqa: E402
 from langchain_core.messages import AIMessage  # noqa: E402
 from llama_index.core.llms import ChatMessage  # noqa: E402
 
@@ -37,9 +37,12 @@ from paged_backend.distributed.engine import RayEngine, _merge  # noqa: E402
 
 ENGINE_ARGS = {"dtype": "float32", "num_kv_blocks": 256}
 RAY_ARGS = {"backend": "ray", "num_replicas": 2, **ENGINE_ARGS}
-# Replicas that run one request and queue one more: a third is refused.
-SMALL_QUEUE_ARGS = {**RAY_ARGS, "max_num_seqs": 1, "max_waiting_requests": 1}
-LONG = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)  # runs for seconds
+# Replicas that run one request and queue one more: a third is refused. Their model takes
+# 32K-token requests, so that a filler runs for minutes (~5 ms a token here) until the test
+# closes it: a 1,000-token one had finished in ~5 s, before a slow test had filled the queues.
+SMALL_QUEUE_ARGS = {**RAY_ARGS, "max_num_seqs": 1, "max_waiting_requests": 1, "num_kv_blocks": 8300}
+LONG_CONTEXT = 32768
+LONG = SamplingParams(temperature=0, max_tokens=LONG_CONTEXT - 64, ignore_eos=True)
 SHORT = SamplingParams(temperature=0, max_tokens=4)
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 PROMPTS = [
@@ -195,8 +198,15 @@ def engine(ray_cluster, tiny_model):
 
 
 @pytest.fixture(scope="module")
-def small_queues(ray_cluster, tiny_model):
-    engine = get_engine(str(tiny_model), **SMALL_QUEUE_ARGS)
+def long_model(tmp_path_factory, default_model_path):
+    """The tiny model with room for `LONG` fillers."""
+    path = tmp_path_factory.mktemp("tiny-long")
+    return make_tiny_model(path, default_model_path, max_position_embeddings=LONG_CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def small_queues(ray_cluster, long_model):
+    engine = get_engine(str(long_model), **SMALL_QUEUE_ARGS)
     yield engine
     release_engine(engine)
     engine.shutdown()
@@ -461,12 +471,12 @@ async def test_a_refused_request_moves_to_another_replica(small_queues):
     assert engine._router.load == [0, 0]  # refusals gave their places back
 
 
-def test_chat_paged_retries_a_ray_overload(small_queues, tiny_model, monkeypatch):
+def test_chat_paged_retries_a_ray_overload(small_queues, long_model, monkeypatch):
     """The adapters' `max_retries` applies: a Ray overload is `EngineOverloadedError` itself."""
     fillers = run_one_on_each(small_queues)
     fillers += [small_queues.generate_stream(f"{w} waits:", SHORT) for w in ("East", "West")]
     wait_for(lambda: waiting(small_queues) == [1, 1], what="full queues")
-    model = str(tiny_model)
+    model = str(long_model)
     impatient = ChatPaged(model=model, max_tokens=4, max_retries=0, **SMALL_QUEUE_ARGS)
     assert impatient.engine is small_queues
     with pytest.raises(EngineOverloadedError) as refused:
