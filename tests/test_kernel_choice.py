@@ -85,6 +85,27 @@ def test_a_win_for_torch_must_hold_when_timed_again(monkeypatch):
     assert kernel_choice._rows_c_serves(8, torch.float32, lambda x: (), lambda x: ()) == 1
 
 
+def test_a_win_smaller_than_the_one_call_step_leaves_the_rows_to_c(monkeypatch):
+    """A clear but small win for torch (the default model's 576x576 at 32 rows on a Zen 1:
+    0.39 against 0.45 ms) would take decode steps out of their one C call, worth ~1.6 ms a layer
+    there: the rows stay C's until torch saves more than `_TORCH_SAVES_S` a call. Between two
+    kernels that both run in the one-call step (GGUF blocks or their fp32 values) the share
+    alone decides."""
+    c_ms = {1: 0.05, 2: 0.08, 4: 0.1, 8: 0.15, 16: 0.26, 32: 0.45, 64: 3.0}
+
+    def best_times(*calls, before=None):
+        c_time = c_ms[calls[0][1].shape[0]] * 1e-3  # each call: (kernel, x, ...)
+        return [c_time, 0.85 * c_time]  # a clear share at every count
+
+    monkeypatch.setattr(kernel_choice, "_best_times", best_times)
+
+    def call(x):
+        return None, x
+
+    assert kernel_choice._rows_c_serves(8, torch.float32, call, call) == 32  # 64: 0.45 ms saved
+    assert kernel_choice._rows_c_serves(8, torch.float32, call, call, fused=False) == 0
+
+
 def test_the_load_of_other_processes_is_measured():
     """A process that keeps a core busy beside us shows in the share; our own work does not."""
     import subprocess

@@ -18,11 +18,14 @@ from 16 rows. So nothing is assumed: at engine start each of the model's weight 
 under both kernels at 1-64 rows, and the C GEMM serves a shape up to the largest row count at
 which oneDNN does not beat it clearly (and every smaller one).
 
-A near tie goes to the C GEMM. A step of decodes whose layer linears all run it goes through
-every layer in one C call (`fused_decode`), which saves ~0.3 ms of Python a layer, more than
-such a tie is worth. And timings here move by ~10% from run to run: with a 2% margin, the
-default model's gate/up linear (C and oneDNN within 1% at 32 rows) flipped between runs, and
-the whole batch-32 decode step with it (~45 against ~57 ms).
+A near tie, or a small win, goes to the C kernel. A step of decodes whose layer linears all
+run it goes through every layer in one C call (`fused_decode`), which saves ~0.3 ms a layer on
+a Zen 4 (Python, dispatch, thread wake-ups) and ~1.6 ms on a 2-core Zen 1 (fp32, batch 32),
+more than such a win is worth: torch takes a row count only where it needs less than 90% of
+the C kernel's time and saves more than `_TORCH_SAVES_S` a call. Timings here move by ~10%
+from run to run: with a 2% margin, the default model's gate/up linear (C and oneDNN within 1%
+at 32 rows) flipped between runs, and the whole batch-32 decode step with it (~45 against ~57
+ms); with 10% and no floor, the fp32 576x576 linear's 0.39 against 0.45 ms at 32 rows did.
 
 The result is cached per CPU, thread count, torch, C-kernel build and rule under the cache dir,
 so later starts read it instead of timing (about a second). Timings taken while other processes
@@ -62,6 +65,11 @@ logger = logging.getLogger(__name__)
 ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # the step sizes timed; GEMM_MAX_ROWS is the largest
 _REPEATS = 7
 _TORCH_WINS = 0.9  # torch (oneDNN, MKL) takes a row count where it needs less than this share of C
+# and, where the C kernel would keep a step in one C call (`fused_decode`), saves at least this
+# much a call: the one-call step is worth more than a small win of one linear. On a 2-core Zen 1
+# the default model's batch-32 step took 184-186 ms fused and 233-253 ms unfused because torch
+# won the 576x576 linear at 32 rows (0.39 against 0.45 ms): ~1.6 ms a layer of four linears.
+_TORCH_SAVES_S = 0.25e-3
 _BUSY_SHARE = 0.15
 _CACHE_FILE = "kernel_choice.json"
 _INT8_MIN_ROWS = 4  # the int8 product serves at least steps this small (`_time_int8`)
@@ -223,32 +231,42 @@ def _time_block_shape(fmt: str, n: int, k: int) -> int:
         lambda x: (linear_blocks_f32, x, [blocks]),
         lambda x: (cpu_ops.linear_f32, x, weight, None),
         before=evict.sum,
+        fused=False,  # both run in the one-call step
     )
 
 
 def _rows_c_serves(
-    k: int, dtype: torch.dtype, c_call, torch_call, before=None, counts=ROW_COUNTS
+    k: int,
+    dtype: torch.dtype,
+    c_call,
+    torch_call,
+    before=None,
+    counts=ROW_COUNTS,
+    fused: bool = True,
 ) -> int:
     """The two kernels (calls built for an input x; `torch_call` the rival of the C kernel
     `c_call`) run in turns at each of `counts`, so that both see the same conditions, and
-    each keeps its best time (`before` runs untimed before each call)."""
+    each keeps its best time (`before` runs untimed before each call). `fused`: the C kernel
+    keeps decode steps in one C call, the rival does not (`_TORCH_SAVES_S`)."""
     best = 0
     with torch.inference_mode():
         for rows in counts:
             x = torch.randn(rows, k).to(dtype)
             calls = (c_call(x), torch_call(x))
-            if all(_torch_wins(*_best_times(*calls, before=before)) for _ in range(2)):
+            if all(_torch_wins(*_best_times(*calls, before=before), fused) for _ in range(2)):
                 break
             best = rows
     return best
 
 
-def _torch_wins(c_time: float, torch_time: float) -> bool:
-    """Whether torch's time is a clear win. A win must hold when timed again: load from outside
-    what /proc/stat shows (another VM on the host) once made the C fp32 linear lose at one row
-    of a 576x576 weight, and the cached choice ran every later start of the default model
-    without its one-call decode step (~1.5x slower a token)."""
-    return torch_time < _TORCH_WINS * c_time
+def _torch_wins(c_time: float, torch_time: float, fused: bool) -> bool:
+    """Whether torch's time is a clear win (and, against a `fused` C kernel, saves more than
+    `_TORCH_SAVES_S`). A win must hold when timed again: load from outside what /proc/stat shows
+    (another VM on the host) once made the C fp32 linear lose at one row of a 576x576 weight,
+    and the cached choice ran every later start of the default model without its one-call
+    decode step (~1.5x slower a token)."""
+    saves = _TORCH_SAVES_S if fused else 0.0
+    return torch_time < _TORCH_WINS * c_time and c_time - torch_time > saves
 
 
 def _best_times(*calls: tuple, before=None) -> list[float]:
@@ -271,8 +289,8 @@ def _machine_key() -> str:
     build (its file name holds a hash of the source, the flags and the CPU's flags)."""
     lib = library.load_library()
     built = Path(lib.path).name if lib is not None else ""
-    rule = f"{torch.__version__}|{built}|{_TORCH_WINS}|{_F32_WIDE_ROWS}"  # a new rule: time again
-    build = hashlib.sha256(rule.encode()).hexdigest()[:12]
+    rule = f"{torch.__version__}|{built}|{_TORCH_WINS}|{_TORCH_SAVES_S}|{_F32_WIDE_ROWS}"
+    build = hashlib.sha256(rule.encode()).hexdigest()[:12]  # a new rule: time again
     return f"{cpu_description()} / {torch.get_num_threads()} threads / {build}"
 
 
