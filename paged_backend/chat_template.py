@@ -48,12 +48,43 @@ def check_chat_messages(messages: list[dict]) -> None:
 
 
 def _is_empty(content: object) -> bool:
-    """No text: None, "", or a list of parts none of which holds text."""
+    """No text: None, "", or a list of empty text parts (a part of another kind is not empty:
+    `join_text_parts` names it)."""
     if content is None or isinstance(content, str):
         return not content
     if isinstance(content, list):
-        return all(_is_empty(p.get("text") if isinstance(p, dict) else p) for p in content)
+        return all(
+            _is_empty(p.get("text")) if isinstance(p, dict) and p.get("type") == "text" else p == ""
+            for p in content
+        )
     return False  # not text at all: the template names what is wrong with it
+
+
+def join_text_parts(messages: list[dict]) -> list[dict]:
+    """`messages` with each content given as a list of parts (OpenAI's and vLLM's chat format,
+    [{"type": "text", "text": ...}, ...], strings too) as its text parts joined by newlines, as
+    vLLM gives them to templates that read a string: every template reads a string, not every
+    one a list (SmolLM2's adds the content to a string). A part of another type (an image,
+    audio, a file) is refused, naming its message: the engine serves text models."""
+    joined = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            joined.append(message)
+            continue
+        texts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text":
+                part = part.get("text")
+            if not isinstance(part, str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(
+                    f"messages[{i}] has a content part of type {kind!r}; this engine serves "
+                    "text models (parts of type 'text')"
+                )
+            texts.append(part)
+        joined.append({**message, "content": "\n".join(texts)})
+    return joined
 
 
 def apply_chat_template(tokenizer, messages: list[dict], **kwargs) -> str:

@@ -8,13 +8,17 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from paged_backend import metrics
-from paged_backend.chat_template import apply_chat_template, check_chat_messages
+from paged_backend.chat_template import (
+    apply_chat_template,
+    check_chat_messages,
+    join_text_parts,
+)
 from paged_backend.config import DISABLE_BY_BATCH_SIZE, EngineConfig
 from paged_backend.cpu.memory import release_freed_heap
 from paged_backend.detokenizer import IncrementalDetokenizer
@@ -24,6 +28,7 @@ from paged_backend.model_runner import ModelRunner
 from paged_backend.models.config import ModelConfig
 from paged_backend.ngram_proposer import NgramProposer
 from paged_backend.outputs import CompletionOutput, RequestOutput
+from paged_backend.prompt_dicts import prompt_source, salted
 from paged_backend.request import Request, RequestStatus
 from paged_backend.sampler import Sampler, SamplerOutput, takes_argmax, to_logprob_dict
 from paged_backend.sampling_params import SamplingParams
@@ -33,7 +38,7 @@ from paged_backend.structured_output import GrammarCache
 from paged_backend.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-PromptType = str | Sequence[int]
+PromptType = str | Sequence[int] | Mapping  # a Mapping: a vLLM prompt dict (`prompt_dicts`)
 
 
 @dataclass
@@ -84,7 +89,9 @@ def tokenize_prompt(
     tokenizer: Tokenizer, prompt: PromptType, add_special_tokens: bool = True
 ) -> list[int]:
     """A prompt's token ids: text tokenized, token ids as given (`LLMEngine.validate`, which
-    every entry runs, checks them). Bytes are refused: `b"hi"` would read as token ids."""
+    every entry runs, checks them), a prompt dict's (`prompt_dicts`). Bytes are refused: `b"hi"`
+    would read as token ids."""
+    prompt = prompt_source(prompt)[0]
     if isinstance(prompt, str):
         check_prompt_text(prompt)
         try:
@@ -98,7 +105,8 @@ def tokenize_prompt(
         return list(prompt)
     hint = " (decode bytes to a str first)" if isinstance(prompt, _BYTES) else ""
     raise TypeError(
-        f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}{hint}"
+        "prompt must be a str, a list of int token ids or a prompt dict, got "
+        f"{type(prompt).__name__}{hint}"
     )
 
 
@@ -201,7 +209,7 @@ class LLMEngine:
     # ---- input ---------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
         check_chat_messages(messages)
-        return apply_chat_template(self.tokenizer, messages, **kwargs)
+        return apply_chat_template(self.tokenizer, join_text_parts(messages), **kwargs)
 
     def tokenize(self, prompt: PromptType, *, add_special_tokens: bool = True) -> list[int]:
         return tokenize_prompt(self.tokenizer, prompt, add_special_tokens)
@@ -281,8 +289,9 @@ class LLMEngine:
         """Queue a request (validated first); returns its id. `prompt_token_ids` skips
         tokenizing when the caller already did it (e.g. a chat template)."""
         check_priority(priority)
-        params = params if params is not None else SamplingParams()
-        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
+        source, text, salt = prompt_source(prompt)
+        params = salted(params if params is not None else SamplingParams(), salt)
+        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(source)
         self.validate(ids, params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.parents:
@@ -314,9 +323,7 @@ class LLMEngine:
                     long_rope=self.model_config.long_rope(len(ids)),
                 )
             )
-        self.parents[request_id] = _Parent(
-            prompt if isinstance(prompt, str) else None, ids, children
-        )
+        self.parents[request_id] = _Parent(text, ids, children)
         for req in children:
             self.scheduler.add(req)
         return request_id

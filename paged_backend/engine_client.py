@@ -21,6 +21,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from paged_backend.engine import PromptType, check_priority, tokenize_prompt
 from paged_backend.outputs import RequestOutput
+from paged_backend.prompt_dicts import prompt_source, salted
 from paged_backend.sampling_params import SamplingParams
 
 
@@ -45,8 +46,8 @@ class PreparedRequest:
 
     @property
     def text(self) -> str | None:
-        """The prompt text, None when the prompt was given as token ids."""
-        return self.prompt if isinstance(self.prompt, str) else None
+        """The prompt text, None when the prompt was given as token ids alone."""
+        return prompt_source(self.prompt)[1]
 
 
 class _Handle(Protocol):
@@ -95,7 +96,9 @@ class EngineClient(ABC, Generic[H]):
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
+        source, _, salt = prompt_source(prompt)
+        params = salted(params, salt)
+        ids = self.tokenize(source, add_special_tokens=add_special_tokens)
         self._validate(ids, params)
         check_priority(priority)
         return PreparedRequest(prompt, ids, params, priority, add_special_tokens, timeout)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tqdm.auto import tqdm
 
 from paged_backend.config import EngineConfig
 from paged_backend.engine import LLMEngine, PromptType, check_priority
 from paged_backend.outputs import RequestOutput
+from paged_backend.prompt_dicts import prompt_source, salted
 from paged_backend.sampling_params import SamplingParams
 
 Conversation = list[dict]
@@ -32,19 +33,22 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+        """Generate for every prompt (text, token ids, or vLLM's prompt dicts:
+        `paged_backend.prompt_dicts`); outputs come back in prompt order."""
+        if isinstance(prompts, Mapping):
+            prompts = [prompts]
         if not isinstance(prompts, Sequence):
             raise TypeError(
-                "prompts must be a str, a list of token ids, or a list of those, "
-                f"got {type(prompts).__name__}"
+                "prompts must be a str, a list of token ids, a prompt dict, or a list of "
+                f"those, got {type(prompts).__name__}"
             )
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        token_ids = [self.engine.tokenize(p) for p in prompts]
-        texts = [p if isinstance(p, str) else None for p in prompts]
-        return self._run(texts, token_ids, sampling_params, use_tqdm, priority)
+        sources = [prompt_source(p) for p in prompts]
+        token_ids = [self.engine.tokenize(source) for source, _, _ in sources]
+        texts = [text for _, text, _ in sources]
+        salts = [salt for _, _, salt in sources]
+        return self._run(texts, token_ids, sampling_params, use_tqdm, priority, salts)
 
     def chat(
         self,
@@ -69,7 +73,9 @@ class LLM:
         token_ids = [self.engine.tokenize(t, add_special_tokens=False) for t in texts]
         return self._run(texts, token_ids, sampling_params, use_tqdm, None)
 
-    def _run(self, texts, token_ids, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
+    def _run(
+        self, texts, token_ids, sampling_params, use_tqdm, priority, salts=None
+    ) -> list[RequestOutput]:
         n = len(token_ids)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -80,6 +86,8 @@ class LLM:
         )
         if len(params) != n:
             raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
+        if salts is not None:  # prompt dicts' cache salts
+            params = [salted(p, salt) for p, salt in zip(params, salts, strict=True)]
         if priority is not None and not isinstance(priority, Sequence):
             raise TypeError(f"priority must be a list of ints, got {type(priority).__name__}")
         priorities = list(priority) if priority is not None else [0] * n

@@ -24,8 +24,14 @@ def llm(tiny_model):
         ("", ValueError, "prompt"),
         ([], ValueError, "prompt"),
         (3.5, TypeError, "prompt"),
-        ({"text": "hi"}, TypeError, "prompt"),
-        (b"hi", TypeError, "prompt must be a str or a list of int token ids, got bytes"),
+        ({"text": "hi"}, ValueError, "a prompt dict takes the keys prompt, prompt_token_ids"),
+        ({}, ValueError, "a prompt dict needs 'prompt' .text. or 'prompt_token_ids'"),
+        ({"prompt": 5}, TypeError, "a prompt dict's 'prompt' must be a str, got int"),
+        ({"prompt_token_ids": "hi"}, TypeError, "'prompt_token_ids' must be a list of int"),
+        ({"prompt_token_ids": [1, 10**9]}, ValueError, r"prompt token ids must be in \[0, 49152\)"),
+        ({"prompt": "hi", "multi_modal_data": {"image": 0}}, ValueError, "text-only models"),
+        ({"prompt": "hi", "cache_salt": ""}, ValueError, "cache_salt must be None or a string"),
+        (b"hi", TypeError, "prompt must be a str, a list of int token ids or a prompt dict, got b"),
         (bytearray(b"hi"), TypeError, "prompt must be a str"),
         ([1, "a", 3], TypeError, "prompt"),
         ([1, 2, 10**9], ValueError, r"prompt token ids must be in \[0, 49152\)"),
@@ -40,6 +46,55 @@ def test_bad_prompt_rejected_before_work(llm, prompt, error, match):
     assert after["num_generated_tokens"] == before["num_generated_tokens"]  # nothing ran
     assert after["num_waiting"] == after["num_running"] == 0  # nothing queued
     assert llm.generate(["Still serving"], GOOD, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_vllm_prompt_dicts_are_taken_at_every_entry(llm):
+    """vLLM's TextPrompt and TokensPrompt dicts give what their text and token ids give, in
+    `LLM.generate`, `add_request` and the async engine; a TokensPrompt's "prompt" is reported,
+    not tokenized, and a dict's cache_salt keeps its prefix cache apart."""
+    prompt = "The archive of Lindenfeld holds the council records. " * 3
+    ids = llm.engine.tokenize(prompt)
+    plain = llm.generate(prompt, GOOD, use_tqdm=False)[0]
+    outs = llm.generate(
+        [{"prompt": prompt}, {"prompt_token_ids": ids}, {"prompt_token_ids": ids, "prompt": "x"}],
+        GOOD,
+        use_tqdm=False,
+    )
+    assert [o.outputs[0].token_ids for o in outs] == [plain.outputs[0].token_ids] * 3
+    assert [o.prompt for o in outs] == [prompt, None, "x"]
+    assert all(o.prompt_token_ids == ids and o.num_cached_tokens > 0 for o in outs)
+    salted = [llm.generate({"prompt": prompt, "cache_salt": "a"}, GOOD, use_tqdm=False)[0]]
+    salted += llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0, cache_salt="a"))
+    assert [o.num_cached_tokens > 0 for o in salted] == [False, True]  # hits its own salt's
+    with pytest.raises(ValueError, match=r"cache_salt 'a' differs from sampling_params"):
+        llm.generate({"prompt": prompt, "cache_salt": "a"}, SamplingParams(cache_salt="b"))
+    engine = llm.engine
+    request_id = engine.add_request({"prompt_token_ids": ids, "prompt": "y"}, GOOD)
+    while engine.has_unfinished_requests():
+        done = [o for o in engine.step() if o.request_id == request_id and o.finished]
+    assert done[0].prompt == "y" and done[0].outputs[0].token_ids == plain.outputs[0].token_ids
+    async_engine = AsyncEngine(engine)  # borrows the idle engine; shut down below
+    try:
+        last = list(async_engine.generate_stream({"prompt": prompt, "cache_salt": "b"}, GOOD))[-1]
+    finally:
+        async_engine.shutdown()
+    assert last.prompt == prompt and last.num_cached_tokens == 0
+    assert last.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+def test_chat_content_parts_are_their_text(llm):
+    """OpenAI-style content parts (vLLM's chat format) render as their text parts joined by
+    newlines; a part that is not text is refused, naming its message, before any work."""
+    engine = llm.engine
+    parts = [{"type": "text", "text": "Name a fruit."}, "One word."]
+    as_parts = engine.apply_chat_template([{"role": "user", "content": parts}])
+    as_text = engine.apply_chat_template([{"role": "user", "content": "Name a fruit.\nOne word."}])
+    assert as_parts == as_text
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [image]}]
+    with pytest.raises(ValueError, match=r"messages\[1\] has a content part of type 'image_url'"):
+        llm.chat(chat, GOOD, use_tqdm=False)
+    assert not engine.has_unfinished_requests()
 
 
 def test_a_prompt_past_the_tokenizers_limit_gets_only_our_error(tiny_model, caplog):
