@@ -310,7 +310,7 @@ async def test_a_bad_request_raises_the_replicas_error(engine):
     # What the local engine refuses while tokenizing, this one refuses before routing.
     with pytest.raises(ValueError, match="prompt must be a non-empty string"):
         engine.generate_stream("", GREEDY)
-    with pytest.raises(TypeError, match="prompt must be a str or a list of int token ids"):
+    with pytest.raises(TypeError, match="prompt must be a str, a list of int token ids or a"):
         engine.generate_stream(3.5, GREEDY)
     wait_for(lambda: idle(engine), what="idle replicas")
 

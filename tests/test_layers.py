@@ -36,7 +36,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         *("errors", "outputs", "file_cache", "metrics", "block_pool", "request"),
         *("sampling_params", "grammar_matcher", "json_bounds", "structural_tags"),
         *("completion", "structured_output", "tool_calling"),
-        *("chat_template", "chat_formats", "tokenizer", "detokenizer"),
+        *("chat_template", "chat_formats", "tokenizer", "detokenizer", "prompt_dicts"),
     ),
     # Compute: the C library, its ops and linears (cpu/), every attention path (attention/).
     # They read block tables, nothing above.
