@@ -110,6 +110,19 @@ def tokenize_prompt(
     )
 
 
+def truncate_prompt(prompt_ids: list[int], params: SamplingParams, max_model_len: int) -> list:
+    """The prompt's last `params.truncate_prompt_tokens` token ids (-1: as many as
+    `max_model_len` leaves after `max_tokens`, or after one new token): every entry truncates
+    here before it validates. Anything else (no truncation asked, ids of the wrong type) is
+    returned as it is, for `LLMEngine.validate` to judge."""
+    keep = params.truncate_prompt_tokens if isinstance(params, SamplingParams) else None
+    if keep is None or not isinstance(prompt_ids, list):
+        return prompt_ids
+    if keep == -1:
+        keep = max(max_model_len - (params.max_tokens or 1), 1)
+    return prompt_ids[-keep:]
+
+
 @contextlib.contextmanager
 def torch_threads(num_threads: int | None) -> Iterator[None]:
     """torch at `num_threads` intra-op threads inside, at the caller's count again after: the
@@ -214,6 +227,17 @@ class LLMEngine:
     def tokenize(self, prompt: PromptType, *, add_special_tokens: bool = True) -> list[int]:
         return tokenize_prompt(self.tokenizer, prompt, add_special_tokens)
 
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids as the tokenizer reads it alone and after a space (where
+        that differs), as vLLM reads `bad_words`."""
+        sequences: list[list[int]] = []
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Reject, before any work, a request that could never be served."""
         if not isinstance(params, SamplingParams):
@@ -292,11 +316,13 @@ class LLMEngine:
         source, text, salt = prompt_source(prompt)
         params = salted(params if params is not None else SamplingParams(), salt)
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(source)
+        ids = truncate_prompt(ids, params, self.max_model_len)
         self.validate(ids, params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         children = []
+        bad_words = self.bad_words_token_ids(params.bad_words or [])
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -321,6 +347,7 @@ class LLMEngine:
                     grammar=self._new_grammar(params),
                     budget_guard=self._new_budget_guard(params),
                     long_rope=self.model_config.long_rope(len(ids)),
+                    bad_words_token_ids=bad_words,
                 )
             )
         self.parents[request_id] = _Parent(text, ids, children)

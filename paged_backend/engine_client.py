@@ -19,7 +19,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from paged_backend.engine import PromptType, check_priority, tokenize_prompt
+from paged_backend.engine import PromptType, check_priority, tokenize_prompt, truncate_prompt
 from paged_backend.outputs import RequestOutput
 from paged_backend.prompt_dicts import prompt_source, salted
 from paged_backend.sampling_params import SamplingParams
@@ -99,6 +99,7 @@ class EngineClient(ABC, Generic[H]):
         source, _, salt = prompt_source(prompt)
         params = salted(params, salt)
         ids = self.tokenize(source, add_special_tokens=add_special_tokens)
+        ids = truncate_prompt(ids, params, self.max_model_len)
         self._validate(ids, params)
         check_priority(priority)
         return PreparedRequest(prompt, ids, params, priority, add_special_tokens, timeout)

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from tqdm.auto import tqdm
 
 from paged_backend.config import EngineConfig
-from paged_backend.engine import LLMEngine, PromptType, check_priority
+from paged_backend.engine import LLMEngine, PromptType, check_priority, truncate_prompt
 from paged_backend.outputs import RequestOutput
 from paged_backend.prompt_dicts import prompt_source, salted
 from paged_backend.sampling_params import SamplingParams
@@ -93,9 +93,10 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * n
         if len(priorities) != n:
             raise ValueError(f"priority has {len(priorities)} entries for {n} prompts")
-        for ids, p, prio in zip(token_ids, params, priorities, strict=True):
+        for i, (p, prio) in enumerate(zip(params, priorities, strict=True)):
             check_priority(prio)  # every request is checked before any work starts
-            self.engine.validate(ids, p)
+            token_ids[i] = truncate_prompt(token_ids[i], p, self.engine.max_model_len)
+            self.engine.validate(token_ids[i], p)
         ids = [
             self.engine.add_request(text, p, prompt_token_ids=tok, priority=prio)
             for text, tok, p, prio in zip(texts, token_ids, params, priorities, strict=True)

@@ -43,9 +43,11 @@ class Request:
         grammar: GrammarMatcher | None = None,
         budget_guard: BudgetGuard | None = None,
         long_rope: bool = False,
+        bad_words_token_ids: list[list[int]] | None = None,
     ) -> None:
         """`long_rope`: the sequence runs LongRoPE's long factors from its first token
-        (`ModelConfig.long_rope`)."""
+        (`ModelConfig.long_rope`). `bad_words_token_ids`: the tokens of `params.bad_words`
+        (`LLMEngine.bad_words_token_ids`)."""
         self.request_id = request_id
         self.parent_id = parent_id or request_id
         self.index = index
@@ -66,6 +68,7 @@ class Request:
         self.stop_reason: str | int | None = None
         self.max_tokens = max_tokens if max_tokens is not None else params.max_tokens
         self.detokenizer = detokenizer
+        self.bad_words_token_ids = bad_words_token_ids or []
         self.num_emitted_tokens = 0  # output tokens already reported in a RequestOutput
         self.generator = None
         if seed is not None:

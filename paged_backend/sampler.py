@@ -86,7 +86,8 @@ class Sampler:
         return forced if forced is not None else self.grammars.forced_token(request.grammar)
 
     def _adjust(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Logit bias, min_tokens and penalties, applied only to the rows that ask for them."""
+        """Allowed tokens, bad words, logit bias, min_tokens and penalties, applied only to the
+        rows that ask for them."""
         rows = [i for i, r in enumerate(requests) if _needs_adjust(r)]
         if not rows:
             return logits
@@ -94,6 +95,13 @@ class Sampler:
         for i in rows:
             r, p = requests[i], requests[i].params
             row = logits[i]
+            if p.allowed_token_ids is not None:
+                allowed = torch.tensor(p.allowed_token_ids, dtype=torch.long)
+                kept = row[allowed]
+                row.fill_(float("-inf"))
+                row[allowed] = kept
+            if r.bad_words_token_ids:
+                row[_banned_by_words(r.output_token_ids, r.bad_words_token_ids)] = float("-inf")
             if p.logit_bias:
                 ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
                 row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
@@ -142,12 +150,21 @@ def takes_argmax(r: Request) -> bool:
 def _needs_adjust(r: Request) -> bool:
     p = r.params
     return bool(
-        p.logit_bias
+        p.allowed_token_ids is not None
+        or r.bad_words_token_ids
+        or p.logit_bias
         or len(r.output_token_ids) < p.min_tokens
         or p.repetition_penalty != 1.0
         or p.presence_penalty
         or p.frequency_penalty
     )
+
+
+def _banned_by_words(output: list[int], words: list[list[int]]) -> list[int]:
+    """The last token of each word whose other tokens end `output` (a one-token word's always),
+    as vLLM bans bad words: the word's start may still be generated, never its end."""
+    n = len(output)
+    return [w[-1] for w in words if len(w) <= n + 1 and output[n + 1 - len(w) :] == w[:-1]]
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

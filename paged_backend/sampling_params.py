@@ -17,6 +17,8 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 4096  # enough to ban or favour a whole class of tokens
 LOGIT_BIAS_RANGE = 100  # values in [-100, 100], as in OpenAI's API
 MAX_CACHE_SALT_CHARS = 1024
+MAX_ALLOWED_TOKEN_IDS = 16384  # a step masks every logit but these for each request that asks
+MAX_BAD_WORDS = 128  # checked against each request's output at every step, as stop strings are
 _short = reprlib.Repr()  # for error messages: a value may be a list of 10^6 items
 _short.maxstring = _short.maxother = 60
 
@@ -38,6 +40,23 @@ def _check(ok: bool, name: str, allowed: str, value) -> None:
 def _check_size(name: str, size: int, limit: int, unit: str) -> None:
     if size > limit:
         raise ValueError(f"{name} must have at most {limit} {unit}, got {size}")
+
+
+def _checked_strings(
+    name: str, values, limit: int, unit: str, allowed: str = "a list of strings"
+) -> list[str] | None:
+    """`values` as a list of at most `limit` strings of 1 to `MAX_STOP_STRING_CHARS` characters
+    (None stays None)."""
+    _check(values is None or isinstance(values, list | tuple), name, allowed, values)
+    _check_size(name, len(values or ()), limit, unit)
+    for value in values or ():
+        _check(
+            isinstance(value, str) and 0 < len(value) <= MAX_STOP_STRING_CHARS,
+            name,
+            f"strings of 1 to {MAX_STOP_STRING_CHARS} characters",
+            value,
+        )
+    return None if values is None else list(values)
 
 
 @dataclass
@@ -64,6 +83,15 @@ class SamplingParams:
     cache_salt: str | None = None
     """Tenant isolation (vLLM's name): requests share prefix-cache blocks only with requests of
     the same salt (or, without one, with other unsalted requests)."""
+    allowed_token_ids: list[int] | None = None
+    """Only these tokens may be generated (vLLM's name): every other logit is -inf."""
+    bad_words: list[str] | None = None
+    """Words never generated (vLLM's name): a word's last token is banned wherever the tokens
+    before it end the output so far (a one-token word's, everywhere). A word counts as the
+    tokenizer reads it alone and after a space."""
+    truncate_prompt_tokens: int | None = None
+    """Serve only the prompt's last k tokens (vLLM's name); -1: as many as `max_model_len`
+    leaves after `max_tokens`."""
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -123,27 +151,34 @@ class SamplingParams:
             f"None or a string of 1 to {MAX_CACHE_SALT_CHARS} characters",
             salt,
         )
+        self._check_allowed_token_ids()
+        self.bad_words = _checked_strings("bad_words", self.bad_words, MAX_BAD_WORDS, "words")
+        truncate = self.truncate_prompt_tokens
+        _check(
+            truncate is None or (_is_int(truncate) and (truncate >= 1 or truncate == -1)),
+            "truncate_prompt_tokens",
+            "None, -1 (what max_model_len leaves after max_tokens) or an integer >= 1",
+            truncate,
+        )
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, "True or False", value)
 
     def _check_stops(self) -> None:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        _check(
-            stops is None or isinstance(stops, list | tuple),
-            "stop",
-            "a string or a list of strings",
-            stops,
-        )
-        _check_size("stop", len(stops or ()), MAX_STOP_STRINGS, "strings")
-        for s in stops or ():
-            _check(
-                isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS,
-                "stop",
-                f"strings of 1 to {MAX_STOP_STRING_CHARS} characters",
-                s,
-            )
-        self.stop_strings = list(stops or [])
+        allowed = "a string or a list of strings"
+        checked = _checked_strings("stop", stops, MAX_STOP_STRINGS, "strings", allowed)
+        self.stop_strings = checked or []
+
+    def _check_allowed_token_ids(self) -> None:
+        ids = self.allowed_token_ids
+        allowed = "None or a non-empty list of token ids >= 0"
+        _check(ids is None or isinstance(ids, list | tuple), "allowed_token_ids", allowed, ids)
+        if ids is not None:
+            _check_size("allowed_token_ids", len(ids), MAX_ALLOWED_TOKEN_IDS, "token ids")
+            ok = bool(ids) and all(_is_int(t) and t >= 0 for t in ids)
+            _check(ok, "allowed_token_ids", allowed, ids)
+            self.allowed_token_ids = list(ids)
 
     def _check_stop_token_ids(self) -> None:
         ids = self.stop_token_ids
@@ -184,6 +219,7 @@ class SamplingParams:
         for name, ids in (
             ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", list(self.logit_bias or {})),
+            ("allowed_token_ids", self.allowed_token_ids or []),
         ):
             bad = [t for t in ids if t >= vocab_size]
             _check(not bad, name, f"token ids in [0, {vocab_size})", bad)

@@ -33,6 +33,7 @@ class DraftRow:
         self.request = request
         self.drafts = list(drafts)
         self.params = request.params
+        self.bad_words_token_ids = request.bad_words_token_ids
         self.generator = request.generator
         self.budget_guard = request.budget_guard  # advanced once per token kept, as plainly
         self.grammar = grammar

@@ -39,6 +39,9 @@ NON_DEFAULT = {
     "logit_bias": {5: 1.0},
     "structured_outputs": StructuredOutputsParams(regex="[a-z]+"),
     "cache_salt": "tenant-a",
+    "allowed_token_ids": [5, 6],
+    "bad_words": ["never"],
+    "truncate_prompt_tokens": 100,
 }
 CALL_ONLY = {"structured_outputs"}  # a schema belongs to a call, not to a model
 ALL_FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if f.init]

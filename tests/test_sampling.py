@@ -15,9 +15,14 @@ import pytest
 import torch
 from conftest import hf_forward
 
-from paged_backend import LLM, SamplingParams
+from paged_backend import LLM, AsyncEngine, SamplingParams
 from paged_backend.request import Request
-from paged_backend.sampler import Sampler, _apply_top_k_top_p, _sorted_top_k_top_p
+from paged_backend.sampler import (
+    Sampler,
+    _apply_top_k_top_p,
+    _banned_by_words,
+    _sorted_top_k_top_p,
+)
 
 EOS = 2
 VOCAB = 49152
@@ -85,6 +90,13 @@ def gen(llm, prompt, **params):
         ({"logit_bias": {5: -101}}, "logit_bias"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
         ({"seed": "42"}, "seed"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1, -1]}, "allowed_token_ids"),
+        ({"allowed_token_ids": list(range(16385))}, "allowed_token_ids"),
+        ({"bad_words": "word"}, "bad_words"),
+        ({"bad_words": ["ok", ""]}, "bad_words"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ],
 )
 def test_out_of_range_field_is_named(kwargs, field):
@@ -114,7 +126,11 @@ def test_boundary_values_are_accepted():
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"stop_token_ids": [VOCAB]}, "stop_token_ids"), ({"logit_bias": {VOCAB: 1.0}}, "logit_bias")],
+    [
+        ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
+        ({"logit_bias": {VOCAB: 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": [VOCAB]}, "allowed_token_ids"),
+    ],
 )
 def test_token_ids_beyond_vocab_fail_before_any_work(llm, kwargs, field):
     """Ids the model cannot produce are rejected at generate, for the whole batch at once."""
@@ -383,6 +399,78 @@ def test_logit_bias_forces_and_forbids(llm, greedy, temperature):
     first = greedy[PROMPTS[0]].token_ids[0]
     out = gen(llm, PROMPTS[0], temperature=0, max_tokens=1, logit_bias={first: -100})
     assert out.token_ids != [first]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_allowed_token_ids_keep_every_token_in_the_set(llm, greedy, temperature):
+    """Only allowed tokens come out; a set holding every token the model picks changes nothing."""
+    base = greedy[PROMPTS[1]].token_ids[:8]
+    out = gen(llm, PROMPTS[1], temperature=0, max_tokens=8, allowed_token_ids=[*base, 7, 99])
+    assert out.token_ids == base
+    allowed = [t for t in range(1000, 1100) if t not in base]
+    for seed in range(3):
+        out = gen(
+            llm,
+            PROMPTS[1],
+            temperature=temperature,
+            seed=seed,
+            max_tokens=8,
+            allowed_token_ids=allowed,
+        )
+        assert set(out.token_ids) <= set(allowed)
+
+
+def test_bad_words_never_end_in_the_output(llm, greedy):
+    """A bad word's last token is banned where its other tokens end the output: the greedy
+    output's own words are steered around, and no word's tokens appear in a row."""
+    base = greedy[PROMPTS[0]].token_ids[:12]
+    tokenizer = llm.get_tokenizer()
+    words = [tokenizer.decode(base[:1]), tokenizer.decode(base[4:6])]
+    out = gen(llm, PROMPTS[0], temperature=0, max_tokens=12, bad_words=words)
+    sequences = llm.engine.bad_words_token_ids(words)
+    assert [base[0]] in sequences  # the first word as the model wrote it
+    assert out.token_ids[0] != base[0]
+    for seq in sequences:
+        n = len(seq)
+        assert all(out.token_ids[i : i + n] != seq for i in range(len(out.token_ids)))
+
+
+def test_banned_by_words_bans_only_a_words_end():
+    words = [[5], [1, 2, 3], [9, 9]]
+    assert _banned_by_words([], words) == [5]
+    assert _banned_by_words([7, 1, 2], words) == [5, 3]
+    assert _banned_by_words([1, 2, 4], words) == [5]
+    assert _banned_by_words([9], words) == [5, 9]
+
+
+def test_truncated_prompts_are_served_as_their_last_tokens(llm):
+    """`truncate_prompt_tokens`: the prompt's last k tokens, as if given alone, at every entry;
+    -1 keeps what max_model_len leaves after max_tokens, so a prompt too long for the model
+    is served rather than refused."""
+    ids = llm.engine.tokenize("word " * 40 + PROMPTS[1])
+    plain = SamplingParams(temperature=0, max_tokens=6)
+    expected = llm.generate([ids[-9:]], plain, use_tqdm=False)[0]
+    cut = replace(plain, truncate_prompt_tokens=9)
+    out = llm.generate([ids], cut, use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids[-9:]
+    assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+    engine = llm.engine
+    request_id = engine.add_request(None, cut, prompt_token_ids=ids)
+    while engine.has_unfinished_requests():
+        done = [o for o in engine.step() if o.request_id == request_id and o.finished]
+    assert done[0].outputs[0].token_ids == expected.outputs[0].token_ids
+    async_engine = AsyncEngine(engine)  # borrows the idle engine; shut down below
+    try:
+        last = list(async_engine.generate_stream(ids, cut))[-1]
+    finally:
+        async_engine.shutdown()
+    assert last.outputs[0].token_ids == expected.outputs[0].token_ids
+    limit = engine.max_model_len
+    too_long = ids * (limit // len(ids) + 1)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([too_long], plain, use_tqdm=False)
+    out = llm.generate([too_long], replace(plain, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert out.prompt_token_ids == too_long[-(limit - 6) :] and len(out.outputs[0].token_ids) == 6
 
 
 def hf_penalized_greedy(model, prompt_ids, params: SamplingParams, num: int) -> list[int]:

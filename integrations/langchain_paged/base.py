@@ -61,6 +61,9 @@ class PagedParams(BaseModel):
     cache_salt: str | None = None
     """Tenant isolation: only requests with the same salt share prefix-cache blocks (per call
     too: `.bind(cache_salt=...)` or `invoke(..., cache_salt=...)`)."""
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     timeout: float | None = None
     """Seconds a request may take in all; it is then aborted and `TimeoutError` raised."""
     max_retries: int = 2
