@@ -116,11 +116,11 @@ def truncate_prompt(prompt_ids: list[int], params: SamplingParams, max_model_len
     here before it validates. Anything else (no truncation asked, ids of the wrong type) is
     returned as it is, for `LLMEngine.validate` to judge."""
     keep = params.truncate_prompt_tokens if isinstance(params, SamplingParams) else None
-    if keep is None or not isinstance(prompt_ids, list):
+    if keep is None or not isinstance(prompt_ids, list | tuple):
         return prompt_ids
     if keep == -1:
         keep = max(max_model_len - (params.max_tokens or 1), 1)
-    return prompt_ids[-keep:]
+    return list(prompt_ids[-keep:])
 
 
 @contextlib.contextmanager

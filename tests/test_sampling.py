@@ -455,7 +455,7 @@ def test_truncated_prompts_are_served_as_their_last_tokens(llm):
     assert out.prompt_token_ids == ids[-9:]
     assert out.outputs[0].token_ids == expected.outputs[0].token_ids
     engine = llm.engine
-    request_id = engine.add_request(None, cut, prompt_token_ids=ids)
+    request_id = engine.add_request(None, cut, prompt_token_ids=tuple(ids))
     while engine.has_unfinished_requests():
         done = [o for o in engine.step() if o.request_id == request_id and o.finished]
     assert done[0].outputs[0].token_ids == expected.outputs[0].token_ids
