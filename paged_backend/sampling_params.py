@@ -59,6 +59,16 @@ def _checked_strings(
     return None if values is None else list(values)
 
 
+def _checked_token_ids(
+    name: str, ids, limit: int, allowed_type: str, allowed_ids: str
+) -> list[int] | None:
+    """`ids` as a list of at most `limit` token ids >= 0 (None stays None)."""
+    _check(ids is None or isinstance(ids, list | tuple), name, allowed_type, ids)
+    _check_size(name, len(ids or ()), limit, "token ids")
+    _check(all(_is_int(t) and t >= 0 for t in ids or ()), name, allowed_ids, ids)
+    return None if ids is None else list(ids)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -171,26 +181,15 @@ class SamplingParams:
         self.stop_strings = checked or []
 
     def _check_allowed_token_ids(self) -> None:
-        ids = self.allowed_token_ids
-        allowed = "None or a non-empty list of token ids >= 0"
-        _check(ids is None or isinstance(ids, list | tuple), "allowed_token_ids", allowed, ids)
-        if ids is not None:
-            _check_size("allowed_token_ids", len(ids), MAX_ALLOWED_TOKEN_IDS, "token ids")
-            ok = bool(ids) and all(_is_int(t) and t >= 0 for t in ids)
-            _check(ok, "allowed_token_ids", allowed, ids)
-            self.allowed_token_ids = list(ids)
+        ids, allowed = self.allowed_token_ids, "None or a non-empty list of token ids >= 0"
+        ids = _checked_token_ids("allowed_token_ids", ids, MAX_ALLOWED_TOKEN_IDS, allowed, allowed)
+        _check(ids is None or bool(ids), "allowed_token_ids", allowed, ids)
+        self.allowed_token_ids = ids
 
     def _check_stop_token_ids(self) -> None:
-        ids = self.stop_token_ids
-        _check(ids is None or isinstance(ids, list | tuple), "stop_token_ids", "a list", ids)
-        _check_size("stop_token_ids", len(ids or ()), MAX_STOP_TOKEN_IDS, "token ids")
-        _check(
-            all(_is_int(t) and t >= 0 for t in ids or ()),
-            "stop_token_ids",
-            "a list of non-negative token ids",
-            ids,
-        )
-        self.stop_token_ids = list(ids or [])
+        ids, listed = self.stop_token_ids, "a list of non-negative token ids"
+        ids = _checked_token_ids("stop_token_ids", ids, MAX_STOP_TOKEN_IDS, "a list", listed)
+        self.stop_token_ids = ids or []
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias
