@@ -225,6 +225,12 @@ void prefix_attention_bf16(const bf16 *, int64_t, int64_t, int64_t, const bf16 *
                            int64_t, float, float *, float *, float *, int, int64_t, int64_t,
                            int64_t, float);
 #endif
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#define AMX_GEMM 1
+int amx_ready(void);
+void gemm_bf16_strip_amx(const bf16 *, int64_t, int64_t, const bf16 *, int64_t, int64_t, int64_t,
+                         int, void *, int);
+#endif
 
 /* GeGLU's gelu (tanh approximation) as g * sigmoid(z): 0.5 (1 + tanh(u)) = sigmoid(2u), so
  * z = 2 sqrt(2 / pi) (g + 0.044715 g^3). The vector kernels run these operations in this order

@@ -532,10 +532,42 @@ static inline __attribute__((always_inline)) void pack_block16_of(
     }
 }
 
+#ifdef VNNI_GEMM
+/* `pack_block16_of` for a Q8_256_VNNI weight: a super-block's 4-input step q of block b (16
+ * outputs x 4 levels plus 128, one 64-byte row of the strip) holds input pairs 2q and 2q + 1 of
+ * the packing, each level times its output's scale as `dequantize_rows` computes it. */
+static void pack_block16_vnni(const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t k,
+                              bf16 *dst) {
+    vnni_strip s = vnni_strip_of(w, row_bytes, j0 / 32);
+    int b = (int)(j0 / 16 % 2);
+    uint32_t *out = (uint32_t *)dst;
+    for (int64_t sb = 0; sb < k / 256; sb++) {
+        const uint8_t *levels = s.levels + sb * s.levels_step;
+        __m512 d = _mm512_loadu_ps(s.dm + sb * s.dm_step + 16 * b);
+        for (int q = 0; q < 64; q++) {
+            __m512i v = _mm512_load_si512(levels + (2 * q + b) * 64), bits[4];
+            for (int e = 0; e < 4; e++) {
+                __m512i level = _mm512_sub_epi32(
+                    _mm512_and_si512(_mm512_srli_epi32(v, 8 * e), _mm512_set1_epi32(255)),
+                    _mm512_set1_epi32(128));
+                __m512 value = _mm512_fmadd_ps(_mm512_cvtepi32_ps(level), d, _mm512_setzero_ps());
+                bits[e] = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(value));
+            }
+            uint32_t *pair = out + 16 * (sb * 128 + 2 * q);
+            _mm512_storeu_si512(pair, _mm512_or_si512(bits[0], _mm512_slli_epi32(bits[1], 16)));
+            _mm512_storeu_si512(pair + 16, _mm512_or_si512(bits[2], _mm512_slli_epi32(bits[3], 16)));
+        }
+    }
+}
+#endif
+
 /* `pack_block16_of` compiled for each common format (`type` a constant in the unpacking). */
 static __attribute__((noinline)) void pack_block16(int type, const uint8_t *w, int64_t row_bytes,
                                                    int64_t j0, int64_t k, bf16 *dst) {
     switch (type) {
+#ifdef VNNI_GEMM
+    case Q8_256_VNNI: pack_block16_vnni(w, row_bytes, j0, k, dst); break;
+#endif
     case Q4_K: pack_block16_of(Q4_K, w, row_bytes, j0, k, dst); break;
     case Q6_K: pack_block16_of(Q6_K, w, row_bytes, j0, k, dst); break;
     case Q4_0: pack_block16_of(Q4_0, w, row_bytes, j0, k, dst); break;
@@ -553,6 +585,9 @@ void quant_gemm_bf16(int type, const uint8_t *w, int64_t n, int64_t k, int64_t r
                      const bf16 *x, int64_t rows, int64_t x_stride, void *out, int out_bf16,
                      int64_t out_stride, bf16 *work, int threads) {
     int64_t blocks = n / 16, pairs = k / 2;
+#ifdef AMX_GEMM
+    int amx = amx_ready();
+#endif
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();
@@ -562,6 +597,13 @@ void quant_gemm_bf16(int type, const uint8_t *w, int64_t n, int64_t k, int64_t r
             int nbs = nb1 - nb < 3 ? (int)(nb1 - nb) : 3;
             for (int b = 0; b < nbs; b++)
                 pack_block16(type, w, row_bytes, (nb + b) * 16, k, strip + b * pairs * 32);
+#ifdef AMX_GEMM
+            if (amx) {
+                gemm_bf16_strip_amx(x, rows, x_stride, strip, pairs, out_stride, nb * 16, nbs,
+                                    out, out_bf16);
+                continue;
+            }
+#endif
             gemm_bf16_strip(x, rows, x_stride, strip, pairs, out_stride, nb * 16, nbs, out,
                             out_bf16);
         }
