@@ -12,9 +12,10 @@ prompt's logprobs are the same from the prefix cache, in chunks or in any batch.
 
 Two kernels compute the same exact-bf16-product, fp32-sum linear: oneDNN's packed linear
 (`CpuLinear.packed`, AMX tiles where the CPU has them) and the C GEMM (`cpu_ops.gemm`, AVX512-BF16
-dot products). Which is faster depends on the CPU and the number of rows: on a Zen 4 without AMX
-the C GEMM wins at every step up to 64 rows; on a Xeon with AMX oneDNN is several times faster
-from 16 rows. So nothing is assumed: at engine start each of the model's weight shapes is timed
+dot products, or AMX tiles too). Which is faster depends on the CPU and the number of rows: on a
+Zen 4 without AMX the C GEMM wins at every step up to 64 rows; on a Xeon with AMX the C GEMM's
+vector loop was several times slower than oneDNN from 16 rows, its tiles as fast or faster. So
+nothing is assumed: at engine start each of the model's weight shapes is timed
 under both kernels at 1-64 rows, and the C GEMM serves a shape up to the largest row count at
 which oneDNN does not beat it clearly (and every smaller one).
 

@@ -11,7 +11,7 @@
  */
 #include "common.h"
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#ifdef AMX_GEMM
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -34,14 +34,15 @@ int amx_ready(void) {
     return amx_state > 0;
 }
 
-/* Tiles 0-3 accumulate (m rows x 16 fp32), 4-5 hold m rows of x (32 bf16 each), 6-7 a block's
- * 16 input pairs. */
-static void configure_tiles(int m) {
+/* Tiles 0-3 accumulate (16 fp32 or int32 a row), 4-5 hold rows of x (32 bf16 or 64 int8 each),
+ * 6-7 a block of weights (16 rows of 64 bytes); tiles 0, 1 and 4 have m0 rows (the first row
+ * tile), 2, 3 and 5 have m1 (the second). */
+static void configure_tiles(int m0, int m1) {
     tile_config cfg = {0};
     cfg.palette_id = 1;
     for (int t = 0; t < 8; t++) {
         cfg.colsb[t] = 64;
-        cfg.rows[t] = t >= 6 ? 16 : m;
+        cfg.rows[t] = t >= 6 ? 16 : (t == 2 || t == 3 || t == 5) ? m1 : m0;
     }
     /* GCC does not see `ldtilecfg` read the struct and may drop stores to it (llama.cpp's
      * AMX kernels load a half-zero configuration and fault that way): the barrier keeps them. */
@@ -109,11 +110,11 @@ void gemm_bf16_strip_amx(const bf16 *x, int64_t rows, int64_t x_stride, const bf
                          int64_t pairs, int64_t n, int64_t col, int nb, void *out, int out_bf16) {
     float c[2][2][16][16] __attribute__((aligned(64)));
     int64_t elem = out_bf16 ? sizeof(bf16) : sizeof(float);
-    configure_tiles(16);
+    configure_tiles(16, 16);
     for (int64_t r = 0; r < rows;) {
         int64_t left = rows - r;
         int m = left < 16 ? (int)left : 16, two_rows = left >= 32;
-        if (m < 16) configure_tiles(m);
+        if (m < 16) configure_tiles(m, m);
         const bf16 *xr = x + r * x_stride;
         void *o = (char *)out + r * n * elem;
         for (int b = 0; b < nb; b += 2) {
@@ -130,5 +131,81 @@ void gemm_bf16_strip_amx(const bf16 *x, int64_t rows, int64_t x_stride, const bf
         r += two_rows ? 32 : m;
     }
     _tile_release();
+}
+
+/* out[r][0..32) for rows r < rows (at most 32) of int8 activations (`quantize_activations`: rows
+ * kp bytes apart, scales xd, 16-input sums bsum) times a Q8_256_VNNI strip (32 outputs): a
+ * super-block's integer sums on `tdpbsud` (signed activations, levels plus 128), the rest in
+ * `vnni_tile_of`'s integer and float sequence, so the bits of the VNNI GEMM. */
+void q8_256_tile_amx(const uint8_t *levels, int64_t levels_step, const float *dm, int64_t dm_step,
+                     int64_t k, const int8_t *xq, const float *xd, const int16_t *bsum, int64_t kp,
+                     int rows, float out[32][32]) {
+    int32_t c[2][2][16][16] __attribute__((aligned(64)));
+    int m0 = rows < 16 ? rows : 16, m1 = rows - m0;
+    int64_t stride = kp;
+    const int8_t *x1 = xq + 16 * kp;
+    configure_tiles(m0, m1 ? m1 : 16);
+    for (int r = 0; r < rows; r++) memset(out[r], 0, sizeof out[r]);
+    for (int64_t sb = 0; sb < k / 256; sb++) {
+        const uint8_t *lv = levels + sb * levels_step;
+        const int8_t *x = xq + sb * 256;
+        _tile_zero(0);
+        _tile_zero(1);
+        if (m1) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+        for (int q = 0; q < 4; q++) { /* 64 inputs: 16 4-input steps of both blocks */
+            _tile_loadd(4, x + 64 * q, stride);
+            _tile_loadd(6, lv + 16 * 128 * q, 128);
+            _tile_loadd(7, lv + 16 * 128 * q + 64, 128);
+            _tile_dpbsud(0, 4, 6);
+            _tile_dpbsud(1, 4, 7);
+            if (m1) {
+                _tile_loadd(5, x1 + sb * 256 + 64 * q, stride);
+                _tile_dpbsud(2, 5, 6);
+                _tile_dpbsud(3, 5, 7);
+            }
+        }
+        _tile_stored(0, c[0][0], 64);
+        _tile_stored(1, c[0][1], 64);
+        if (m1) {
+            _tile_stored(2, c[1][0], 64);
+            _tile_stored(3, c[1][1], 64);
+        }
+        const float *d = dm + sb * dm_step;
+        for (int r = 0; r < rows; r++) {
+            const int16_t *bs = bsum + r * (kp / 16) + sb * 16;
+            int sum = _mm512_reduce_add_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)bs)));
+            __m512 xs = _mm512_set1_ps(xd[r * (kp / 32) + sb * 8]);
+            for (int b = 0; b < 2; b++) {
+                __m512i isum = _mm512_sub_epi32(_mm512_load_si512(c[r / 16][b][r % 16]),
+                                                _mm512_set1_epi32(sum * 128));
+                __m512 dd = _mm512_mul_ps(_mm512_load_ps(d + 16 * b), xs);
+                __m512 v = _mm512_mul_round_ps(_mm512_cvtepi32_ps(isum), dd,
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                _mm512_storeu_ps(out[r] + 16 * b, _mm512_add_ps(_mm512_loadu_ps(out[r] + 16 * b), v));
+            }
+        }
+    }
+    _tile_release();
+}
+
+/* `gemm_bf16` on the tiles (`amx_ready` true, k a multiple of 32): the threads split the blocks
+ * of 16 outputs, and each runs every row through 4 blocks at a time (a weight piece its L2
+ * holds while the rows stream through). */
+void gemm_bf16_amx(const bf16 *x, int64_t rows, int64_t x_stride, const bf16 *wp, int64_t n,
+                   int64_t k, void *out, int out_bf16, int threads) {
+    int64_t pairs = k / 2, blocks = n / 16;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t nb0 = blocks * t / parts, nb1 = blocks * (t + 1) / parts;
+        for (int64_t nb = nb0; nb < nb1; nb += 4) {
+            int nbs = nb1 - nb < 4 ? (int)(nb1 - nb) : 4;
+            gemm_bf16_strip_amx(x, rows, x_stride, wp + nb * pairs * 32, pairs, n, nb * 16, nbs,
+                                out, out_bf16);
+        }
+    }
 }
 #endif

@@ -225,11 +225,14 @@ void prefix_attention_bf16(const bf16 *, int64_t, int64_t, int64_t, const bf16 *
                            int64_t, float, float *, float *, float *, int, int64_t, int64_t,
                            int64_t, float);
 #endif
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#if defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #define AMX_GEMM 1
 int amx_ready(void);
 void gemm_bf16_strip_amx(const bf16 *, int64_t, int64_t, const bf16 *, int64_t, int64_t, int64_t,
                          int, void *, int);
+void gemm_bf16_amx(const bf16 *, int64_t, int64_t, const bf16 *, int64_t, int64_t, void *, int, int);
+void q8_256_tile_amx(const uint8_t *, int64_t, const float *, int64_t, int64_t, const int8_t *,
+                     const float *, const int16_t *, int64_t, int, float[32][32]);
 #endif
 
 /* GeGLU's gelu (tanh approximation) as g * sigmoid(z): 0.5 (1 + tanh(u)) = sigmoid(2u), so

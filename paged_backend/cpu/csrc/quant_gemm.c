@@ -424,6 +424,15 @@ static inline void store_outputs16(void *out, int out_bf16, int64_t at, __m512 v
     _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16)));
 }
 
+/* Rows [r0, r0 + rows) of a strip's outputs (tile[r][0..32), from column col) into out. */
+static void store_tile(void *out, int out_bf16, int64_t out_stride, int64_t r0, int rows,
+                       int64_t col, float (*tile)[32]) {
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < 2; h++)
+            store_outputs16(out, out_bf16, (r0 + r) * out_stride + col + 16 * h,
+                            _mm512_loadu_ps(tile[r] + 16 * h));
+}
+
 /* Each thread's strip buffer, grown to the largest k it has served. */
 static __thread uint8_t *vnni_buffer;
 static __thread int64_t vnni_buffer_bytes;
@@ -447,6 +456,9 @@ int vnni_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_by
                        void *out, int out_bf16, int64_t out_stride, int threads) {
     int64_t kp = act_stride(k), strips = n / 32, kc = (k + CHUNK - 1) / CHUNK * CHUNK;
     int legacy = !is_superblock(type), packed = type == Q8_256_VNNI, tile_rows = legacy ? 2 : VNNI_ROWS, ok = 1;
+#ifdef AMX_GEMM
+    int amx = packed && amx_ready(); /* Q8_256_VNNI's strips are the tiles' B layout */
+#endif
 #pragma omp parallel num_threads(threads) if (threads > 1) reduction(&& : ok)
     {
         int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();
@@ -467,6 +479,16 @@ int vnni_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_by
                  * tile, so that they arrive while this strip computes: read by the pack, 32
                  * rows apart, they had stalled it on memory. Not Q8_256_VNNI's, which the tiles
                  * read in order (asked for, they ran 1.13x slower). */
+#ifdef AMX_GEMM
+                for (int64_t r0 = 0; amx && r0 < rows; r0 += 32) {
+                    int mt = rows - r0 < 32 ? (int)(rows - r0) : 32;
+                    float tile[32][32];
+                    q8_256_tile_amx(s.levels, s.levels_step, s.dm, s.dm_step, k, xq + r0 * kp,
+                                    xd + r0 * (kp / 32), bsum + r0 * (kp / 16), kp, mt, tile);
+                    store_tile(out, out_bf16, out_stride, r0, mt, 32 * st, tile);
+                }
+                if (amx) continue;
+#endif
                 const char *next = (const char *)w + 32 * (st + 1) * row_bytes;
                 int64_t lines = !packed && st + 1 < last ? 32 * row_bytes / 64 : 0, asked = 0;
                 for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
@@ -481,10 +503,7 @@ int vnni_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_by
                         vnni_legacy_tile(type, mt, &s, k, x, x_d, x_sum, kp, tile);
                     else
                         vnni_tile(packed ? Q8_256 : type, mt, &s, k, x, x_d, x_sum, kp, tile);
-                    for (int r = 0; r < mt; r++)
-                        for (int h = 0; h < 2; h++)
-                            store_outputs16(out, out_bf16, (r0 + r) * out_stride + 32 * st + 16 * h,
-                                            _mm512_loadu_ps(tile[r] + 16 * h));
+                    store_tile(out, out_bf16, out_stride, r0, mt, 32 * st, tile);
                 }
             }
         }
