@@ -309,18 +309,18 @@ def test_outputs_do_not_depend_on_threads_or_batching(fmt, k):
 def test_rows_have_the_bits_of_one_row_in_steps_of_any_size(fmt):
     """Outputs a multiple of 32, as the VNNI GEMM takes them (where it is built; steps of 4 rows
     on): each row's result has the one-row kernel's bits in every step size (2: below the GEMM;
-    11: a partial last tile) and thread count (96 outputs: 3 strips of 32, which two threads
-    split unevenly), in fp32 and bf16; 800 inputs end the 32-weight formats' rows in a partial
-    chunk of 256."""
+    11: a partial last tile; 40: with AMX, a full tile of 32 and a partial one) and thread
+    count (96 outputs: 3 strips of 32, which two threads split unevenly), in fp32 and bf16; 800
+    inputs end the 32-weight formats' rows in a partial chunk of 256."""
     k = 768 if BLOCK_FORMATS[fmt][1] == 256 else 800
     w = random_weight(fmt, 96, k, seed=5)
-    x = torch.randn(11, k)
-    alone = torch.cat([quant_matmul(x[i : i + 1], [w]) for i in range(11)])
+    x = torch.randn(40, k)
+    alone = torch.cat([quant_matmul(x[i : i + 1], [w]) for i in range(40)])
     threads = torch.get_num_threads()
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
-            for rows in (2, 4, 11):
+            for rows in (2, 4, 11, 40):
                 assert torch.equal(quant_matmul(x[:rows], [w]), alone[:rows])
             rounded = quant_matmul(x, [w], torch.bfloat16)
             assert torch.equal(rounded, alone.to(torch.bfloat16))
