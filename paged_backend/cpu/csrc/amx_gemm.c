@@ -6,8 +6,9 @@
  * products, fp32 sums, as the vector kernel; the order of the sums differs, so the last bits may.
  *
  * Linux hands the tiles' 8 KB of state to a process only when it asks (`amx_ready`). A thread's
- * tile configuration is its own and other libraries' kernels (oneDNN's) load theirs on the same
- * threads, so every call loads ours and releases the tiles when done.
+ * tile configuration is its own, and other libraries' kernels load theirs on the same (OpenMP)
+ * threads: oneDNN's at each call, llama.cpp's once a thread. So every call loads ours and, when
+ * done, puts back the configuration it found (or releases the tiles if there was none).
  */
 #include "common.h"
 
@@ -48,6 +49,24 @@ static void configure_tiles(int m0, int m1) {
      * AMX kernels load a half-zero configuration and fault that way): the barrier keeps them. */
     __asm__ __volatile__("" : : "m"(cfg) : "memory");
     _tile_loadconfig(&cfg);
+}
+
+/* The thread's tile configuration before a call (zeros where none was loaded). */
+static inline tile_config saved_tiles(void) {
+    tile_config cfg;
+    _tile_storeconfig(&cfg);
+    __asm__ __volatile__("" : "=m"(cfg) : : "memory"); /* GCC does not see `sttilecfg` write it */
+    return cfg;
+}
+
+/* Puts back what `saved_tiles` found. */
+static inline void restore_tiles(tile_config cfg) {
+    if (cfg.palette_id) {
+        __asm__ __volatile__("" : : "m"(cfg) : "memory");
+        _tile_loadconfig(&cfg);
+    } else {
+        _tile_release();
+    }
 }
 
 /* Rows [0, RT * m) of x times blocks [0, CT) at w (`pairs * 32` apart), into c[row tile][block]
@@ -110,6 +129,7 @@ void gemm_bf16_strip_amx(const bf16 *x, int64_t rows, int64_t x_stride, const bf
                          int64_t pairs, int64_t n, int64_t col, int nb, void *out, int out_bf16) {
     float c[2][2][16][16] __attribute__((aligned(64)));
     int64_t elem = out_bf16 ? sizeof(bf16) : sizeof(float);
+    tile_config before = saved_tiles();
     configure_tiles(16, 16);
     for (int64_t r = 0; r < rows;) {
         int64_t left = rows - r;
@@ -130,7 +150,7 @@ void gemm_bf16_strip_amx(const bf16 *x, int64_t rows, int64_t x_stride, const bf
         }
         r += two_rows ? 32 : m;
     }
-    _tile_release();
+    restore_tiles(before);
 }
 
 /* out[r][0..32) for rows r < rows (at most 32) of int8 activations (`quantize_activations`: rows
@@ -144,6 +164,7 @@ void q8_256_tile_amx(const uint8_t *levels, int64_t levels_step, const float *dm
     int m0 = rows < 16 ? rows : 16, m1 = rows - m0;
     int64_t stride = kp;
     const int8_t *x1 = xq + 16 * kp;
+    tile_config before = saved_tiles();
     configure_tiles(m0, m1 ? m1 : 16);
     for (int r = 0; r < rows; r++) memset(out[r], 0, sizeof out[r]);
     for (int64_t sb = 0; sb < k / 256; sb++) {
@@ -188,7 +209,7 @@ void q8_256_tile_amx(const uint8_t *levels, int64_t levels_step, const float *dm
             }
         }
     }
-    _tile_release();
+    restore_tiles(before);
 }
 
 /* `gemm_bf16` on the tiles (`amx_ready` true, k a multiple of 32): the threads split the blocks
