@@ -1,9 +1,10 @@
-/* The bf16 GEMM on AMX tiles (Xeons from Sapphire Rapids on): one `tdpbf16ps` multiplies 16 rows
+/* GEMMs on AMX tiles (Xeons from Sapphire Rapids on). bf16: one `tdpbf16ps` multiplies 16 rows
  * by 32 inputs by 16 outputs, 8x the multiply-adds an AVX512-BF16 `vdpbf16ps` does, so a step of
  * many rows (a prefill chunk) runs several times faster than on the vector units. The weights
  * come packed as `gemm_bf16`'s, [n/16][k/2][16][2]: a block's 16 input pairs at a time are
  * exactly a B tile (16 rows of 64 bytes), so the same packing serves both kernels. Exact bf16
  * products, fp32 sums, as the vector kernel; the order of the sums differs, so the last bits may.
+ * int8: `tdpbsud` on Q8_256_VNNI strips, whose 4-input steps are B tiles too (`q8_256_tile_amx`).
  *
  * Linux hands the tiles' 8 KB of state to a process only when it asks (`amx_ready`). A thread's
  * tile configuration is its own, and other libraries' kernels load theirs on the same (OpenMP)
