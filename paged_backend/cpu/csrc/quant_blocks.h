@@ -142,6 +142,14 @@ static inline void block32_levels(int type, const uint8_t *blk, uint8_t *q) {
         return;
     }
     const uint8_t *p = blk + nibbles_at(type);
+#ifdef QUANT_AVX2
+    if (type == Q4_0 || type == Q4_1) { /* the loop below compiled to a byte at a time */
+        __m128i v = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(15);
+        _mm_storeu_si128((__m128i *)q, _mm_and_si128(v, low));
+        _mm_storeu_si128((__m128i *)(q + 16), _mm_and_si128(_mm_srli_epi16(v, 4), low));
+        return;
+    }
+#endif
     uint32_t qh = 0;
     if (type == Q5_0 || type == Q5_1) memcpy(&qh, blk + fifth_bits_at(type), 4);
     for (int i = 0; i < 16; i++) {
