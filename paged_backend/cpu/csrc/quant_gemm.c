@@ -475,10 +475,6 @@ int vnni_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_by
                     vnni_pack_legacy(type, w, row_bytes, 32 * st, k, &s);
                 else
                     vnni_pack(type, w, row_bytes, 32 * st, k, &s);
-                /* The next strip's 32 rows (one run of memory) are asked for a share after each
-                 * tile, so that they arrive while this strip computes: read by the pack, 32
-                 * rows apart, they had stalled it on memory. Not Q8_256_VNNI's, which the tiles
-                 * read in order (asked for, they ran 1.13x slower). */
 #ifdef AMX_GEMM
                 for (int64_t r0 = 0; amx && r0 < rows; r0 += 32) {
                     int mt = rows - r0 < 32 ? (int)(rows - r0) : 32;
@@ -489,6 +485,10 @@ int vnni_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_by
                 }
                 if (amx) continue;
 #endif
+                /* The next strip's 32 rows (one run of memory) are asked for a share after each
+                 * tile, so that they arrive while this strip computes: read by the pack, 32
+                 * rows apart, they had stalled it on memory. Not Q8_256_VNNI's, which the tiles
+                 * read in order (asked for, they ran 1.13x slower). */
                 const char *next = (const char *)w + 32 * (st + 1) * row_bytes;
                 int64_t lines = !packed && st + 1 < last ? 32 * row_bytes / 64 : 0, asked = 0;
                 for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
