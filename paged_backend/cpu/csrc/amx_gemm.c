@@ -123,14 +123,13 @@ static void store_tiles(float c[2][2][16][16], int m, const int RT, const int CT
         store_tiles(c, m, RT, CT, o, n, col + 16 * b, out_bf16);                               \
     } while (0)
 
-/* `gemm_bf16_strip` on the tiles (`amx_ready` true, k a multiple of 32): out[:, col .. col +
- * 16 * nb) = x [rows] times `nb` packed blocks of 16 outputs, 32 rows by 32 outputs at a time
- * (a last tile of fewer rows runs under a configuration of that many). */
-void gemm_bf16_strip_amx(const bf16 *x, int64_t rows, int64_t x_stride, const bf16 *strip,
-                         int64_t pairs, int64_t n, int64_t col, int nb, void *out, int out_bf16) {
+/* out[:, col .. col + 16 * nb) = x [rows] times `nb` packed blocks of 16 outputs, 32 rows by 32
+ * outputs at a time (a last tile of fewer rows runs under a configuration of that many), on a
+ * thread whose tile configuration the caller saved. */
+static void strip_on_tiles(const bf16 *x, int64_t rows, int64_t x_stride, const bf16 *strip,
+                           int64_t pairs, int64_t n, int64_t col, int nb, void *out, int out_bf16) {
     float c[2][2][16][16] __attribute__((aligned(64)));
     int64_t elem = out_bf16 ? sizeof(bf16) : sizeof(float);
-    tile_config before = saved_tiles();
     configure_tiles(16, 16);
     for (int64_t r = 0; r < rows;) {
         int64_t left = rows - r;
@@ -151,6 +150,13 @@ void gemm_bf16_strip_amx(const bf16 *x, int64_t rows, int64_t x_stride, const bf
         }
         r += two_rows ? 32 : m;
     }
+}
+
+/* `gemm_bf16_strip` on the tiles (`amx_ready` true, k a multiple of 32). */
+void gemm_bf16_strip_amx(const bf16 *x, int64_t rows, int64_t x_stride, const bf16 *strip,
+                         int64_t pairs, int64_t n, int64_t col, int nb, void *out, int out_bf16) {
+    tile_config before = saved_tiles();
+    strip_on_tiles(x, rows, x_stride, strip, pairs, n, col, nb, out, out_bf16);
     restore_tiles(before);
 }
 
@@ -163,14 +169,12 @@ void q8_256_tile_amx(const uint8_t *levels, int64_t levels_step, const float *dm
                      int rows, float out[32][32]) {
     int32_t c[2][2][16][16] __attribute__((aligned(64)));
     int m0 = rows < 16 ? rows : 16, m1 = rows - m0;
-    int64_t stride = kp;
-    const int8_t *x1 = xq + 16 * kp;
     tile_config before = saved_tiles();
     configure_tiles(m0, m1 ? m1 : 16);
     for (int r = 0; r < rows; r++) memset(out[r], 0, sizeof out[r]);
     for (int64_t sb = 0; sb < k / 256; sb++) {
         const uint8_t *lv = levels + sb * levels_step;
-        const int8_t *x = xq + sb * 256;
+        const int8_t *x = xq + sb * 256, *x1 = x + 16 * kp;
         _tile_zero(0);
         _tile_zero(1);
         if (m1) {
@@ -178,13 +182,13 @@ void q8_256_tile_amx(const uint8_t *levels, int64_t levels_step, const float *dm
             _tile_zero(3);
         }
         for (int q = 0; q < 4; q++) { /* 64 inputs: 16 4-input steps of both blocks */
-            _tile_loadd(4, x + 64 * q, stride);
+            _tile_loadd(4, x + 64 * q, kp);
             _tile_loadd(6, lv + 16 * 128 * q, 128);
             _tile_loadd(7, lv + 16 * 128 * q + 64, 128);
             _tile_dpbsud(0, 4, 6);
             _tile_dpbsud(1, 4, 7);
             if (m1) {
-                _tile_loadd(5, x1 + sb * 256 + 64 * q, stride);
+                _tile_loadd(5, x1 + 64 * q, kp);
                 _tile_dpbsud(2, 5, 6);
                 _tile_dpbsud(3, 5, 7);
             }
@@ -223,11 +227,13 @@ void gemm_bf16_amx(const bf16 *x, int64_t rows, int64_t x_stride, const bf16 *wp
     {
         int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();
         int64_t nb0 = blocks * t / parts, nb1 = blocks * (t + 1) / parts;
+        tile_config before = saved_tiles(); /* once a thread, not once a strip */
         for (int64_t nb = nb0; nb < nb1; nb += 4) {
             int nbs = nb1 - nb < 4 ? (int)(nb1 - nb) : 4;
-            gemm_bf16_strip_amx(x, rows, x_stride, wp + nb * pairs * 32, pairs, n, nb * 16, nbs,
-                                out, out_bf16);
+            strip_on_tiles(x, rows, x_stride, wp + nb * pairs * 32, pairs, n, nb * 16, nbs, out,
+                           out_bf16);
         }
+        restore_tiles(before);
     }
 }
 #endif
