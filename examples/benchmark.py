@@ -12,8 +12,9 @@ on the GGUF file ours runs (--model X.gguf; the default model's by default) or o
 while ours runs --model DIR (the same weights as safetensors); vLLM's CPU build when
 --vllm-python (or the environment variable PAGED_BACKEND_VLLM_PYTHON) names the Python of a
 virtualenv that has it (it runs examples/vllm_peer.py in a subprocess, started and compiled
-before anything is timed). Every engine runs ours' prompts (token ids; chat: the turn prompts
-ours built from its answers) on --threads threads (2 by default). Each engine runs each workload
+before anything is timed), on ours' model or on --vllm-model DIR (a GGUF file's bf16 copy).
+Every engine runs ours' prompts (token ids; chat: the turn prompts ours built from its answers)
+on --threads threads (2 by default). Each engine runs each workload
 in a Python process of its own (vLLM: in its own processes), which reports its resident set
 before and after building the engine and its peak: weights apart from the KV cache and
 activations. Reported: output tokens/s, ratios ours/peer (speed and memory), TTFT median/p90
@@ -28,7 +29,7 @@ with the figures.
 
     python examples/benchmark.py [--workloads rag,distinct,single,chat] [--json] [--threads 2]
                                  [--vllm-python /path/to/vllm-venv/bin/python]
-                                 [--model PATH_OR_HUB_ID] [--gguf X.gguf]
+                                 [--model PATH_OR_HUB_ID] [--gguf X.gguf] [--vllm-model DIR]
                                  [--engines ours,ours-transformers]
 """
 
@@ -780,6 +781,12 @@ def main() -> None:
         help="the GGUF file llama.cpp runs, when --model names a directory of the same weights",
     )
     parser.add_argument(
+        "--vllm-model",
+        default=None,
+        help="the model directory vLLM runs (default: ours'), such as the bf16 safetensors copy "
+        "of the GGUF file --model names, with the same tokenizer",
+    )
+    parser.add_argument(
         "--model-impl",
         default="auto",
         choices=["auto", "native", "transformers"],
@@ -849,7 +856,7 @@ def main() -> None:
             if out["about"]:
                 results["config"][key] = out["about"]
     if "vllm" in wanted:
-        run_vllm(args, replay, first["model_path"], dtype, results)
+        run_vllm(args, replay, args.vllm_model or first["model_path"], dtype, results)
 
     # The machine's roofs again, after the workloads: the better of the two measurements, so that
     # a neighbour's burst during one of them does not move every roofline below.

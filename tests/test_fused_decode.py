@@ -13,6 +13,7 @@ from conftest import longrope, make_tiny_model
 
 from paged_backend import LLM, SamplingParams, cpu
 from paged_backend.attention import FusedDecode
+from paged_backend.attention.fused_decode import QUANT_MAX_ROWS as FUSED_QUANT_MAX_ROWS
 from paged_backend.cpu import kernel_choice, quant
 from paged_backend.cpu.quant import QuantLinear
 from paged_backend.default_model import default_model_file
@@ -213,19 +214,28 @@ def test_fp32_steps_of_any_size_run_fused_where_the_c_linear_serves_every_step(
 
 
 @needs_bf16
-def test_bf16_steps_past_the_int8_rows_dequantize_through_the_modules(tmp_path, monkeypatch):
+def test_bf16_steps_past_the_int8_rows_dequantize_in_one_call_with_the_modules_bits(
+    tmp_path, monkeypatch
+):
     """A bf16 model's quantized linears take the int8 product up to the rows timing gives it
-    (here `cpu_gemm_max_rows`: 2): steps of more rows (the prefills, three decodes) run the
-    weights dequantized to bf16 (`quant_gemm_bf16`) in the modules; steps of up to 2, fused."""
+    (here `cpu_gemm_max_rows`: 2); steps of more rows run the weights dequantized to bf16
+    (`quant_gemm_bf16`): the prefills in the modules, decode steps of 3 rows in the one-call
+    step too, with the modules' bits, which are not the int8 product's."""
     path = write_checkpoint("tiny", tmp_path, ("q4_k_m",))[0]
-    llm = LLM(model=str(path), dtype="bfloat16", num_kv_blocks=64, cpu_gemm_max_rows=2)
+    args = dict(model=str(path), dtype="bfloat16", num_kv_blocks=64, enable_prefix_caching=False)
+    llm = LLM(**args, cpu_gemm_max_rows=2)
     rows, real = [], quant.quant_gemm_bf16
     monkeypatch.setattr(quant, "quant_gemm_bf16", lambda x, *a: rows.append(len(x)) or real(x, *a))
-    _, steps = generate_counting(llm, monkeypatch, [4, 8, 12])
-    assert {n for n, _ in steps} == {2, 1}
-    assert llm.engine.runner.model.fused_decode.max_rows == 2
-    assert rows and min(rows) > 2
+    fused, steps = generate_counting(llm, monkeypatch, [4, 8, 12])
+    assert {n for n, _ in steps} == {3, 2, 1}
+    assert llm.engine.runner.model.fused_decode.max_rows == FUSED_QUANT_MAX_ROWS
     assert set(llm.stats()["cpu_int8_max_rows"].values()) == {2}
+    in_modules, rows[:] = rows.count(3), []  # 3-row fused steps: their head's product alone
+    llm.engine.runner.model.fused_decode = None
+    plain, none = generate_counting(llm, monkeypatch, [4, 8, 12])
+    assert not none and fused == plain and rows.count(3) > in_modules > 0
+    int8, _ = generate_counting(LLM(**args, cpu_gemm_max_rows=3), monkeypatch, [4, 8, 12])
+    assert int8 != fused
 
 
 @pytest.mark.parametrize(

@@ -177,12 +177,13 @@ needs_bf16_gemm = pytest.mark.skipif(
 
 @needs_bf16_gemm
 @pytest.mark.parametrize("fmt", ROW_FORMATS)
-@pytest.mark.parametrize(("rows", "threads"), [(1, 1), (9, 2), (70, 2)])
+@pytest.mark.parametrize(("rows", "threads"), [(1, 1), (9, 2), (32, 2), (33, 1), (70, 2)])
 def test_dequantized_gemm_is_the_bf16_product_with_the_dequantized_weight(fmt, rows, threads):
-    """Each weight rounded to bf16 (nearest even), exact bf16 products, fp32 sums: the bf16
-    GEMM on the dequantized weight, whatever the rows (8 at a time, 70 a partial last 8) or
-    threads (which split the outputs, 48 at a time: 160 outputs leave a partial last strip);
-    bf16 out is the fp32 result rounded once."""
+    """Each weight rounded to bf16 (nearest even), exact bf16 products, fp32 sums: the bits of
+    the bf16 GEMM (`gemm_bf16`) on the dequantized weight, whatever the rows (on AMX tiles up to
+    32 a chunk of inputs at a time, more a whole strip at a time; partial row tiles) or threads
+    (which split the outputs: 160 outputs leave a partial last strip); bf16 out is the fp32
+    result rounded once."""
     k = in_features(fmt)
     w = random_weight(fmt, 160, k, seed=rows)
     x = torch.randn(rows, k).to(torch.bfloat16)
@@ -198,6 +199,8 @@ def test_dequantized_gemm_is_the_bf16_product_with_the_dequantized_weight(fmt, r
     scale = x.double().abs() @ dequantize(w).double().abs().T
     assert torch.all((got.double() - expected).abs() <= 1e-5 * scale + 1e-30)
     assert torch.equal(rounded, got.to(torch.bfloat16))
+    packed = cpu_ops.pack_gemm_weight(dequantize(w).to(torch.bfloat16))
+    assert torch.equal(got, cpu_ops.gemm(x, packed, torch.float32))
 
 
 @needs_bf16_gemm

@@ -25,7 +25,7 @@ from paged_backend import cpu
 from paged_backend.attention.backend import AttentionMetadata
 from paged_backend.attention.planner import CDecodePlan
 from paged_backend.cpu import ops as cpu_ops
-from paged_backend.cpu.quant import QuantLinear, activation_stride
+from paged_backend.cpu.quant import QuantLinear, activation_stride, dequantize_work
 
 if TYPE_CHECKING:
     from paged_backend.attention.torch_backend import TorchAttention
@@ -73,8 +73,8 @@ class FusedDecode:
         self.q_scale, self.softcap = attn.q_scale, attn.softcap or 0.0
         # floats a row of the fused step's quantized activations takes (a byte a level of the
         # widest input's row, a float scale a 32, an int16 level sum a 16)
-        widest = max(self.hidden, config.num_heads * self.head_dim, self.intermediate)
-        self.act_per_row = activation_stride(widest) * 5 // 16
+        self.widest = max(self.hidden, config.num_heads * self.head_dim, self.intermediate)
+        self.act_per_row = activation_stride(self.widest) * 5 // 16
         windows = [layer.self_attn.window or 0 for layer in model.layers]
         self.windows = torch.tensor(windows, dtype=torch.int64)
         self.caches: tuple[int, torch.Tensor, torch.Tensor] | None = None
@@ -107,14 +107,15 @@ class FusedDecode:
         return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
     def _rows(self, linear: nn.Module) -> int:
-        if isinstance(linear, QuantLinear):  # not past the int8 product's rows
-            most = linear.int8_max_rows
-            return QUANT_MAX_ROWS if most is None else min(QUANT_MAX_ROWS, most)
+        if isinstance(linear, QuantLinear):  # past its int8 rows, the dequantized GEMM
+            return QUANT_MAX_ROWS
         return linear.c_rows if self.f32 else linear.gemm_rows
 
     def _pointers(self, linear: nn.Module, blocks: bool = False) -> list[int]:
-        """The linear's descriptor for `fused_linear` in `csrc/decode_layers.c`: parts, bias, each
-        part's type, address, outputs and row bytes; type 0 a float weight (fp32: the weight;
+        """The linear's descriptor for `fused_linear` in `csrc/decode_layers.c`: parts, bias, the
+        most rows a quantized linear's int8 product takes (`QuantLinear.int8_max_rows`; more bf16
+        rows dequantize), each part's type, address, outputs and row bytes; type 0 a float weight
+        (fp32: the weight;
         bf16: the C GEMM's packed copy), a GGUF block type for a quantized linear, minus one
         for an fp32 linear's blocks (`blocks`: `Linear.blocks`)."""
         if isinstance(linear, QuantLinear) or blocks:
@@ -128,7 +129,9 @@ class FusedDecode:
             parts = [(0, weight.data_ptr(), weight.shape[0], weight.stride(0) * 4)]
         else:
             parts = [(0, linear.gemm.data_ptr(), linear.gemm.shape[0] * 16, 0)]
-        words = [len(parts), 0 if linear.bias is None else self._fp32_bias(linear).data_ptr()]
+        bias = 0 if linear.bias is None else self._fp32_bias(linear).data_ptr()
+        int8_rows = getattr(linear, "int8_max_rows", None)
+        words = [len(parts), bias, QUANT_MAX_ROWS if int8_rows is None else int8_rows]
         for part in parts + [(0, 0, 0, 0)] * (MAX_PARTS - len(parts)):
             words.extend(part)
         return words
@@ -212,6 +215,7 @@ class FusedDecode:
         )
         residual = torch.empty_like(x)
         act = torch.empty(rows * self.act_per_row)
+        threads = plan.scratch.shape[0]
         starts = plan.query_start
         if starts is None:
             starts = torch.arange(rows + 1, dtype=torch.int32)
@@ -253,9 +257,10 @@ class FusedDecode:
             softcap=self.softcap,
             work=work.data_ptr(),
             act=act.data_ptr(),
+            dequantized=0 if self.f32 else dequantize_work(threads, self.widest).data_ptr(),
             scores=plan.scratch.data_ptr(),
             scores_stride=plan.scratch.shape[1],
-            threads=plan.scratch.shape[0],
+            threads=threads,
             **cascade,
         )
         return x, residual

@@ -109,7 +109,7 @@ def int8_max_rows(linears: dict[tuple, list[QuantWeight]]) -> dict[tuple, int]:
     GEMM costs more at a few rows (its dequantizing is paid once a step, whatever the rows) and
     ran prefills at ~2x the int8 product's rate on a Zen 4 before that had its VNNI GEMM (now
     0.6-0.8x of it there at 4-256 rows: the int8 product serves every step); on a Xeon with AMX
-    its tiles take steps of more than 32-64 rows."""
+    its tiles take steps of more than 4-16 rows."""
     return _max_rows(set(linears), "int8 ", lambda *key: _time_int8(linears[key]))
 
 

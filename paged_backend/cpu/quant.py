@@ -296,20 +296,30 @@ def can_dequantize_to_bf16(weights: list[QuantWeight]) -> bool:
 _GEMM_WORK: dict[tuple[int, int], torch.Tensor] = {}  # (threads, k) -> each thread's 48 rows
 
 
+def dequantize_work(threads: int, k: int) -> torch.Tensor:
+    """The buffer `quant_gemm_bf16` dequantizes into (48 bf16 weight rows of k a thread), one
+    per (threads, k) for the process: the modules' steps and the one-call decode step share it."""
+    work = _GEMM_WORK.get((threads, k))
+    if work is None:
+        work = torch.empty(threads * 48 * k, dtype=torch.bfloat16)
+        work = _GEMM_WORK.setdefault((threads, k), work)
+    return work
+
+
 def quant_gemm_bf16(
     x: torch.Tensor, weights: list[QuantWeight], out_dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """`quant_matmul`'s product for many rows of bf16 x (weights `can_dequantize_to_bf16`): the
-    dequantized to bf16, 48 outputs at a time into a buffer the caches hold, and multiplied in
-    the bf16 GEMM (on AMX tiles where the CPU has them), with no int8 rounding of x. A step of
-    many rows then runs at the bf16 GEMM's rate; the kernel choice times it against the int8
-    product (whose VNNI GEMM beat it at every row count on a Zen 4; on a Xeon with AMX the tiles
-    run 256-512 rows at ~1.7 TFLOP/s, ~2.2x the VNNI GEMM, and win from 32-64 rows)."""
+    dequantized to bf16, 32-48 outputs at a time into a buffer the caches hold, and multiplied
+    in the bf16 GEMM (on AMX tiles where the CPU has them), with no int8 rounding of x: the bits
+    of the bf16 GEMM on the dequantized weight. A step of many rows then runs at the bf16 GEMM's
+    rate; the kernel choice times it against the int8 product (whose VNNI GEMM beat it at every
+    row count on a Zen 4; on a Xeon with AMX the tiles, the weights their A operand, run a Q4_K
+    8192 x 2048 weight from memory at 32 rows in ~1.2 ms against the VNNI GEMM's ~2.1, and win
+    from 4-16 rows)."""
     rows, k = x.shape
     threads = torch.get_num_threads()
-    work = _GEMM_WORK.get((threads, k))
-    if work is None:
-        work = _GEMM_WORK.setdefault((threads, k), torch.empty(threads * 48 * k, dtype=x.dtype))
+    work = dequantize_work(threads, k)
     lib = load_library()
 
     def run_part(w: QuantWeight, out: int, out_stride: int, out_bf16: bool) -> None:

@@ -11,6 +11,8 @@
  * threads: oneDNN's at each call, llama.cpp's once a thread. So every call loads ours and, when
  * done, puts back the configuration it found (or releases the tiles if there was none).
  */
+#include <stdlib.h>
+
 #include "common.h"
 
 #ifdef AMX_GEMM
@@ -158,6 +160,192 @@ void gemm_bf16_strip_amx(const bf16 *x, int64_t rows, int64_t x_stride, const bf
     tile_config before = saved_tiles();
     strip_on_tiles(x, rows, x_stride, strip, pairs, n, col, nb, out, out_bf16);
     restore_tiles(before);
+}
+
+/* Tiles for `tile_steps`, which multiplies the other way round: 0-3 accumulate 16 outputs a
+ * tile row (fp32 of m0 rows of x in 0 and 2, of m1 in 1 and 3), 4-5 hold 16 weight rows of 32
+ * inputs (the A tiles), 6-7 x's rows m0 and m1 as B tiles (16 input pairs of 4 * m bytes). */
+static void configure_weight_tiles(int m0, int m1) {
+    tile_config cfg = {0};
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        int m = (t == 1 || t == 3 || t == 7) ? m1 : m0;
+        cfg.colsb[t] = t == 4 || t == 5 ? 64 : 4 * m;
+        cfg.rows[t] = 16;
+    }
+    __asm__ __volatile__("" : : "m"(cfg) : "memory"); /* as in `configure_tiles` */
+    _tile_loadconfig(&cfg);
+}
+
+/* x's rows as B tiles: row tile t (16 rows, the last zero-filled past `rows`) and step s (32
+ * inputs) at xt + (t * k / 32 + s) * 512, input pair p of row r at [p][r][2]. Shared by the
+ * threads of the calling parallel region, which wait for all of it. */
+static void x_as_b_tiles(const bf16 *x, int64_t rows, int64_t x_stride, int64_t k, bf16 *xt) {
+    int64_t steps = k / 32, tiles = (rows + 15) / 16;
+#pragma omp for schedule(static)
+    for (int64_t ts = 0; ts < tiles * steps; ts++) {
+        int64_t t = ts / steps, s = ts % steps;
+        __m512i r[16];
+        for (int j = 0; j < 16; j++)
+            r[j] = 16 * t + j < rows ? _mm512_loadu_si512(x + (16 * t + j) * x_stride + 32 * s)
+                                     : _mm512_setzero_si512();
+        transpose16x16(r);
+        for (int p = 0; p < 16; p++) _mm512_store_si512(xt + ts * 512 + 32 * p, r[p]);
+    }
+}
+
+/* Tiles 0-3 += `steps` 32-input steps of nb (1 or 2) blocks of 16 weight rows (A tiles from
+ * a0 and a1, rows `stride` bytes apart) times one or `two` row tiles of x (B tiles from x0 and
+ * x1, 512 bf16 a step): tile 2b + t holds block b's sums of row tile t. */
+static inline __attribute__((always_inline)) void tile_steps(const bf16 *a0, const bf16 *a1,
+                                                             int64_t stride, const bf16 *x0,
+                                                             const bf16 *x1, int64_t steps,
+                                                             int nb, int two) {
+    for (int64_t s = 0; s < steps; s++) {
+        _tile_loadd(4, a0 + 32 * s, stride);
+        _tile_loadd(6, x0 + 512 * s, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (nb > 1) {
+            _tile_loadd(5, a1 + 32 * s, stride);
+            _tile_dpbf16ps(2, 5, 6);
+        }
+        if (two) {
+            _tile_loadd(7, x1 + 512 * s, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            if (nb > 1) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
+static inline void zero_sums(int nb, int two) {
+    _tile_zero(0);
+    if (two) _tile_zero(1);
+    if (nb > 1) _tile_zero(2);
+    if (nb > 1 && two) _tile_zero(3);
+}
+
+/* `tile_steps`' sums (16 outputs x m rows a tile) transposed into out: rows r0 + 16t + r (m0 of
+ * row tile 0, m1 of 1; `n` apart), columns col + 16b + [0, 16). */
+static void store_sums(int nb, int m0, int m1, void *out, int64_t n, int64_t r0, int64_t col,
+                       int out_bf16) {
+    float c[16][16] __attribute__((aligned(64)));
+    for (int b = 0; b < nb; b++)
+        for (int t = 0; t < (m1 ? 2 : 1); t++) {
+            switch (2 * b + t) { /* a tile's number is part of its instruction */
+            case 0: _tile_stored(0, c, 64); break;
+            case 1: _tile_stored(1, c, 64); break;
+            case 2: _tile_stored(2, c, 64); break;
+            default: _tile_stored(3, c, 64);
+            }
+            __m512i v[16];
+            for (int o = 0; o < 16; o++) v[o] = _mm512_load_si512(c[o]);
+            transpose16x16(v); /* v[r]: row r's 16 outputs */
+            for (int r = 0; r < (t ? m1 : m0); r++) {
+                int64_t at = (r0 + 16 * t + r) * n + col + 16 * b;
+                if (out_bf16)
+                    _mm256_storeu_si256((__m256i *)((bf16 *)out + at),
+                                        (__m256i)_mm512_cvtneps_pbh((__m512)v[r]));
+                else
+                    _mm512_storeu_ps((float *)out + at, (__m512)v[r]);
+            }
+        }
+}
+
+/* The row tiles' sizes at r0 of `rows`, configured where they changed (*m0, *m1: the last). */
+static void row_tiles_at(int64_t r0, int64_t rows, int *m0, int *m1) {
+    int a = rows - r0 < 16 ? (int)(rows - r0) : 16;
+    int b = rows - r0 - 16 < 16 ? (int)(rows - r0 - 16) : 16;
+    if (b < 0) b = 0;
+    if (a != *m0 || b != *m1) configure_weight_tiles(a, b ? b : a);
+    *m0 = a;
+    *m1 = b;
+}
+
+/* Asks for share `part` of `parts` of the next strip's weight rows (one run of memory after
+ * this strip's): spread over a strip's work, they arrive while it computes (read as they were
+ * needed, 32 rows apart, they had stalled the dequantizing: 32-row steps ran ~1.9x slower from
+ * memory than from the caches). */
+static inline void ask_for_next_strip(const uint8_t *w, int64_t row_bytes, int64_t j1, int part,
+                                      int parts) {
+    const char *next = (const char *)(w + j1 * row_bytes);
+    int64_t lines = 32 * row_bytes / 64;
+    for (int64_t i = lines * part / parts; i < lines * (part + 1) / parts; i++)
+        _mm_prefetch(next + 64 * i, _MM_HINT_T1);
+}
+
+/* A weight strip's part of `quant_gemm_amx`: weight rows j0 .. j0 + 16 nb, each dequantized
+ * once. Steps of up to 32 rows take the strip a chunk (256 inputs) at a time through an L1
+ * buffer, the sums staying in the tiles; larger ones dequantize it whole into `strip` (rows ks
+ * apart, a buffer the caches hold) and run it through each 32 rows of x. */
+static void weight_strip_on_tiles(int type, const uint8_t *w, int64_t row_bytes, int64_t j0,
+                                  int nb, int64_t k, const bf16 *xt, int64_t rows, bf16 *strip,
+                                  int64_t ks, void *out, int64_t n, int out_bf16, int *m0,
+                                  int *m1) {
+    int64_t steps = k / 32, j1 = j0 + 16 * nb;
+    if (rows <= 32) {
+        enum { CS = 256 + 32 }; /* the chunk's row stride: a line more, off the rows' L1 set */
+        bf16 chunk[32 * CS] __attribute__((aligned(64)));
+        int chunks = (int)((k + 255) / 256);
+        row_tiles_at(0, rows, m0, m1);
+        zero_sums(nb, *m1 > 0);
+        for (int c = 0; c < chunks; c++) {
+            int64_t first = 256 * c, last = k - first < 256 ? k : first + 256;
+            dequantize_rows_bf16(type, w, row_bytes, j0, 16 * nb, first, last, CS, chunk);
+            ask_for_next_strip(w, row_bytes, j1, c, chunks);
+            tile_steps(chunk, chunk + 16 * CS, CS * 2, xt + first * 16,
+                       xt + (steps + first / 32) * 512, (last - first) / 32, nb, *m1 > 0);
+        }
+        store_sums(nb, *m0, *m1, out, n, 0, j0, out_bf16);
+        return;
+    }
+    for (int part = 0; part < 4 * nb; part++) { /* 4 rows at a time */
+        dequantize_rows_bf16(type, w, row_bytes, j0 + 4 * part, 4, 0, k, ks, strip + 4 * part * ks);
+        ask_for_next_strip(w, row_bytes, j1, part, 4 * nb);
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+        row_tiles_at(r0, rows, m0, m1);
+        const bf16 *x0 = xt + r0 / 16 * steps * 512;
+        zero_sums(nb, *m1 > 0);
+        tile_steps(strip, strip + 16 * ks, ks * 2, x0, x0 + steps * 512, steps, nb, *m1 > 0);
+        store_sums(nb, *m0, *m1, out, n, r0, j0, out_bf16);
+    }
+}
+
+/* The calling thread's B tiles of x, grown to the largest step it has served. */
+static __thread bf16 *b_tiles;
+static __thread int64_t b_tiles_bytes;
+
+/* `quant_gemm_bf16` on the tiles for weights in rows of GGUF blocks (k a multiple of 32, n of
+ * 16): x laid out as B tiles once, then each thread dequantizes 32 weight rows at a time
+ * (`dequantize_rows_bf16`) into its part of `work` and runs every row of x through them.
+ * Returns 0 where it could not get its buffer (nothing written). */
+int quant_gemm_amx(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
+                   const bf16 *x, int64_t rows, int64_t x_stride, void *out, int out_bf16,
+                   int64_t out_stride, bf16 *work, int threads) {
+    int64_t need = (rows + 15) / 16 * 16 * k * (int64_t)sizeof(bf16), blocks = n / 16;
+    if (need > b_tiles_bytes) {
+        free(b_tiles);
+        b_tiles = aligned_alloc(64, (size_t)need);
+        b_tiles_bytes = b_tiles ? need : 0;
+        if (!b_tiles) return 0;
+    }
+    bf16 *xt = b_tiles;
+    /* The strip's rows a line further apart than k where `work` has room: at k of 2,048 or
+     * more a tile's 16 rows had shared an L1 set (4,096 x 512 rows: 1.15x slower). */
+    int64_t ks = 32 * (k + 32) <= 48 * k ? k + 32 : k;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        x_as_b_tiles(x, rows, x_stride, k, xt);
+        int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t nb0 = blocks * t / parts, nb1 = blocks * (t + 1) / parts;
+        tile_config before = saved_tiles();
+        int m0 = -1, m1 = -1; /* the row tiles configured */
+        for (int64_t nb = nb0; nb < nb1; nb += 2)
+            weight_strip_on_tiles(type, w, row_bytes, 16 * nb, nb1 - nb < 2 ? 1 : 2, k, xt, rows,
+                                  work + t * 48 * k, ks, out, out_stride, out_bf16, &m0, &m1);
+        restore_tiles(before);
+    }
+    return 1;
 }
 
 /* out[r][0..32) for rows r < rows (at most 32) of int8 activations (`quantize_activations`: rows

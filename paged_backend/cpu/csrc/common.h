@@ -221,9 +221,37 @@ void quant_matmul(int, const uint8_t *, int64_t, int64_t, int64_t, const int8_t 
                   const int16_t *, int64_t, void *, int, int64_t, int);
 #ifdef __AVX512BF16__
 void gemm_bf16(const bf16 *, int64_t, int64_t, const bf16 *, int64_t, int64_t, void *, int, int);
+void quant_gemm_bf16(int, const uint8_t *, int64_t, int64_t, int64_t, const bf16 *, int64_t,
+                     int64_t, void *, int, int64_t, bf16 *, int);
 void prefix_attention_bf16(const bf16 *, int64_t, int64_t, int64_t, const bf16 *, const bf16 *,
                            int64_t, float, float *, float *, float *, int, int64_t, int64_t,
                            int64_t, float);
+#endif
+#ifdef __AVX512F__
+/* r[i][j] <- r[j][i] for a 16 x 16 block of 32-bit lanes, in registers: 64 shuffles, against a
+ * gather a row (of 16 loads). */
+static inline __attribute__((always_inline)) void transpose16x16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; i++) {
+            t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
 #endif
 #if defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #define AMX_GEMM 1
@@ -233,6 +261,10 @@ void gemm_bf16_strip_amx(const bf16 *, int64_t, int64_t, const bf16 *, int64_t, 
 void gemm_bf16_amx(const bf16 *, int64_t, int64_t, const bf16 *, int64_t, int64_t, void *, int, int);
 void q8_256_tile_amx(const uint8_t *, int64_t, const float *, int64_t, int64_t, const int8_t *,
                      const float *, const int16_t *, int64_t, int, float[32][32]);
+void dequantize_rows_bf16(int, const uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, bf16 *);
+int quant_gemm_amx(int, const uint8_t *, int64_t, int64_t, int64_t, const bf16 *, int64_t, int64_t,
+                   void *, int, int64_t, bf16 *, int);
 #endif
 
 /* GeGLU's gelu (tanh approximation) as g * sigmoid(z): 0.5 (1 + tanh(u)) = sigmoid(2u), so

@@ -14,22 +14,25 @@
 
 /* A layer linear of the fused steps, from its descriptor of LINEAR_WORDS words: the number of
  * parts (weights side by side in the output: a fused qkv or gate/up projection), the bias address
- * (0: none; fp32 values whatever the rows' dtype), then each part's (type, address, outputs, row
+ * (0: none; fp32 values whatever the rows' dtype), the most rows its GGUF blocks take the int8
+ * product for (`QuantLinear.int8_max_rows`), then each part's (type, address, outputs, row
  * bytes): type 0 a float weight, a negative one an fp32 weight in GGUF blocks of type -type
  * (`linear_blocks_f32`: the bits of `linear_f32` on their values), else a GGUF block type for
  * `quant_matmul`, on activations quantized into `act` (for the part's block size, once for
- * consecutive parts that share it). x [rows][k] and y [rows][n_total] are fp32 (type 0: an fp32
+ * consecutive parts that share it), or, for more bf16 rows, `quant_gemm_bf16` (the weights
+ * dequantized into `dequantized`). x [rows][k] and y [rows][n_total] are fp32 (type 0: an fp32
  * weight [n][k] for `linear_f32`) or, with `bf16_io`, bf16 (type 0: the one part, the packed
  * copy `gemm_bf16` reads, which only AVX512-BF16 builds make), each output rounded once as the
  * modules' are. */
 static void fused_linear(const int64_t *d, const void *x, int bf16_io, int64_t rows, int64_t k, void *y,
-                         int64_t n_total, float *act, int64_t max_k, int threads) {
+                         int64_t n_total, float *act, int64_t max_k, void *dequantized,
+                         int threads) {
     int64_t kp = act_stride(max_k), block = 0, column = 0, elem = bf16_io ? 2 : 4;
     float *xd = act;
     int16_t *bsum = (int16_t *)(xd + rows * kp / 32);
     int8_t *xq = (int8_t *)(bsum + rows * kp / 16);
     for (int64_t p = 0; p < d[0]; p++) {
-        const int64_t *part = d + 2 + 4 * p;
+        const int64_t *part = d + 3 + 4 * p;
         int type = (int)part[0];
         void *out = (char *)y + column * elem;
         if (type < 0) { /* an fp32 linear's GGUF blocks: `linear_f32`'s bits */
@@ -40,6 +43,11 @@ static void fused_linear(const int64_t *d, const void *x, int bf16_io, int64_t r
         } else if (type == 0) {
 #ifdef __AVX512BF16__
             gemm_bf16(x, rows, k, (const uint16_t *)part[1], part[2], k, out, 1, threads);
+#endif
+        } else if (bf16_io && rows > d[2]) {
+#ifdef __AVX512BF16__
+            quant_gemm_bf16(type, (const uint8_t *)part[1], part[2], k, part[3], x, rows, k, out,
+                            1, n_total, dequantized, threads);
 #endif
         } else {
             int64_t need = is_superblock(type) ? 256 : 32;
@@ -70,7 +78,7 @@ static void fused_linear(const int64_t *d, const void *x, int bf16_io, int64_t r
  * norm of the MLP's output (0: none) and the Hadamard block its down projection's inputs take
  * first (0: none; `MLP.down_hadamard`). A Llama layer's post_attention_layernorm is the MLP's
  * input norm; Gemma's is attention's output norm, its pre/post_feedforward_layernorm the MLP's. */
-#define LINEAR_WORDS 14
+#define LINEAR_WORDS 15
 #define LAYER_WORDS (7 + 4 * LINEAR_WORDS)
 
 /* The dtype's ops: bf16 rows with `bf16_io`, else fp32 ones. */
@@ -120,7 +128,8 @@ static void scale_rows(int bf16_io, void *x, int64_t rows, int64_t n, int64_t st
  * `softcap` > 0: scores capped (Gemma 2). Sliding-window layers (`windows[l]` > 0) take
  * `local_cos`/`local_sin` (Gemma 3's own rope base; else the global tables). `work`: rows *
  * (hidden + qkv width + heads * head_dim + 3 * intermediate) values of the rows' dtype; `act`:
- * rows * kp * 5 / 16 floats (kp: `act_stride` of the widest input) for quantized activations.
+ * rows * kp * 5 / 16 floats (kp: `act_stride` of the widest input) for quantized activations;
+ * `dequantized`: threads * 48 * (widest input) bf16 for `quant_gemm_bf16` (bf16 rows only).
  * The rows of `num_seqs` sequences as the decode attention kernels take them; fp32 caches of
  * fp32 rows, or fp16 with `kv_half`; bf16 ones of bf16 rows.
  *
@@ -140,7 +149,8 @@ void decode_layers(void *x, void *residual, int bf16_io, int64_t rows, int64_t h
                    int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                    int64_t rot_dim, int64_t intermediate, float eps, float norm_offset, int gelu,
                    float q_scale, float scale, float softcap, void *work, float *act,
-                   float *scores, int64_t scores_stride, int threads, const int64_t *prefix_k,
+                   void *dequantized, float *scores, int64_t scores_stride, int threads,
+                   const int64_t *prefix_k,
                    const int64_t *prefix_v, int64_t prefix_len, const int64_t *shared_rows,
                    int64_t num_shared, const int32_t *prefix_pos, void *prefix_work) {
     int64_t elem = bf16_io ? 2 : 4, q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -181,7 +191,8 @@ void decode_layers(void *x, void *residual, int bf16_io, int64_t rows, int64_t h
             norm_rows(bf16_io, x, residual, in_norm, h, residual, rows, hidden, hidden, eps,
                       norm_offset, threads);
         }
-        fused_linear(qkv_proj, h, bf16_io, rows, hidden, qkv, qkv_width, act, max_k, threads);
+        fused_linear(qkv_proj, h, bf16_io, rows, hidden, qkv, qkv_width, act, max_k, dequantized,
+                     threads);
         if (q_norm)
             head_norms(bf16_io, qkv, rows, qkv_width * elem, q_norm, k_norm, num_heads,
                        num_kv_heads, head_dim, eps, norm_offset, threads);
@@ -223,21 +234,23 @@ void decode_layers(void *x, void *residual, int bf16_io, int64_t rows, int64_t h
                                  head_dim, scale, (float *)attn, scores, scores_stride, threads,
                                  windows[l], softcap);
         }
-        fused_linear(o_proj, attn, bf16_io, rows, q_size, x, hidden, act, max_k, threads);
+        fused_linear(o_proj, attn, bf16_io, rows, q_size, x, hidden, act, max_k, dequantized,
+                     threads);
         if (attn_out_norm)
             norm_rows(bf16_io, x, NULL, attn_out_norm, x, NULL, rows, hidden, hidden, eps,
                       norm_offset, threads);
         norm_rows(bf16_io, x, residual, mlp_in_norm, h, residual, rows, hidden, hidden, eps,
                   norm_offset, threads);
         fused_linear(gate_up_proj, h, bf16_io, rows, hidden, gate_up, 2 * intermediate, act,
-                     max_k, threads);
+                     max_k, dequantized, threads);
         if (bf16_io)
             act_and_mul_bf16((bf16 *)gate_up, (bf16 *)mlp, rows, intermediate, gelu, threads);
         else
             act_and_mul_f32((float *)gate_up, (float *)mlp, rows, intermediate, gelu, threads);
         if (down_hadamard)
             hadamard_rows(mlp, bf16_io, rows, intermediate, down_hadamard, NULL, threads);
-        fused_linear(down_proj, mlp, bf16_io, rows, intermediate, x, hidden, act, max_k, threads);
+        fused_linear(down_proj, mlp, bf16_io, rows, intermediate, x, hidden, act, max_k,
+                     dequantized, threads);
         if (mlp_out_norm)
             norm_rows(bf16_io, x, NULL, mlp_out_norm, x, NULL, rows, hidden, hidden, eps,
                       norm_offset, threads);

@@ -525,6 +525,18 @@ static inline __m512 group_values16(const chunk *c, int g) {
                            _mm512_set1_ps(c->s.b[g]));
 }
 
+/* A row's weights [first, first + count) (`unpack_chunk`'s) in bf16, rounded to nearest even,
+ * at dst. */
+static inline __attribute__((always_inline)) void chunk_to_bf16(int type, const uint8_t *row,
+                                                                int64_t first, int64_t count,
+                                                                bf16 *dst) {
+    chunk c;
+    unpack_chunk(type, row, first, count, &c);
+    for (int g = 0; g < count / 16; g += 2)
+        _mm512_storeu_si512(dst + 16 * g, (__m512i)_mm512_cvtne2ps_pbh(group_values16(&c, g + 1),
+                                                                        group_values16(&c, g)));
+}
+
 /* Weight rows [j0, j0 + 16) dequantized to bf16 (rounded to nearest even) in `gemm_bf16`'s
  * packing of a block of 16 outputs: input pair p of row j at [p][j][2]. A chunk of 256 inputs at
  * a time: each row's pairs into `pairs`, then the 16 rows' pair p side by side. */
@@ -533,14 +545,8 @@ static inline __attribute__((always_inline)) void pack_block16_of(
     uint32_t pairs[16][CHUNK / 2];
     for (int64_t first = 0; first < k; first += CHUNK) {
         int64_t count = k - first < CHUNK ? k - first : CHUNK;
-        for (int64_t j = 0; j < 16; j++) {
-            chunk c;
-            unpack_chunk(type, w + (j0 + j) * row_bytes, first, count, &c);
-            for (int g = 0; g < count / 16; g += 2)
-                _mm512_storeu_si512(pairs[j] + 8 * g,
-                                    (__m512i)_mm512_cvtne2ps_pbh(group_values16(&c, g + 1),
-                                                                 group_values16(&c, g)));
-        }
+        for (int64_t j = 0; j < 16; j++)
+            chunk_to_bf16(type, w + (j0 + j) * row_bytes, first, count, (bf16 *)pairs[j]);
         uint32_t *out = (uint32_t *)dst + first / 2 * 16;
         for (int64_t p0 = 0; p0 < count / 2; p0 += 16) {
             __m512i r[16];
@@ -595,17 +601,132 @@ static __attribute__((noinline)) void pack_block16(int type, const uint8_t *w, i
     }
 }
 
+#ifdef AMX_GEMM
+/* A super-block's 16 group scales and offsets (`superblock_scales`' values, a pair of groups
+ * sharing one where the format has 8) into ab[0..16) and ab[16..32), computed 16 at a time and
+ * left in memory: broadcast from there, not from scalar registers, they stay off the shuffle
+ * port the unpacking needs (2x faster a weight). */
+static inline __attribute__((always_inline)) void superblock_scales16(int type, const uint8_t *blk,
+                                                                      float ab[32]) {
+    __m512 a, b;
+    if (type == Q8_256) {
+        a = _mm512_set1_ps(q8_256_scale(blk));
+        b = _mm512_setzero_ps();
+    } else if (type == Q2_K) {
+        a = _mm512_mul_ps(_mm512_set1_ps(f16_to_f32(blk + 80)),
+                          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q2k_scales_m128(blk))));
+        b = _mm512_mul_ps(_mm512_set1_ps(-f16_to_f32(blk + 82)),
+                          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q2k_mins_m128(blk))));
+    } else if (has_signed_scales(type)) {
+        a = _mm512_mul_ps(_mm512_set1_ps(f16_to_f32(blk + signed_d_at(type))),
+                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(signed_scales_m128(type, blk))));
+        b = _mm512_mul_ps(_mm512_set1_ps(-signed_offset(type)), a);
+    } else { /* Q4_K, Q5_K: 8 scales and mins, each taken by two groups of 16 */
+        uint64_t sc, mins;
+        k4_scales_mins(blk, &sc, &mins);
+        __m128i pairs = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        a = _mm512_mul_ps(_mm512_set1_ps(f16_to_f32(blk)),
+                          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                              _mm_shuffle_epi8(_mm_cvtsi64_si128((long long)sc), pairs))));
+        b = _mm512_mul_ps(_mm512_set1_ps(-f16_to_f32(blk + 2)),
+                          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                              _mm_shuffle_epi8(_mm_cvtsi64_si128((long long)mins), pairs))));
+    }
+    _mm512_store_ps(ab, a);
+    _mm512_store_ps(ab + 16, b);
+    __asm__ __volatile__("" : : "m"(*(float(*)[32])ab) : "memory"); /* read back from memory */
+}
+
+/* A Q4_K super-block in bf16, `chunk_to_bf16`'s values: a group's 16 possible values (a level
+ * times its scale plus its offset, rounded) computed once, then looked up by each of its 32
+ * levels, two groups' tables in one `vpermw`. */
+static inline __attribute__((always_inline)) void q4_k_to_bf16(const uint8_t *blk, bf16 *dst) {
+    float ab[32] __attribute__((aligned(64)));
+    superblock_scales16(Q4_K, blk, ab);
+    const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int g = 0; g < 8; g += 2) { /* groups of 32 g (low nibbles) and g + 1 (high) */
+        __m512i table = (__m512i)_mm512_cvtne2ps_pbh(
+            _mm512_fmadd_ps(levels, _mm512_set1_ps(ab[2 * g + 2]), _mm512_set1_ps(ab[16 + 2 * g + 2])),
+            _mm512_fmadd_ps(levels, _mm512_set1_ps(ab[2 * g]), _mm512_set1_ps(ab[16 + 2 * g])));
+        __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 16 + 16 * g)));
+        __m512i low = _mm512_and_si512(q, _mm512_set1_epi16(15));
+        __m512i high = _mm512_or_si512(_mm512_srli_epi16(q, 4), _mm512_set1_epi16(16));
+        _mm512_storeu_si512(dst + 32 * g, _mm512_permutexvar_epi16(low, table));
+        _mm512_storeu_si512(dst + 32 * g + 32, _mm512_permutexvar_epi16(high, table));
+    }
+}
+
+/* A super-block of another K-quant (or Q8_256) in bf16, `chunk_to_bf16`'s values, from its
+ * levels in registers (`k_level`). */
+static inline __attribute__((always_inline)) void superblock_to_bf16(int type, const uint8_t *blk,
+                                                                     bf16 *dst) {
+    float ab[32] __attribute__((aligned(64)));
+    superblock_scales16(type, blk, ab);
+    for (int g = 0; g < 8; g++) { /* groups 2g and 2g + 1 of 16 */
+        __m256i q = k_level(type, blk, g);
+        __m512i lo = type == Q8_256 ? _mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))
+                                    : _mm512_cvtepu8_epi32(_mm256_castsi256_si128(q));
+        __m512i hi = type == Q8_256 ? _mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))
+                                    : _mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1));
+        __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_set1_ps(ab[2 * g]),
+                                    _mm512_set1_ps(ab[16 + 2 * g]));
+        __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(ab[2 * g + 1]),
+                                    _mm512_set1_ps(ab[16 + 2 * g + 1]));
+        _mm512_storeu_si512(dst + 32 * g, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+    }
+}
+
+/* Inputs [first, last) of weight rows [j0, j0 + n) (first a multiple of 256) in bf16, as
+ * `pack_block16_of` dequantizes them, row-major at dst (rows ks apart): `quant_gemm_amx`'s A
+ * tiles. */
+static inline __attribute__((always_inline)) void dequantize_rows_bf16_of(
+    int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t n, int64_t first,
+    int64_t last, int64_t ks, bf16 *dst) {
+    int64_t chunk_bytes = block_bytes(type) * (is_superblock(type) ? 1 : CHUNK / 32);
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *row = w + (j0 + j) * row_bytes;
+        for (int64_t at = first; at < last; at += CHUNK) {
+            bf16 *out = dst + j * ks + (at - first);
+            if (type == Q4_K)
+                q4_k_to_bf16(row + at / CHUNK * chunk_bytes, out);
+            else if (is_superblock(type))
+                superblock_to_bf16(type, row + at / CHUNK * chunk_bytes, out);
+            else
+                chunk_to_bf16(type, row, at, last - at < CHUNK ? last - at : CHUNK, out);
+        }
+    }
+}
+
+void dequantize_rows_bf16(int type, const uint8_t *w, int64_t row_bytes, int64_t j0, int64_t n,
+                          int64_t first, int64_t last, int64_t ks, bf16 *dst) {
+#define DEQUANTIZE(T) dequantize_rows_bf16_of(T, w, row_bytes, j0, n, first, last, ks, dst)
+    switch (type) {
+    case Q4_K: DEQUANTIZE(Q4_K); break;
+    case Q6_K: DEQUANTIZE(Q6_K); break;
+    case Q4_0: DEQUANTIZE(Q4_0); break;
+    case Q8_0: DEQUANTIZE(Q8_0); break;
+    default: DEQUANTIZE(type);
+    }
+#undef DEQUANTIZE
+}
+#endif
+
 /* out [rows][n] (rows `out_stride` apart; fp32, or bf16 where `out_bf16`) = x (bf16 [rows][k],
  * rows `x_stride` apart) times a quantized weight w [n][row_bytes] (n a multiple of 16, k of
  * 32): each thread dequantizes 48 outputs' weight rows at a time to bf16 into its part of `work`
  * (threads x 48 x k), a buffer the caches hold, and runs them through every row in the bf16
- * GEMM: a prefill's speed at the weight's quantized bytes. */
+ * GEMM: a prefill's speed at the weight's quantized bytes. On AMX, weights in rows of blocks
+ * go to `quant_gemm_amx` instead (dequantized row-major, with no transposes: the tiles' A). */
 void quant_gemm_bf16(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
                      const bf16 *x, int64_t rows, int64_t x_stride, void *out, int out_bf16,
                      int64_t out_stride, bf16 *work, int threads) {
     int64_t blocks = n / 16, pairs = k / 2;
 #ifdef AMX_GEMM
     int amx = amx_ready();
+    if (amx && type != Q8_256_VNNI &&
+        quant_gemm_amx(type, w, n, k, row_bytes, x, rows, x_stride, out, out_bf16, out_stride, work,
+                       threads))
+        return;
 #endif
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
