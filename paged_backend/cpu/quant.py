@@ -293,15 +293,19 @@ def can_dequantize_to_bf16(weights: list[QuantWeight]) -> bool:
     )
 
 
-_GEMM_WORK: dict[tuple[int, int], torch.Tensor] = {}  # (threads, k) -> each thread's 48 rows
+_GEMM_WORK: dict[tuple[int, int], torch.Tensor] = {}  # (threads, k) -> `dequantize_work`
+
+
+DEQUANTIZED_ROWS = 128  # weight rows a thread dequantizes at most (csrc/common.h's)
 
 
 def dequantize_work(threads: int, k: int) -> torch.Tensor:
-    """The buffer `quant_gemm_bf16` dequantizes into (48 bf16 weight rows of k a thread), one
-    per (threads, k) for the process: the modules' steps and the one-call decode step share it."""
+    """The buffer `quant_gemm_bf16` dequantizes into (`DEQUANTIZED_ROWS` weight rows of k + 32
+    bf16 a thread), one per (threads, k) for the process: the modules' steps and the one-call
+    decode step share it."""
     work = _GEMM_WORK.get((threads, k))
     if work is None:
-        work = torch.empty(threads * 48 * k, dtype=torch.bfloat16)
+        work = torch.empty(threads * DEQUANTIZED_ROWS * (k + 32), dtype=torch.bfloat16)
         work = _GEMM_WORK.setdefault((threads, k), work)
     return work
 

@@ -261,22 +261,23 @@ static void row_tiles_at(int64_t r0, int64_t rows, int *m0, int *m1) {
     *m1 = b;
 }
 
-/* Asks for share `part` of `parts` of the next strip's weight rows (one run of memory after
- * this strip's): spread over a strip's work, they arrive while it computes (read as they were
- * needed, 32 rows apart, they had stalled the dequantizing: 32-row steps ran ~1.9x slower from
- * memory than from the caches). */
-static inline void ask_for_next_strip(const uint8_t *w, int64_t row_bytes, int64_t j1, int part,
-                                      int parts) {
+/* Asks for share `part` of `parts` of the next `count` weight rows from j1 (one run of memory
+ * after this strip's): spread over a strip's work, they arrive while it computes (read as they
+ * were needed, 32 rows apart, they had stalled the dequantizing: 32-row steps ran ~1.9x slower
+ * from memory than from the caches). */
+static inline void ask_for_next_strip(const uint8_t *w, int64_t row_bytes, int64_t j1,
+                                      int64_t count, int part, int parts) {
     const char *next = (const char *)(w + j1 * row_bytes);
-    int64_t lines = 32 * row_bytes / 64;
+    int64_t lines = count * row_bytes / 64;
     for (int64_t i = lines * part / parts; i < lines * (part + 1) / parts; i++)
         _mm_prefetch(next + 64 * i, _MM_HINT_T1);
 }
 
 /* A weight strip's part of `quant_gemm_amx`: weight rows j0 .. j0 + 16 nb, each dequantized
- * once. Steps of up to 32 rows take the strip a chunk (256 inputs) at a time through an L1
- * buffer, the sums staying in the tiles; larger ones dequantize it whole into `strip` (rows ks
- * apart, a buffer the caches hold) and run it through each 32 rows of x. */
+ * once. Steps of up to 32 rows (nb <= 2) take the strip a chunk (256 inputs) at a time through
+ * an L1 buffer, the sums staying in the tiles; larger ones dequantize it whole into `strip`
+ * (rows ks apart, in L2) and run each 32 rows of x through its 32-output parts in turn, so that
+ * those rows' B tiles are read from memory once a strip. */
 static void weight_strip_on_tiles(int type, const uint8_t *w, int64_t row_bytes, int64_t j0,
                                   int nb, int64_t k, const bf16 *xt, int64_t rows, bf16 *strip,
                                   int64_t ks, void *out, int64_t n, int out_bf16, int *m0,
@@ -291,7 +292,7 @@ static void weight_strip_on_tiles(int type, const uint8_t *w, int64_t row_bytes,
         for (int c = 0; c < chunks; c++) {
             int64_t first = 256 * c, last = k - first < 256 ? k : first + 256;
             dequantize_rows_bf16(type, w, row_bytes, j0, 16 * nb, first, last, CS, chunk);
-            ask_for_next_strip(w, row_bytes, j1, c, chunks);
+            ask_for_next_strip(w, row_bytes, j1, 16 * nb, c, chunks);
             tile_steps(chunk, chunk + 16 * CS, CS * 2, xt + first * 16,
                        xt + (steps + first / 32) * 512, (last - first) / 32, nb, *m1 > 0);
         }
@@ -300,14 +301,18 @@ static void weight_strip_on_tiles(int type, const uint8_t *w, int64_t row_bytes,
     }
     for (int part = 0; part < 4 * nb; part++) { /* 4 rows at a time */
         dequantize_rows_bf16(type, w, row_bytes, j0 + 4 * part, 4, 0, k, ks, strip + 4 * part * ks);
-        ask_for_next_strip(w, row_bytes, j1, part, 4 * nb);
+        ask_for_next_strip(w, row_bytes, j1, 16 * nb, part, 4 * nb);
     }
     for (int64_t r0 = 0; r0 < rows; r0 += 32) {
         row_tiles_at(r0, rows, m0, m1);
         const bf16 *x0 = xt + r0 / 16 * steps * 512;
-        zero_sums(nb, *m1 > 0);
-        tile_steps(strip, strip + 16 * ks, ks * 2, x0, x0 + steps * 512, steps, nb, *m1 > 0);
-        store_sums(nb, *m0, *m1, out, n, r0, j0, out_bf16);
+        for (int b = 0; b < nb; b += 2) {
+            int pair = nb - b < 2 ? 1 : 2;
+            const bf16 *a = strip + 16 * b * ks;
+            zero_sums(pair, *m1 > 0);
+            tile_steps(a, a + 16 * ks, ks * 2, x0, x0 + steps * 512, steps, pair, *m1 > 0);
+            store_sums(pair, *m0, *m1, out, n, r0, j0 + 16 * b, out_bf16);
+        }
     }
 }
 
@@ -316,7 +321,7 @@ static __thread bf16 *b_tiles;
 static __thread int64_t b_tiles_bytes;
 
 /* `quant_gemm_bf16` on the tiles for weights in rows of GGUF blocks (k a multiple of 32, n of
- * 16): x laid out as B tiles once, then each thread dequantizes 32 weight rows at a time
+ * 16): x laid out as B tiles once, then each thread dequantizes 32-128 weight rows at a time
  * (`dequantize_rows_bf16`) into its part of `work` and runs every row of x through them.
  * Returns 0 where it could not get its buffer (nothing written). */
 int quant_gemm_amx(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
@@ -330,9 +335,13 @@ int quant_gemm_amx(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row
         if (!b_tiles) return 0;
     }
     bf16 *xt = b_tiles;
-    /* The strip's rows a line further apart than k where `work` has room: at k of 2,048 or
-     * more a tile's 16 rows had shared an L1 set (4,096 x 512 rows: 1.15x slower). */
-    int64_t ks = 32 * (k + 32) <= 48 * k ? k + 32 : k;
+    /* The strip's rows a line further apart than k (at k of 2,048 or more a tile's 16 rows had
+     * shared an L1 set: 4,096 x 512 rows 1.15x slower). Steps of many rows take up to
+     * DEQUANTIZED_ROWS of them a strip, as many as keep it within ~1.25 MiB (with a row tile's
+     * x, the L2 holds it): 64 outputs a strip instead of 32 read each row's x half as often. */
+    int64_t ks = k + 32, span = 2;
+    while (rows > 32 && span < DEQUANTIZED_ROWS / 16 && 16 * (span + 2) * ks * 2 <= (5 << 18))
+        span += 2;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         x_as_b_tiles(x, rows, x_stride, k, xt);
@@ -340,9 +349,11 @@ int quant_gemm_amx(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row
         int64_t nb0 = blocks * t / parts, nb1 = blocks * (t + 1) / parts;
         tile_config before = saved_tiles();
         int m0 = -1, m1 = -1; /* the row tiles configured */
-        for (int64_t nb = nb0; nb < nb1; nb += 2)
-            weight_strip_on_tiles(type, w, row_bytes, 16 * nb, nb1 - nb < 2 ? 1 : 2, k, xt, rows,
-                                  work + t * 48 * k, ks, out, out_stride, out_bf16, &m0, &m1);
+        for (int64_t nb = nb0; nb < nb1; nb += span)
+            weight_strip_on_tiles(type, w, row_bytes, 16 * nb,
+                                  nb1 - nb < span ? (int)(nb1 - nb) : (int)span, k, xt, rows,
+                                  work + t * DEQUANTIZED_ROWS * ks, ks, out, out_stride, out_bf16,
+                                  &m0, &m1);
         restore_tiles(before);
     }
     return 1;

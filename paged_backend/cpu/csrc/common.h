@@ -221,6 +221,9 @@ void quant_matmul(int, const uint8_t *, int64_t, int64_t, int64_t, const int8_t 
                   const int16_t *, int64_t, void *, int, int64_t, int);
 #ifdef __AVX512BF16__
 void gemm_bf16(const bf16 *, int64_t, int64_t, const bf16 *, int64_t, int64_t, void *, int, int);
+/* `quant_gemm_bf16`'s `work`: DEQUANTIZED_ROWS weight rows of k + 32 bf16 a thread (the most it
+ * dequantizes at a time; `quant.dequantize_work` allocates it). */
+#define DEQUANTIZED_ROWS 128
 void quant_gemm_bf16(int, const uint8_t *, int64_t, int64_t, int64_t, const bf16 *, int64_t,
                      int64_t, void *, int, int64_t, bf16 *, int);
 void prefix_attention_bf16(const bf16 *, int64_t, int64_t, int64_t, const bf16 *, const bf16 *,

@@ -129,7 +129,7 @@ static void scale_rows(int bf16_io, void *x, int64_t rows, int64_t n, int64_t st
  * `local_cos`/`local_sin` (Gemma 3's own rope base; else the global tables). `work`: rows *
  * (hidden + qkv width + heads * head_dim + 3 * intermediate) values of the rows' dtype; `act`:
  * rows * kp * 5 / 16 floats (kp: `act_stride` of the widest input) for quantized activations;
- * `dequantized`: threads * 48 * (widest input) bf16 for `quant_gemm_bf16` (bf16 rows only).
+ * `dequantized`: `quant_gemm_bf16`'s work for the widest input (bf16 rows only).
  * The rows of `num_seqs` sequences as the decode attention kernels take them; fp32 caches of
  * fp32 rows, or fp16 with `kv_half`; bf16 ones of bf16 rows.
  *

@@ -714,9 +714,10 @@ void dequantize_rows_bf16(int type, const uint8_t *w, int64_t row_bytes, int64_t
 /* out [rows][n] (rows `out_stride` apart; fp32, or bf16 where `out_bf16`) = x (bf16 [rows][k],
  * rows `x_stride` apart) times a quantized weight w [n][row_bytes] (n a multiple of 16, k of
  * 32): each thread dequantizes 48 outputs' weight rows at a time to bf16 into its part of `work`
- * (threads x 48 x k), a buffer the caches hold, and runs them through every row in the bf16
- * GEMM: a prefill's speed at the weight's quantized bytes. On AMX, weights in rows of blocks
- * go to `quant_gemm_amx` instead (dequantized row-major, with no transposes: the tiles' A). */
+ * (DEQUANTIZED_ROWS rows of k + 32 a thread), a buffer the caches hold, and runs them through
+ * every row in the bf16 GEMM: a prefill's speed at the weight's quantized bytes. On AMX, weights
+ * in rows of blocks go to `quant_gemm_amx` instead (dequantized row-major, with no transposes:
+ * the tiles' A). */
 void quant_gemm_bf16(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
                      const bf16 *x, int64_t rows, int64_t x_stride, void *out, int out_bf16,
                      int64_t out_stride, bf16 *work, int threads) {
@@ -732,7 +733,7 @@ void quant_gemm_bf16(int type, const uint8_t *w, int64_t n, int64_t k, int64_t r
     {
         int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();
         int64_t nb0 = blocks * t / parts, nb1 = blocks * (t + 1) / parts;
-        bf16 *strip = work + t * 48 * k;
+        bf16 *strip = work + t * DEQUANTIZED_ROWS * (k + 32);
         for (int64_t nb = nb0; nb < nb1; nb += 3) {
             int nbs = nb1 - nb < 3 ? (int)(nb1 - nb) : 3;
             for (int b = 0; b < nbs; b++)
