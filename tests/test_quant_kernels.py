@@ -4,6 +4,8 @@ scales and high bits), rows that end in a partial chunk, any number of activatio
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -201,6 +203,28 @@ def test_dequantized_gemm_is_the_bf16_product_with_the_dequantized_weight(fmt, r
     assert torch.equal(rounded, got.to(torch.bfloat16))
     packed = cpu_ops.pack_gemm_weight(dequantize(w).to(torch.bfloat16))
     assert torch.equal(got, cpu_ops.gemm(x, packed, torch.float32))
+
+
+@needs_bf16_gemm
+def test_dequantized_gemms_of_two_threads_at_once_keep_their_own_results():
+    """Two engines in one process step from two Python threads: each thread's dequantized GEMM
+    has buffers of its own (a shared one mixed their weights)."""
+    weights = [random_weight("Q4_K", 256, 1024, seed=s) for s in (1, 2)]
+    xs = [torch.randn(48, 1024).to(torch.bfloat16) for _ in weights]
+    expected = [quant_gemm_bf16(x, [w]) for x, w in zip(xs, weights, strict=True)]
+    wrong = []
+
+    def run(i: int) -> None:
+        for _ in range(30):
+            if not torch.equal(quant_gemm_bf16(xs[i], [weights[i]]), expected[i]):
+                wrong.append(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong
 
 
 @needs_bf16_gemm

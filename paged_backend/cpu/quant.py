@@ -16,6 +16,7 @@ activations and write to adjacent columns of one output.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -293,20 +294,23 @@ def can_dequantize_to_bf16(weights: list[QuantWeight]) -> bool:
     )
 
 
-_GEMM_WORK: dict[tuple[int, int], torch.Tensor] = {}  # (threads, k) -> `dequantize_work`
-
-
+_GEMM_WORK = threading.local()  # .buffers: (threads, k) -> `dequantize_work`
 DEQUANTIZED_ROWS = 128  # weight rows a thread dequantizes at most (csrc/common.h's)
 
 
 def dequantize_work(threads: int, k: int) -> torch.Tensor:
     """The buffer `quant_gemm_bf16` dequantizes into (`DEQUANTIZED_ROWS` weight rows of k + 32
-    bf16 a thread), one per (threads, k) for the process: the modules' steps and the one-call
-    decode step share it."""
-    work = _GEMM_WORK.get((threads, k))
+    bf16 a thread), one per (threads, k) for the calling Python thread: the modules' steps and
+    the one-call decode step share it, engines stepping in other threads have their own (one
+    buffer for the process mixed two engines' weights)."""
+    buffers = getattr(_GEMM_WORK, "buffers", None)
+    if buffers is None:
+        buffers = _GEMM_WORK.buffers = {}
+    work = buffers.get((threads, k))
     if work is None:
-        work = torch.empty(threads * DEQUANTIZED_ROWS * (k + 32), dtype=torch.bfloat16)
-        work = _GEMM_WORK.setdefault((threads, k), work)
+        work = buffers[threads, k] = torch.empty(
+            threads * DEQUANTIZED_ROWS * (k + 32), dtype=torch.bfloat16
+        )
     return work
 
 
