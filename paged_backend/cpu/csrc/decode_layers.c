@@ -44,8 +44,8 @@ static void fused_linear(const int64_t *d, const void *x, int bf16_io, int64_t r
 #ifdef __AVX512BF16__
             gemm_bf16(x, rows, k, (const uint16_t *)part[1], part[2], k, out, 1, threads);
 #endif
-        } else if (bf16_io && rows > d[2]) {
 #ifdef __AVX512BF16__
+        } else if (bf16_io && rows > d[2]) {
             quant_gemm_bf16(type, (const uint8_t *)part[1], part[2], k, part[3], x, rows, k, out,
                             1, n_total, dequantized, threads);
 #endif
