@@ -14,8 +14,8 @@ while ours runs --model DIR (the same weights as safetensors); vLLM's CPU build 
 virtualenv that has it (it runs examples/vllm_peer.py in a subprocess, started and compiled
 before anything is timed), on ours' model or on --vllm-model DIR (a GGUF file's bf16 copy).
 Every engine runs ours' prompts (token ids; chat: the turn prompts ours built from its answers)
-on --threads threads (2 by default). Each engine runs each workload
-in a Python process of its own (vLLM: in its own processes), which reports its resident set
+on --threads threads (2 by default). Each engine runs each workload in a Python process of its
+own (vLLM: in its own processes), which reports its resident set
 before and after building the engine and its peak: weights apart from the KV cache and
 activations. Reported: output tokens/s, ratios ours/peer (speed and memory), TTFT median/p90
 (from the request's arrival: for a batch workload, the workload's start), prefix-cache hit rate,

@@ -115,9 +115,8 @@ class FusedDecode:
         """The linear's descriptor for `fused_linear` in `csrc/decode_layers.c`: parts, bias, the
         most rows a quantized linear's int8 product takes (`QuantLinear.int8_max_rows`; more bf16
         rows dequantize), each part's type, address, outputs and row bytes; type 0 a float weight
-        (fp32: the weight;
-        bf16: the C GEMM's packed copy), a GGUF block type for a quantized linear, minus one
-        for an fp32 linear's blocks (`blocks`: `Linear.blocks`)."""
+        (fp32: the weight; bf16: the C GEMM's packed copy), a GGUF block type for a quantized
+        linear, minus one for an fp32 linear's blocks (`blocks`: `Linear.blocks`)."""
         if isinstance(linear, QuantLinear) or blocks:
             sign = -1 if blocks else 1
             parts = [

@@ -43,8 +43,6 @@ static void fused_linear(const int64_t *d, const void *x, int bf16_io, int64_t r
         } else if (type == 0) {
 #ifdef __AVX512BF16__
             gemm_bf16(x, rows, k, (const uint16_t *)part[1], part[2], k, out, 1, threads);
-#endif
-#ifdef __AVX512BF16__
         } else if (bf16_io && rows > d[2]) {
             quant_gemm_bf16(type, (const uint8_t *)part[1], part[2], k, part[3], x, rows, k, out,
                             1, n_total, dequantized, threads);
@@ -150,9 +148,9 @@ void decode_layers(void *x, void *residual, int bf16_io, int64_t rows, int64_t h
                    int64_t rot_dim, int64_t intermediate, float eps, float norm_offset, int gelu,
                    float q_scale, float scale, float softcap, void *work, float *act,
                    void *dequantized, float *scores, int64_t scores_stride, int threads,
-                   const int64_t *prefix_k,
-                   const int64_t *prefix_v, int64_t prefix_len, const int64_t *shared_rows,
-                   int64_t num_shared, const int32_t *prefix_pos, void *prefix_work) {
+                   const int64_t *prefix_k, const int64_t *prefix_v, int64_t prefix_len,
+                   const int64_t *shared_rows, int64_t num_shared, const int32_t *prefix_pos,
+                   void *prefix_work) {
     int64_t elem = bf16_io ? 2 : 4, q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     int64_t qkv_width = q_size + 2 * kv_size, group = num_heads / num_kv_heads;
     int64_t max_k = hidden > q_size ? hidden : q_size;

@@ -602,12 +602,11 @@ static __attribute__((noinline)) void pack_block16(int type, const uint8_t *w, i
 }
 
 #ifdef AMX_GEMM
-/* A super-block's 16 group scales and offsets (`superblock_scales`' values, a pair of groups
- * sharing one where the format has 8) into ab[0..16) and ab[16..32), computed 16 at a time and
- * left in memory: broadcast from there, not from scalar registers, they stay off the shuffle
- * port the unpacking needs (2x faster a weight). */
+/* `superblock_scales` (the same values into the same struct) computed 16 at a time and left in
+ * memory: broadcast from there, not from scalar registers, they stay off the shuffle port the
+ * dequantizer's unpacking needs (2x faster a weight). */
 static inline __attribute__((always_inline)) void superblock_scales16(int type, const uint8_t *blk,
-                                                                      float ab[32]) {
+                                                                      group_scales *s) {
     __m512 a, b;
     if (type == Q8_256) {
         a = _mm512_set1_ps(q8_256_scale(blk));
@@ -632,22 +631,22 @@ static inline __attribute__((always_inline)) void superblock_scales16(int type, 
                           _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                               _mm_shuffle_epi8(_mm_cvtsi64_si128((long long)mins), pairs))));
     }
-    _mm512_store_ps(ab, a);
-    _mm512_store_ps(ab + 16, b);
-    __asm__ __volatile__("" : : "m"(*(float(*)[32])ab) : "memory"); /* read back from memory */
+    _mm512_storeu_ps(s->a, a);
+    _mm512_storeu_ps(s->b, b);
+    __asm__ __volatile__("" : : "m"(*s) : "memory"); /* read back from memory */
 }
 
 /* A Q4_K super-block in bf16, `chunk_to_bf16`'s values: a group's 16 possible values (a level
  * times its scale plus its offset, rounded) computed once, then looked up by each of its 32
  * levels, two groups' tables in one `vpermw`. */
 static inline __attribute__((always_inline)) void q4_k_to_bf16(const uint8_t *blk, bf16 *dst) {
-    float ab[32] __attribute__((aligned(64)));
-    superblock_scales16(Q4_K, blk, ab);
+    group_scales s;
+    superblock_scales16(Q4_K, blk, &s);
     const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int g = 0; g < 8; g += 2) { /* groups of 32 g (low nibbles) and g + 1 (high) */
         __m512i table = (__m512i)_mm512_cvtne2ps_pbh(
-            _mm512_fmadd_ps(levels, _mm512_set1_ps(ab[2 * g + 2]), _mm512_set1_ps(ab[16 + 2 * g + 2])),
-            _mm512_fmadd_ps(levels, _mm512_set1_ps(ab[2 * g]), _mm512_set1_ps(ab[16 + 2 * g])));
+            _mm512_fmadd_ps(levels, _mm512_set1_ps(s.a[2 * g + 2]), _mm512_set1_ps(s.b[2 * g + 2])),
+            _mm512_fmadd_ps(levels, _mm512_set1_ps(s.a[2 * g]), _mm512_set1_ps(s.b[2 * g])));
         __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 16 + 16 * g)));
         __m512i low = _mm512_and_si512(q, _mm512_set1_epi16(15));
         __m512i high = _mm512_or_si512(_mm512_srli_epi16(q, 4), _mm512_set1_epi16(16));
@@ -660,18 +659,18 @@ static inline __attribute__((always_inline)) void q4_k_to_bf16(const uint8_t *bl
  * levels in registers (`k_level`). */
 static inline __attribute__((always_inline)) void superblock_to_bf16(int type, const uint8_t *blk,
                                                                      bf16 *dst) {
-    float ab[32] __attribute__((aligned(64)));
-    superblock_scales16(type, blk, ab);
+    group_scales s;
+    superblock_scales16(type, blk, &s);
     for (int g = 0; g < 8; g++) { /* groups 2g and 2g + 1 of 16 */
         __m256i q = k_level(type, blk, g);
         __m512i lo = type == Q8_256 ? _mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))
                                     : _mm512_cvtepu8_epi32(_mm256_castsi256_si128(q));
         __m512i hi = type == Q8_256 ? _mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))
                                     : _mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1));
-        __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_set1_ps(ab[2 * g]),
-                                    _mm512_set1_ps(ab[16 + 2 * g]));
-        __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(ab[2 * g + 1]),
-                                    _mm512_set1_ps(ab[16 + 2 * g + 1]));
+        __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_set1_ps(s.a[2 * g]),
+                                    _mm512_set1_ps(s.b[2 * g]));
+        __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(s.a[2 * g + 1]),
+                                    _mm512_set1_ps(s.b[2 * g + 1]));
         _mm512_storeu_si512(dst + 32 * g, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
     }
 }
