@@ -261,11 +261,14 @@ static void row_tiles_at(int64_t r0, int64_t rows, int *m0, int *m1) {
     *m1 = b;
 }
 
-/* Asks for share `part` of `parts` of the next `count` weight rows from j1 (one run of memory
- * after this strip's): spread over a strip's work, they arrive while it computes (read as they
- * were needed, 32 rows apart, they had stalled the dequantizing: 32-row steps ran ~1.9x slower
- * from memory than from the caches). */
-static inline void ask_for_next_strip(const uint8_t *w, int64_t row_bytes, int64_t j1,
+/* Asks for share `part` of `parts` of the `count` weight rows from j1 (one run of memory), to
+ * arrive while the caller computes. Small steps ask for the next strip's while dequantizing this
+ * one's (read as they were needed, 32 rows apart, they had stalled the dequantizing: 32-row steps
+ * ran ~1.9x slower from memory than from the caches); large steps ask for each 4 rows two parts
+ * ahead and for the next strip's during their last row tiles (asked for while dequantizing, they
+ * were gone from the L2 when needed: x's rows stream through it; a 512-row step of a 3B model's
+ * weights ran ~3% faster). */
+static inline void ask_for_rows(const uint8_t *w, int64_t row_bytes, int64_t j1,
                                       int64_t count, int part, int parts) {
     const char *next = (const char *)(w + j1 * row_bytes);
     int64_t lines = count * row_bytes / 64;
@@ -292,7 +295,7 @@ static void weight_strip_on_tiles(int type, const uint8_t *w, int64_t row_bytes,
         for (int c = 0; c < chunks; c++) {
             int64_t first = 256 * c, last = k - first < 256 ? k : first + 256;
             dequantize_rows_bf16(type, w, row_bytes, j0, 16 * nb, first, last, CS, chunk);
-            ask_for_next_strip(w, row_bytes, j1, 16 * nb, c, chunks);
+            ask_for_rows(w, row_bytes, j1, 16 * nb, c, chunks);
             tile_steps(chunk, chunk + 16 * CS, CS * 2, xt + first * 16,
                        xt + (steps + first / 32) * 512, (last - first) / 32, nb, *m1 > 0);
         }
@@ -300,12 +303,16 @@ static void weight_strip_on_tiles(int type, const uint8_t *w, int64_t row_bytes,
         return;
     }
     for (int part = 0; part < 4 * nb; part++) { /* 4 rows at a time */
+        if (part + 2 < 4 * nb) ask_for_rows(w, row_bytes, j0 + 4 * (part + 2), 4, 0, 1);
         dequantize_rows_bf16(type, w, row_bytes, j0 + 4 * part, 4, 0, k, ks, strip + 4 * part * ks);
-        ask_for_next_strip(w, row_bytes, j1, 16 * nb, part, 4 * nb);
     }
+    int64_t tiles = (rows + 31) / 32, asking = tiles < 4 ? tiles : 4;
     for (int64_t r0 = 0; r0 < rows; r0 += 32) {
         row_tiles_at(r0, rows, m0, m1);
         const bf16 *x0 = xt + r0 / 16 * steps * 512;
+        int64_t before_end = tiles - r0 / 32; /* this row tile's place from the last, 1 for it */
+        if (before_end <= asking)
+            ask_for_rows(w, row_bytes, j1, 16 * nb, (int)(asking - before_end), (int)asking);
         for (int b = 0; b < nb; b += 2) {
             int pair = nb - b < 2 ? 1 : 2;
             const bf16 *a = strip + 16 * b * ks;
