@@ -273,8 +273,8 @@ class ToolCallParser:
         self._head_seen = False
 
     def feed(self, text: str, *, last: bool = False) -> tuple[str, list[ToolCallDelta]]:
-        """(content text, call deltas) that `text` completes; with `last`, also whatever was
-        held back (the output ends with `text`)."""
+        """(content text, call deltas) that `text` completes, at most one delta a call; with
+        `last`, also whatever was held back (the output ends with `text`)."""
         self._buffer += text
         content: list[str] = []
         deltas: list[ToolCallDelta] = []
@@ -284,7 +284,7 @@ class ToolCallParser:
             tail, more = self.finish()
             content.append(tail)
             deltas += more
-        return "".join(content), deltas
+        return "".join(content), _one_delta_a_call(deltas)
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """Whatever is held back, at the end of the output."""
@@ -348,6 +348,26 @@ class ToolCallParser:
         if not isinstance(name, str):
             return ToolCallDelta(self._index, raw.strip(), id=_new_id())
         return ToolCallDelta(self._index, json.dumps(arguments), id=_new_id(), name=name)
+
+
+def _one_delta_a_call(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Each call's deltas of one `feed` joined into one. A chunk's deltas are a message chunk's
+    `tool_call_chunks`, and LangChain joins chunks of one index across chunks, never within
+    one: a call whose name and arguments came in one engine output (several tokens at once, as
+    a stream under load delivers them) became two calls, ('get_weather', {}) and ('', {...})."""
+    joined: list[ToolCallDelta] = []
+    for delta in deltas:
+        if joined and joined[-1].index == delta.index:
+            first = joined[-1]
+            joined[-1] = ToolCallDelta(
+                first.index,
+                first.arguments + delta.arguments,
+                id=first.id or delta.id,
+                name=first.name or delta.name,
+            )
+        else:
+            joined.append(delta)
+    return joined
 
 
 def parse_tool_calls(text: str) -> ParsedOutput:

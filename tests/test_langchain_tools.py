@@ -5,6 +5,9 @@ the history are rendered, and bad tool arguments fail at bind time."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
+import operator
 
 import pytest
 from conftest import FP32_ENGINE_ARGS
@@ -14,9 +17,11 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, Field
 
 from langchain_paged import ChatPaged
+from langchain_paged.chat_models import _ChunkBuilder, _message_fields
 from langchain_paged.messages import render_chat
 from paged_backend import StructuredOutputsParams
 from paged_backend.adapters import model_tokenizer
+from paged_backend.outputs import CompletionOutput, RequestOutput
 
 pytestmark = pytest.mark.slow
 
@@ -112,6 +117,35 @@ def test_streamed_calls_arrive_as_tool_call_chunks():
     assert [(c["name"], c["args"]) for c in streamed] == [
         (c["name"], c["args"]) for c in full.tool_calls
     ]
+
+
+CALLS = (
+    'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize("cuts", [(), (9,), (30, 31), (75,), (12, 60, 100), (50, 70, 140, 141)])
+def test_calls_merge_to_the_invoked_ones_however_the_stream_groups_their_text(cuts):
+    """A stream under load hands over several tokens an output: a call's name and arguments
+    (or several calls) in one chunk must still join, by LangChain's `+`, into the calls
+    `invoke` parses from the same text (it had given ('get_weather', {}) and ('', {...}))."""
+    bounds = [0, *cuts, len(CALLS)]
+    build = _ChunkBuilder("m", with_tools=True)
+    chunks = []
+    for start, end in itertools.pairwise(bounds):
+        completion = CompletionOutput(0, CALLS[:end], [], None, None, delta_text=CALLS[start:end])
+        out = RequestOutput("r", None, [1], [completion], finished=end == len(CALLS))
+        if (chunk := build(out)) is not None:
+            chunks.append(chunk.message)
+    full = functools.reduce(operator.add, chunks)
+    invoked = _message_fields(CALLS, with_tools=True)
+    assert full.content.strip() == invoked["content"] == "Checking."
+    assert (
+        [(c["name"], c["args"]) for c in full.tool_calls]
+        == [(c["name"], c["args"]) for c in invoked["tool_calls"]]
+        == [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
+    )
 
 
 def test_auto_choice_may_answer_in_text_and_calls_are_still_parsed():

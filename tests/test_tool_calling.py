@@ -205,6 +205,7 @@ def test_streamed_output_parses_the_same_however_it_is_split(cuts):
     content, deltas = "", []
     for start, end in itertools.pairwise(bounds):
         text, new = parser.feed(OUTPUT[start:end])
+        assert len({d.index for d in new}) == len(new)  # one delta a call a feed
         content, deltas = content + text, deltas + new
     tail, more = parser.finish()
     streamed = collect_calls(content + tail, deltas + more)
