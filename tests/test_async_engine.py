@@ -302,6 +302,38 @@ def test_overload_error(tiny_model):
         eng.shutdown()
 
 
+def test_requests_the_engine_thread_took_count_as_waiting_until_its_step_ends(tiny_model):
+    """A submission while the engine thread steps with a request it just took from the inbox
+    (in neither the inbox nor the last step's queue) sees a full queue."""
+    eng = AsyncEngine.from_model(
+        str(tiny_model), dtype="float32", max_waiting_requests=1, max_num_seqs=1
+    )
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    in_step, release = threading.Event(), threading.Event()
+    step = eng.engine.step
+
+    def step_holding_the_queue():
+        if eng.engine.scheduler.waiting:
+            in_step.set()
+            release.wait(10)
+        return step()
+
+    try:
+        running = eng.generate_stream(PROMPTS[0], params)
+        next(running)
+        eng.engine.step = step_holding_the_queue
+        waiting = eng.generate_stream(PROMPTS[1], params)
+        assert in_step.wait(10)
+        with pytest.raises(EngineOverloadedError, match="max_waiting_requests"):
+            eng.generate_stream(PROMPTS[2], params)
+        release.set()
+        running.close()
+        waiting.close()
+    finally:
+        release.set()
+        eng.shutdown()
+
+
 def test_shutdown_ends_in_flight_requests_promptly(tiny_model):
     eng = AsyncEngine.from_model(str(tiny_model), dtype="float32")
     it = eng.generate_stream(PROMPTS[7], SamplingParams(max_tokens=900, ignore_eos=True))
