@@ -645,17 +645,18 @@ def test_prefix_attention_gives_the_torch_cascade_and_keeps_its_packing(
 
 @needs_prefix_attention
 def test_prefix_attention_over_padded_keys_and_rows():
-    """Prefix lengths off the kernel's 32-key tiles and row counts off its 4-row tiles."""
+    """Prefix lengths off the kernel's 32-key tiles, row counts off its 4- and 16-row tiles (AMX),
+    and head sizes off its 64-dim passes."""
     gen = torch.Generator().manual_seed(1)
-    for length, rows in ((4, 1), (36, 7), (100, 13)):
-        k_cache, v_cache = (torch.randn(2, 128, 64, generator=gen).to(BF16) for _ in range(2))
-        blocks = torch.randperm(32, generator=gen)[: length // 4].int()
-        q = torch.randn(2, rows, 64, generator=gen).to(BF16)
+    for length, rows, dim in ((4, 1, 64), (36, 7, 64), (100, 13, 64), (300, 37, 96), (68, 20, 256)):
+        k_cache, v_cache = (torch.randn(2, 320, dim, generator=gen).to(BF16) for _ in range(2))
+        blocks = torch.randperm(80, generator=gen)[: length // 4].int()
+        q = torch.randn(2, rows, dim, generator=gen).to(BF16)
         packed = cpu_ops.pack_prefix((k_cache, v_cache), blocks, 4)
         out, lse = cpu_ops.prefix_attention(q, packed, length)
         slots = (blocks.long()[:, None] * 4 + torch.arange(4)).reshape(-1)
         keys, values = k_cache[:, slots].float(), v_cache[:, slots].float()
-        scores = q.float() @ keys.transpose(1, 2) / 8
+        scores = q.float() @ keys.transpose(1, 2) / dim**0.5
         torch.testing.assert_close(lse, scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out, scores.softmax(-1) @ values, atol=1e-2, rtol=1e-2)
 

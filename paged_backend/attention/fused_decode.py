@@ -289,7 +289,7 @@ class FusedDecode:
         rows4 = -(-num_shared * (self.num_heads // self.num_kv_heads) // 4) * 4
         per_head = rows4 * self.head_dim
         floats = self.num_kv_heads * (per_head + rows4 + per_head // 2)  # q rows as bf16 pairs
-        floats += torch.get_num_threads() * 6 * cpu_ops.padded_length(length)
+        floats += torch.get_num_threads() * cpu_ops.PREFIX_WORK * cpu_ops.padded_length(length)
         work = torch.empty(floats)
         rows = shared.rows.to(torch.int64).contiguous()
         args = dict(

@@ -461,6 +461,11 @@ def decode_attention(
     return out
 
 
+# A thread's floats of `prefix_attention`'s work for each padded key: 16 rows of fp32 scores and
+# of bf16 probabilities (csrc/common.h's PREFIX_WORK).
+PREFIX_WORK = 24
+
+
 def padded_length(length: int) -> int:
     """Tokens rounded up to the 32 that `pack_prefix` and `prefix_attention` work in."""
     return -(-length // 32) * 32
@@ -522,7 +527,7 @@ def prefix_attention(
     out = torch.empty(num_kv_heads, rows4, dim)
     lse = torch.empty(num_kv_heads, rows4)
     threads = torch.get_num_threads()
-    work = torch.empty(threads, 6 * padded_length(length))  # 4 rows of fp32 scores and bf16 copies
+    work = torch.empty(threads, PREFIX_WORK * padded_length(length))
     group, offset, window = causal or (0, 0, 0)
     load_library().prefix_attention_bf16(
         q=q.data_ptr(),
@@ -566,7 +571,7 @@ def prefill_attention(
     if out.stride(2) != 1 or out.stride(1) != dim:
         raise ValueError("out must have each token's heads side by side")
     threads = torch.get_num_threads()
-    work = torch.empty(threads, 6 * padded_length(length))
+    work = torch.empty(threads, PREFIX_WORK * padded_length(length))
     load_library().prefill_attention_bf16(
         q=q.data_ptr(),
         q_stride=q.stride(0),

@@ -5,6 +5,8 @@
  * exactly a B tile (16 rows of 64 bytes), so the same packing serves both kernels. Exact bf16
  * products, fp32 sums, as the vector kernel; the order of the sums differs, so the last bits may.
  * int8: `tdpbsud` on Q8_256_VNNI strips, whose 4-input steps are B tiles too (`q8_256_tile_amx`).
+ * Attention's two products over packed keys and values (`attention_scores_amx`,
+ * `attention_values_amx`), whose packing is the B layout as well.
  *
  * Linux hands the tiles' 8 KB of state to a process only when it asks (`amx_ready`). A thread's
  * tile configuration is its own, and other libraries' kernels load theirs on the same (OpenMP)
@@ -418,6 +420,112 @@ void q8_256_tile_amx(const uint8_t *levels, int64_t levels_step, const float *dm
                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                 _mm512_storeu_ps(out[r] + 16 * b, _mm512_add_ps(_mm512_loadu_ps(out[r] + 16 * b), v));
             }
+        }
+    }
+    restore_tiles(before);
+}
+
+/* Tiles for attention's products over m (<= 16) query rows: 0-3 accumulate (m rows of 16 fp32),
+ * 4 holds 32 inputs of the m rows (bf16 queries, or probabilities), 6-7 a block of keys or values
+ * (16 rows of 64 bytes). */
+static void configure_attention_tiles(int m) {
+    tile_config cfg = {0};
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = t >= 6 ? 16 : m;
+    }
+    __asm__ __volatile__("" : : "m"(cfg) : "memory"); /* as in `configure_tiles` */
+    _tile_loadconfig(&cfg);
+}
+
+/* s[i][t] = q_i . k_t for m (<= 16) bf16 query rows (`dim` apart, dim a multiple of 32) and the
+ * keys [0, keys) (keys a multiple of 32) packed as `pack_prefix_bf16` does, [keys/16][dim/2][16]
+ * [2]: a block of 16 keys' 16 input pairs is a B tile. Rows of s are `s_stride` floats apart.
+ * Exact bf16 products and fp32 sums, as `prefix_attention_bf16`'s vector kernel; the order of the
+ * sums differs, so the last bits may. */
+void attention_scores_amx(const bf16 *q, int m, int64_t dim, const bf16 *kp, int64_t keys,
+                          float *s, int64_t s_stride) {
+    int64_t block = dim * 16, steps = dim / 32; /* a block's bf16; 32 inputs a step */
+    tile_config before = saved_tiles();
+    configure_attention_tiles(m);
+    for (int64_t b = 0; b < keys / 16; b += 4) { /* 64 keys (the last time 32) a pass */
+        const bf16 *kb = kp + b * block;
+        int four = keys / 16 - b >= 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        if (four) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+        for (int64_t d = 0; d < steps; d++) {
+            _tile_loadd(4, q + 32 * d, dim * (int64_t)sizeof(bf16));
+            _tile_loadd(6, kb + 512 * d, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, kb + block + 512 * d, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            if (four) {
+                _tile_loadd(6, kb + 2 * block + 512 * d, 64);
+                _tile_dpbf16ps(2, 4, 6);
+                _tile_loadd(7, kb + 3 * block + 512 * d, 64);
+                _tile_dpbf16ps(3, 4, 7);
+            }
+        }
+        int64_t stride = s_stride * (int64_t)sizeof(float);
+        _tile_stored(0, s + 16 * b, stride);
+        _tile_stored(1, s + 16 * b + 16, stride);
+        if (four) {
+            _tile_stored(2, s + 16 * b + 32, stride);
+            _tile_stored(3, s + 16 * b + 48, stride);
+        }
+    }
+    restore_tiles(before);
+}
+
+/* out[i][d] = inv[i] * sum over t < keys of p[i][t] v_t[d], for m (<= 16) rows of bf16
+ * probabilities (`p_stride` apart; keys a multiple of 32) and values packed as
+ * `pack_prefix_bf16` does, [keys/2][dim][2] (dim a multiple of 16): 16 key pairs of 16 dims are a
+ * B tile. out: fp32 rows `dim` apart. */
+void attention_values_amx(const bf16 *p, int m, int64_t p_stride, const bf16 *vp, int64_t dim,
+                          int64_t keys, const float *inv, float *out) {
+    float c[16][16] __attribute__((aligned(64)));
+    int64_t stride = dim * 2 * (int64_t)sizeof(bf16); /* a key pair's row */
+    tile_config before = saved_tiles();
+    configure_attention_tiles(m);
+    for (int64_t d0 = 0; d0 < dim; d0 += 64) { /* 16 rows x 64 dims a pass */
+        int nb = dim - d0 < 64 ? (int)(dim - d0) / 16 : 4;
+        _tile_zero(0);
+        if (nb > 1) _tile_zero(1);
+        if (nb > 2) _tile_zero(2);
+        if (nb > 3) _tile_zero(3);
+        for (int64_t t = 0; t < keys; t += 32) {
+            const bf16 *v = vp + t * dim + 2 * d0; /* pair t / 2, dims d0 .. */
+            _tile_loadd(4, p + t, p_stride * (int64_t)sizeof(bf16));
+            _tile_loadd(6, v, stride);
+            _tile_dpbf16ps(0, 4, 6);
+            if (nb > 1) {
+                _tile_loadd(7, v + 32, stride);
+                _tile_dpbf16ps(1, 4, 7);
+            }
+            if (nb > 2) {
+                _tile_loadd(6, v + 64, stride);
+                _tile_dpbf16ps(2, 4, 6);
+            }
+            if (nb > 3) {
+                _tile_loadd(7, v + 96, stride);
+                _tile_dpbf16ps(3, 4, 7);
+            }
+        }
+        for (int j = 0; j < nb; j++) {
+            switch (j) { /* a tile's number is part of its instruction */
+            case 0: _tile_stored(0, c, 64); break;
+            case 1: _tile_stored(1, c, 64); break;
+            case 2: _tile_stored(2, c, 64); break;
+            default: _tile_stored(3, c, 64);
+            }
+            for (int i = 0; i < m; i++)
+                _mm512_storeu_ps(out + i * dim + d0 + 16 * j,
+                                 _mm512_mul_ps(_mm512_load_ps(c[i]), _mm512_set1_ps(inv[i])));
         }
     }
     restore_tiles(before);

@@ -256,6 +256,9 @@ static inline __attribute__((always_inline)) void transpose16x16(__m512i r[16]) 
     }
 }
 #endif
+/* A thread's floats of `prefix_attention_bf16`'s work for each padded key: 16 rows of fp32 scores
+ * and of bf16 probabilities (cpu/ops.py's PREFIX_WORK). */
+#define PREFIX_WORK 24
 #if defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #define AMX_GEMM 1
 int amx_ready(void);
@@ -268,6 +271,9 @@ void dequantize_rows_bf16(int, const uint8_t *, int64_t, int64_t, int64_t, int64
                           int64_t, bf16 *);
 int quant_gemm_amx(int, const uint8_t *, int64_t, int64_t, int64_t, const bf16 *, int64_t, int64_t,
                    void *, int, int64_t, bf16 *, int);
+void attention_scores_amx(const bf16 *, int, int64_t, const bf16 *, int64_t, float *, int64_t);
+void attention_values_amx(const bf16 *, int, int64_t, const bf16 *, int64_t, int64_t, const float *,
+                          float *);
 #endif
 
 /* GeGLU's gelu (tanh approximation) as g * sigmoid(z): 0.5 (1 + tanh(u)) = sigmoid(2u), so

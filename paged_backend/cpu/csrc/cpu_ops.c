@@ -774,20 +774,10 @@ void pack_prefix_bf16(const bf16 *k_cache, const bf16 *v_cache, int64_t cache_he
     }
 }
 
-/* Attention of 4 query rows (bf16 [4][dim]) over packed keys/values (`packed` keys a head,
- * padded to 32), row i over keys lows[i] .. limits[i] - 1: out [4][dim] fp32 and log-sum-exp [4].
- * QK^T and PV run on AVX512-BF16 dot products (exact bf16 products, fp32 sums); softmax in fp32;
- * the probabilities enter PV rounded to bf16, as flash attention on bf16 does; with `softcap` > 0
- * a scaled score s is tanh(s / softcap) * softcap. `work`: 4 * packed floats plus 4 * packed
- * bf16. */
-static void prefix_rows4(const bf16 *q, const bf16 *kp, const bf16 *vp, int64_t packed,
-                         const int64_t *lows, const int64_t *limits, int64_t dim, float scale,
-                         float softcap, float *out, float *lse, float *work) {
-    int64_t len = limits[0], pairs = dim / 2;
-    for (int i = 1; i < 4; i++) len = limits[i] > len ? limits[i] : len;
-    int64_t padded = (len + 31) / 32 * 32;
-    float *s = work;
-    bf16 *pb = (bf16 *)(work + 4 * packed);
+/* Scores s[i][t] = q_i . k_t of 4 query rows (bf16 [4][dim]) over the packed keys [0, padded), on
+ * AVX512-BF16 dot products (exact bf16 products, fp32 sums), rows of s `padded` apart. */
+static void scores_rows4(const bf16 *q, const bf16 *kp, int64_t dim, int64_t padded, float *s) {
+    int64_t pairs = dim / 2;
     const uint32_t *q0 = (const uint32_t *)q; /* row i's pair p at q0[i * pairs + p] */
     for (int64_t b = 0; b < padded / 16; b += 2) { /* 4 rows x 32 keys at a time */
         __m512 acc[4][2];
@@ -807,32 +797,12 @@ static void prefix_rows4(const bf16 *q, const bf16 *kp, const bf16 *vp, int64_t 
             _mm512_storeu_ps(s + i * padded + b * 16 + 16, acc[i][1]);
         }
     }
-    float total[4], top[4];
-    const __m512 vscale = _mm512_set1_ps(softcap > 0.0f ? 1.0f : scale); /* else scaled here */
-    for (int i = 0; i < 4; i++) {
-        float *si = s + i * padded;
-        if (softcap > 0.0f) /* before the mask: tanh would bring -inf back to -softcap */
-            for (int64_t t = lows[i]; t < limits[i]; t++)
-                si[t] = tanhf(si[t] * scale / softcap) * softcap;
-        for (int64_t t = 0; t < lows[i]; t++) si[t] = -INFINITY;
-        for (int64_t t = limits[i]; t < padded; t++) si[t] = -INFINITY;
-        __m512 vmax = _mm512_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < padded; t += 16) {
-            __m512 x = _mm512_mul_ps(_mm512_loadu_ps(si + t), vscale);
-            _mm512_storeu_ps(si + t, x);
-            vmax = _mm512_max_ps(vmax, x);
-        }
-        float m = _mm512_reduce_max_ps(vmax);
-        __m512 vm = _mm512_set1_ps(m), vsum = _mm512_setzero_ps();
-        bf16 *pi = pb + i * padded;
-        for (int64_t t = 0; t < padded; t += 16) {
-            __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(si + t), vm));
-            vsum = _mm512_add_ps(vsum, e);
-            _mm256_storeu_si256((__m256i *)(pi + t), (__m256i)_mm512_cvtneps_pbh(e));
-        }
-        total[i] = _mm512_reduce_add_ps(vsum);
-        top[i] = m;
-    }
+}
+
+/* out[i][d] = inv[i] * sum over t < padded of p[i][t] v_t[d] for 4 rows of bf16 probabilities
+ * (rows `padded` apart) and the packed values, on AVX512-BF16 dot products. */
+static void values_rows4(const bf16 *pb, const bf16 *vp, int64_t dim, int64_t padded,
+                         const float *inv, float *out) {
     const uint32_t *pr[4];
     for (int i = 0; i < 4; i++) pr[i] = (const uint32_t *)(pb + i * padded);
     for (int64_t db = 0; db < dim; db += 64) { /* 4 rows x 4 blocks of 16 dims at a time */
@@ -854,13 +824,76 @@ static void prefix_rows4(const bf16 *q, const bf16 *kp, const bf16 *vp, int64_t 
                 c[i][3] = _mm512_dpbf16_ps(c[i][3], x, v3);
             }
         }
-        for (int i = 0; i < 4; i++) {
-            __m512 inv = _mm512_set1_ps(1.0f / total[i]);
+        for (int i = 0; i < 4; i++)
             for (int64_t j = 0; j < nb; j++)
-                _mm512_storeu_ps(out + i * dim + db + 16 * j, _mm512_mul_ps(c[i][j], inv));
-        }
+                _mm512_storeu_ps(out + i * dim + db + 16 * j,
+                                 _mm512_mul_ps(c[i][j], _mm512_set1_ps(inv[i])));
     }
-    for (int i = 0; i < 4; i++) lse[i] = top[i] + logf(total[i]);
+}
+
+/* Attention of m query rows (bf16 [m][dim]: 4, or up to 16 `on_tiles`) over packed keys/values
+ * (`packed` keys a head, padded to 32), row i over keys lows[i] .. limits[i] - 1: out [m][dim]
+ * fp32 and log-sum-exp [m]. QK^T and PV take exact bf16 products with fp32 sums (AVX512-BF16
+ * dot products, or AMX tiles, 16 rows at a time: ~4x fewer instructions a product); softmax in
+ * fp32; the probabilities enter PV rounded to bf16, as flash attention on bf16 does; with
+ * `softcap` > 0 a scaled score s is tanh(s / softcap) * softcap. `work`: `PREFIX_WORK` *
+ * `packed` floats. */
+static void prefix_rows(const bf16 *q, int m, int on_tiles, const bf16 *kp, const bf16 *vp,
+                        int64_t packed, const int64_t *lows, const int64_t *limits, int64_t dim,
+                        float scale, float softcap, float *out, float *lse, float *work) {
+    int64_t len = limits[0];
+    for (int i = 1; i < m; i++) len = limits[i] > len ? limits[i] : len;
+    int64_t padded = (len + 31) / 32 * 32;
+    float *s = work, total[16], top[16], inv[16];
+    bf16 *pb = (bf16 *)(work + 16 * packed);
+#ifdef AMX_GEMM
+    if (on_tiles)
+        attention_scores_amx(q, m, dim, kp, padded, s, padded);
+    else
+#endif
+        scores_rows4(q, kp, dim, padded, s);
+    const __m512 vscale = _mm512_set1_ps(softcap > 0.0f ? 1.0f : scale); /* else scaled here */
+    for (int i = 0; i < m; i++) {
+        float *si = s + i * padded;
+        if (softcap > 0.0f) /* before the mask: tanh would bring -inf back to -softcap */
+            for (int64_t t = lows[i]; t < limits[i]; t++)
+                si[t] = tanhf(si[t] * scale / softcap) * softcap;
+        for (int64_t t = 0; t < lows[i]; t++) si[t] = -INFINITY;
+        for (int64_t t = limits[i]; t < padded; t++) si[t] = -INFINITY;
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < padded; t += 16) {
+            __m512 x = _mm512_mul_ps(_mm512_loadu_ps(si + t), vscale);
+            _mm512_storeu_ps(si + t, x);
+            vmax = _mm512_max_ps(vmax, x);
+        }
+        float mx = _mm512_reduce_max_ps(vmax);
+        __m512 vm = _mm512_set1_ps(mx), vsum = _mm512_setzero_ps();
+        bf16 *pi = pb + i * padded;
+        for (int64_t t = 0; t < padded; t += 16) {
+            __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(si + t), vm));
+            vsum = _mm512_add_ps(vsum, e);
+            _mm256_storeu_si256((__m256i *)(pi + t), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        total[i] = _mm512_reduce_add_ps(vsum);
+        top[i] = mx;
+        inv[i] = 1.0f / total[i];
+    }
+#ifdef AMX_GEMM
+    if (on_tiles)
+        attention_values_amx(pb, m, padded, vp, dim, padded, inv, out);
+    else
+#endif
+        values_rows4(pb, vp, dim, padded, inv, out);
+    for (int i = 0; i < m; i++) lse[i] = top[i] + logf(total[i]);
+}
+
+/* The query rows `prefix_rows` takes at a time: 16 on AMX tiles (dims a multiple of 32), else 4. */
+static int prefix_tile_rows(int64_t dim) {
+#ifdef AMX_GEMM
+    if (dim % 32 == 0 && amx_ready()) return 16;
+#endif
+    (void)dim;
+    return 4;
 }
 
 /* Attention of each kv head's `rows` query rows (bf16 [heads][rows][dim], rows a multiple of 4)
@@ -869,25 +902,26 @@ static void prefix_rows4(const bf16 *q, const bf16 *kp, const bf16 *vp, int64_t 
  * r / causal_group of a chunk whose first token follows key `causal_offset`, and sees the keys up
  * to its own (with `window` > 0, its last `window` keys only). `softcap` > 0: scores are
  * soft-capped (`prefix_rows4`). `threads` threads share the blocks of 4 rows; `work` holds
- * 6 * padded floats for each. */
+ * PREFIX_WORK * padded floats for each. */
 void prefix_attention_bf16(const bf16 *q, int64_t heads, int64_t rows, int64_t dim,
                            const bf16 *kp, const bf16 *vp, int64_t len, float scale, float *out,
                            float *lse, float *work, int threads, int64_t causal_group,
                            int64_t causal_offset, int64_t window, float softcap) {
-    int64_t padded = (len + 31) / 32 * 32;
+    int64_t padded = (len + 31) / 32 * 32, tile = prefix_tile_rows(dim);
 #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if (threads > 1)
     for (int64_t h = 0; h < heads; h++)
-        for (int64_t r = 0; r < rows; r += 4) {
-            int64_t lows[4], limits[4];
-            for (int i = 0; i < 4; i++) {
+        for (int64_t r = 0; r < rows; r += tile) {
+            int m = rows - r < tile ? (int)(rows - r) : (int)tile;
+            int64_t lows[16], limits[16];
+            for (int i = 0; i < m; i++) {
                 int64_t limit = causal_group ? causal_offset + (r + i) / causal_group + 1 : len;
                 limits[i] = limit < len ? limit : len;
                 lows[i] = window > 0 && limit - window > 0 ? limit - window : 0;
             }
-            prefix_rows4(q + (h * rows + r) * dim, kp + h * padded * dim, vp + h * padded * dim,
-                         padded, lows, limits, dim, scale, softcap,
-                         out + (h * rows + r) * dim, lse + h * rows + r,
-                         work + omp_get_thread_num() * 6 * padded);
+            prefix_rows(q + (h * rows + r) * dim, m, tile == 16, kp + h * padded * dim,
+                        vp + h * padded * dim, padded, lows, limits, dim, scale, softcap,
+                        out + (h * rows + r) * dim, lse + h * rows + r,
+                        work + omp_get_thread_num() * PREFIX_WORK * padded);
         }
 }
 /* A prefill chunk's causal attention, token-major on both sides: the queries of `tokens` tokens,
@@ -900,14 +934,16 @@ void prefill_attention_bf16(const bf16 *q, int64_t q_stride, int64_t tokens, int
                             int64_t group, int64_t dim, const bf16 *kp, const bf16 *vp,
                             int64_t len, float scale, bf16 *out, int64_t out_stride, float *work,
                             int threads, int64_t offset, int64_t window, float softcap) {
-    int64_t padded = (len + 31) / 32 * 32, rows = tokens * group;
+    int64_t padded = (len + 31) / 32 * 32, rows = tokens * group, tile = prefix_tile_rows(dim);
 #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if (threads > 1)
     for (int64_t h = 0; h < kv_heads; h++)
-        for (int64_t r = 0; r < rows; r += 4) {
-            bf16 qb[4 * dim]; /* rows r .. r + 3 of this kv head (the last repeated past the end) */
-            float ob[4 * dim], lb[4];
-            int64_t lows[4], limits[4], at[4];
-            for (int i = 0; i < 4; i++) {
+        for (int64_t r = 0; r < rows; r += tile) {
+            /* rows r .. r + m - 1 of this kv head (4-row tiles repeat the last past the end) */
+            int m = tile == 4 ? 4 : rows - r < tile ? (int)(rows - r) : (int)tile;
+            bf16 qb[m * dim];
+            float ob[m * dim], lb[m];
+            int64_t lows[16], limits[16], at[16];
+            for (int i = 0; i < m; i++) {
                 int64_t row = r + i < rows ? r + i : rows - 1, t = row / group;
                 int64_t limit = offset + t + 1;
                 limits[i] = limit < len ? limit : len;
@@ -915,9 +951,10 @@ void prefill_attention_bf16(const bf16 *q, int64_t q_stride, int64_t tokens, int
                 at[i] = h * group + row % group; /* the row's query head */
                 memcpy(qb + i * dim, q + t * q_stride + at[i] * dim, dim * sizeof(bf16));
             }
-            prefix_rows4(qb, kp + h * padded * dim, vp + h * padded * dim, padded, lows, limits,
-                         dim, scale, softcap, ob, lb, work + omp_get_thread_num() * 6 * padded);
-            for (int i = 0; i < 4 && r + i < rows; i++) {
+            prefix_rows(qb, m, tile == 16, kp + h * padded * dim, vp + h * padded * dim, padded,
+                        lows, limits, dim, scale, softcap, ob, lb,
+                        work + omp_get_thread_num() * PREFIX_WORK * padded);
+            for (int i = 0; i < m && r + i < rows; i++) {
                 bf16 *o = out + (r + i) / group * out_stride + at[i] * dim;
                 for (int64_t d = 0; d < dim; d++) o[d] = to_bf16(ob[i * dim + d]);
             }

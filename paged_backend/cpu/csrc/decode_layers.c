@@ -137,7 +137,7 @@ static void scale_rows(int bf16_io, void *x, int64_t rows, int64_t n, int64_t st
  * `prefix_k`/`prefix_v` hold the packs' addresses) with prefix_attention_bf16, and the decode
  * kernel merges that result (`prefix_pos`, by row). `prefix_work` holds kv_heads * rows4 * dim
  * bf16 queries, then kv_heads * rows4 * (dim + 1) floats of output and log-sum-exp, then threads
- * * 6 * padded(prefix_len) floats (rows4: num_shared * group rounded up to 4). */
+ * * PREFIX_WORK * padded(prefix_len) floats (rows4: num_shared * group rounded up to 4). */
 void decode_layers(void *x, void *residual, int bf16_io, int64_t rows, int64_t hidden,
                    const void *cos, const void *sin, const void *local_cos, const void *local_sin,
                    int64_t num_layers, const int64_t *weights, const int64_t *k_caches,
