@@ -226,6 +226,17 @@ static inline void zero_sums(int nb, int two) {
     if (nb > 1 && two) _tile_zero(3);
 }
 
+/* Accumulator tile t (0-3) into c (rows 64 bytes apart): a tile's number is part of its
+ * instruction, so a number known only at run time takes a switch. */
+static inline void store_accumulator(int t, float c[16][16]) {
+    switch (t) {
+    case 0: _tile_stored(0, c, 64); break;
+    case 1: _tile_stored(1, c, 64); break;
+    case 2: _tile_stored(2, c, 64); break;
+    default: _tile_stored(3, c, 64);
+    }
+}
+
 /* `tile_steps`' sums (16 outputs x m rows a tile) transposed into out: rows r0 + 16t + r (m0 of
  * row tile 0, m1 of 1; `n` apart), columns col + 16b + [0, 16). */
 static void store_sums(int nb, int m0, int m1, void *out, int64_t n, int64_t r0, int64_t col,
@@ -233,12 +244,7 @@ static void store_sums(int nb, int m0, int m1, void *out, int64_t n, int64_t r0,
     float c[16][16] __attribute__((aligned(64)));
     for (int b = 0; b < nb; b++)
         for (int t = 0; t < (m1 ? 2 : 1); t++) {
-            switch (2 * b + t) { /* a tile's number is part of its instruction */
-            case 0: _tile_stored(0, c, 64); break;
-            case 1: _tile_stored(1, c, 64); break;
-            case 2: _tile_stored(2, c, 64); break;
-            default: _tile_stored(3, c, 64);
-            }
+            store_accumulator(2 * b + t, c);
             __m512i v[16];
             for (int o = 0; o < 16; o++) v[o] = _mm512_load_si512(c[o]);
             transpose16x16(v); /* v[r]: row r's 16 outputs */
@@ -268,12 +274,12 @@ static void row_tiles_at(int64_t r0, int64_t rows, int *m0, int *m1) {
  * one's (read as they were needed, 32 rows apart, they had stalled the dequantizing: 32-row steps
  * ran ~1.9x slower from memory than from the caches), a share between each 8 rows (a chunk's
  * share asked for at once filled the line fill buffers, and the asking stalled: a 3B model's
- * linears at 32 rows, 28 layers, 227-236 -> 184-199 ms, ~10% at 4-16 rows); large steps ask for each 4 rows two parts
- * ahead and for the next strip's during their last row tiles (asked for while dequantizing, they
- * were gone from the L2 when needed: x's rows stream through it; a 512-row step of a 3B model's
- * weights ran ~3% faster). */
-static inline void ask_for_rows(const uint8_t *w, int64_t row_bytes, int64_t j1,
-                                      int64_t count, int part, int parts) {
+ * linears at 32 rows, 28 layers, 227-236 -> 184-199 ms, ~10% at 4-16 rows); large steps ask for
+ * each 4 rows two parts ahead and for the next strip's during their last row tiles (asked for
+ * while dequantizing, they were gone from the L2 when needed: x's rows stream through it; a
+ * 512-row step of a 3B model's weights ran ~3% faster). */
+static inline void ask_for_rows(const uint8_t *w, int64_t row_bytes, int64_t j1, int64_t count,
+                                int part, int parts) {
     const char *next = (const char *)(w + j1 * row_bytes);
     int64_t lines = count * row_bytes / 64;
     for (int64_t i = lines * part / parts; i < lines * (part + 1) / parts; i++)
@@ -432,20 +438,6 @@ void q8_256_tile_amx(const uint8_t *levels, int64_t levels_step, const float *dm
     restore_tiles(before);
 }
 
-/* Tiles for attention's products over m (<= 16) query rows: 0-3 accumulate (m rows of 16 fp32),
- * 4 holds 32 inputs of the m rows (bf16 queries, or probabilities), 6-7 a block of keys or values
- * (16 rows of 64 bytes). */
-static void configure_attention_tiles(int m) {
-    tile_config cfg = {0};
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = t >= 6 ? 16 : m;
-    }
-    __asm__ __volatile__("" : : "m"(cfg) : "memory"); /* as in `configure_tiles` */
-    _tile_loadconfig(&cfg);
-}
-
 /* s[i][t] = q_i . k_t for m (<= 16) bf16 query rows (`dim` apart, dim a multiple of 32) and the
  * keys [0, keys) (keys a multiple of 32) packed as `pack_prefix_bf16` does, [keys/16][dim/2][16]
  * [2]: a block of 16 keys' 16 input pairs is a B tile. Rows of s are `s_stride` floats apart.
@@ -455,7 +447,7 @@ void attention_scores_amx(const bf16 *q, int m, int64_t dim, const bf16 *kp, int
                           float *s, int64_t s_stride) {
     int64_t block = dim * 16, steps = dim / 32; /* a block's bf16; 32 inputs a step */
     tile_config before = saved_tiles();
-    configure_attention_tiles(m);
+    configure_tiles(m, m); /* 0-3 sums, 4 queries or probabilities, 6-7 keys or values */
     for (int64_t b = 0; b < keys / 16; b += 4) { /* 64 keys (the last time 32) a pass */
         const bf16 *kb = kp + b * block;
         int four = keys / 16 - b >= 4;
@@ -498,7 +490,7 @@ void attention_values_amx(const bf16 *p, int m, int64_t p_stride, const bf16 *vp
     float c[16][16] __attribute__((aligned(64)));
     int64_t stride = dim * 2 * (int64_t)sizeof(bf16); /* a key pair's row */
     tile_config before = saved_tiles();
-    configure_attention_tiles(m);
+    configure_tiles(m, m); /* 0-3 sums, 4 queries or probabilities, 6-7 keys or values */
     for (int64_t d0 = 0; d0 < dim; d0 += 64) { /* 16 rows x 64 dims a pass */
         int nb = dim - d0 < 64 ? (int)(dim - d0) / 16 : 4;
         _tile_zero(0);
@@ -524,12 +516,7 @@ void attention_values_amx(const bf16 *p, int m, int64_t p_stride, const bf16 *vp
             }
         }
         for (int j = 0; j < nb; j++) {
-            switch (j) { /* a tile's number is part of its instruction */
-            case 0: _tile_stored(0, c, 64); break;
-            case 1: _tile_stored(1, c, 64); break;
-            case 2: _tile_stored(2, c, 64); break;
-            default: _tile_stored(3, c, 64);
-            }
+            store_accumulator(j, c);
             for (int i = 0; i < m; i++)
                 _mm512_storeu_ps(out + i * dim + d0 + 16 * j,
                                  _mm512_mul_ps(_mm512_load_ps(c[i]), _mm512_set1_ps(inv[i])));
