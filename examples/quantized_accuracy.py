@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
 import sysconfig
 from collections.abc import Callable
 from functools import partial
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
@@ -52,8 +54,9 @@ def all_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     return runner.logits(hidden).float()
 
 
-def llama_cpp_logits(path: str, threads: int) -> Callable[[list[int]], torch.Tensor]:
-    """`all_logits` of llama-cpp-python on the GGUF file at `path`."""
+def _serve_llama_cpp_logits(conn: Connection, path: str, threads: int) -> None:
+    """The child process of `llama_cpp_logits`: the logits of each token list it receives,
+    until the parent closes its end."""
     from llama_cpp import Llama
 
     llm = Llama(
@@ -64,11 +67,30 @@ def llama_cpp_logits(path: str, threads: int) -> Callable[[list[int]], torch.Ten
         n_threads=threads,
         verbose=False,
     )
-
-    def logits(ids: list[int]) -> torch.Tensor:
+    while True:
+        try:
+            ids = conn.recv()
+        except EOFError:  # the parent has finished
+            return
         llm.reset()
         llm.eval(ids)
-        return torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
+        conn.send(np.array(llm.scores[: len(ids)], dtype=np.float32))
+
+
+def llama_cpp_logits(path: str, threads: int) -> Callable[[list[int]], torch.Tensor]:
+    """`all_logits` of llama-cpp-python on the GGUF file at `path`, computed in a process of its
+    own: on a CPU with AMX, llama.cpp loads a thread's tile configuration once, and torch's
+    oneDNN, running on the same OpenMP threads, releases the tiles after its products, so
+    llama.cpp's next product in this process would stop on an illegal instruction."""
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    child = context.Process(target=_serve_llama_cpp_logits, args=(theirs, path, threads))
+    child.daemon = True
+    child.start()
+
+    def logits(ids: list[int]) -> torch.Tensor:
+        ours.send(ids)
+        return torch.from_numpy(ours.recv())
 
     return logits
 
