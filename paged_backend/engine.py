@@ -24,13 +24,19 @@ from paged_backend.cpu.memory import release_freed_heap
 from paged_backend.detokenizer import IncrementalDetokenizer
 from paged_backend.kv_cache_manager import KVCacheManager
 from paged_backend.model_loader import model_name, resolve_model_path
-from paged_backend.model_runner import ModelRunner
+from paged_backend.model_runner import ModelRunner, PromptRows
 from paged_backend.models.config import ModelConfig
 from paged_backend.ngram_proposer import NgramProposer
 from paged_backend.outputs import CompletionOutput, RequestOutput
 from paged_backend.prompt_dicts import prompt_source, salted
 from paged_backend.request import Request, RequestStatus
-from paged_backend.sampler import Sampler, SamplerOutput, takes_argmax, to_logprob_dict
+from paged_backend.sampler import (
+    Sampler,
+    SamplerOutput,
+    takes_argmax,
+    to_logprob_dict,
+    top_logprobs,
+)
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.scheduler import Scheduler, SchedulerOutput
 from paged_backend.spec_decode import verify
@@ -60,6 +66,9 @@ PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
 # A step's greedy rows take their tokens from a head that never holds their logits (`_sample`)
 # once those would pass this many bytes (1 MB a row at a 262,144-token vocabulary).
 SPLIT_HEAD_BYTES = 8 << 20
+# Prompt rows whose logits are held at once for their logprobs (a 151,936-token vocabulary's:
+# 156 MB, and their log-softmax as much).
+PROMPT_LOGITS_ROWS = 256
 _BYTES = (bytes, bytearray, memoryview)  # sequences of ints, but never meant as token ids
 
 
@@ -67,6 +76,11 @@ def _take_argmax(top: torch.Tensor, rows: list) -> SamplerOutput:
     """`verify`'s sampler for rows whose tokens are their argmax, given as `top` (from
     `ModelRunner.logits_argmax`) in place of their logits."""
     return SamplerOutput(top.tolist(), [None] * len(rows))
+
+
+def _snapshot(logprobs: list | None) -> list | None:
+    """A copy of a request's logprobs for an output, which later steps leave as it is."""
+    return None if logprobs is None else list(logprobs)
 
 
 def check_priority(priority: object) -> None:
@@ -388,10 +402,12 @@ class LLMEngine:
         try:
             tables = [self.kv.block_ids(r) for r, _ in scheduled]
             self._inject_fault("forward", [r for r, _ in scheduled])
-            hidden, sampling = self.runner.execute(scheduled, tables, sched.drafts)
+            hidden, sampling, prompt = self.runner.execute(scheduled, tables, sched.drafts)
             sampled_requests = [scheduled[i][0] for i in sampling]
             self._inject_fault("sample", sampled_requests)
             new_tokens, logprobs = self._sample(hidden, sampled_requests, sched.drafts)
+            if prompt is not None:
+                self._take_prompt_logprobs(prompt, [scheduled[i][0] for i, _, _ in prompt.spans])
             # A step that prefilled hands the heap's freed pages back (glibc keeps them
             # resident): its activations, and its sampling's, freed in another order than the
             # next step asks for them, piled up as heap (Gemma 3 270M Q4_K_M, 32 x ~250
@@ -460,6 +476,25 @@ class LLMEngine:
             for i, token, lp in zip(rest, sampled.token_ids, sampled.logprobs, strict=True):
                 tokens[i], logprobs[i] = token, lp
         return [[t] for t in tokens], [[lp] for lp in logprobs]
+
+    def _take_prompt_logprobs(self, prompt: PromptRows, requests: list[Request]) -> None:
+        """The prompt logprobs of `prompt`'s rows, appended to their requests' (`requests`: one
+        a span), their logits `PROMPT_LOGITS_ROWS` rows at a time."""
+        tokens, owners, taken = [], [], {}
+        for (_, first, count), request in zip(prompt.spans, requests, strict=True):
+            # a request's spans follow each other (a chunk cut into several forwards)
+            expected = taken.get(request, len(request.prompt_logprobs))
+            assert first == expected, "prompt logprobs taken out of order"
+            taken[request] = first + count
+            tokens.extend(request.prompt_token_ids[first : first + count])
+            owners.extend([request] * count)
+        for lo in range(0, len(tokens), PROMPT_LOGITS_ROWS):
+            hi = lo + PROMPT_LOGITS_ROWS
+            logits = self.runner.logits(prompt.hidden[lo:hi])[:, : self.sampler.vocab_size]
+            ks = [r.params.prompt_logprobs for r in owners[lo:hi]]
+            found = top_logprobs(torch.log_softmax(logits, dim=-1), tokens[lo:hi], ks)
+            for request, (_, entries) in zip(owners[lo:hi], found, strict=True):
+                request.prompt_logprobs.append(to_logprob_dict(entries, self._decode_one))
 
     def _count_rejected(
         self, requests: list[Request], new_tokens: list[list[int]], sched: SchedulerOutput
@@ -555,7 +590,7 @@ class LLMEngine:
                     text=req.detokenizer.text[: req.detokenizer.num_emitted],
                     token_ids=list(req.output_token_ids),
                     cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
-                    logprobs=None if req.logprobs is None else list(req.logprobs),  # a snapshot
+                    logprobs=_snapshot(req.logprobs),
                     finish_reason=req.finish_reason,
                     stop_reason=req.stop_reason,
                     delta_text=delta,
@@ -573,6 +608,7 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=max(parent.children[0].num_cached_tokens, 0),
             error=parent.error,
+            prompt_logprobs=_snapshot(parent.children[0].prompt_logprobs),
         )
 
     # ---- introspection -------------------------------------------------------------------

@@ -43,12 +43,16 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of full blocks. Never the whole prompt: the last token is always
-        computed so that there are logits to sample from. Counts nothing: a waiting request is
+        computed so that there are logits to sample from (and every row that gives a prompt
+        logprob still missing, `Request.prompt_logprob_row`). Counts nothing: a waiting request is
         looked up again each step until it is admitted (`record_prefix_hits`)."""
         if not self.enable_caching:
             return [], 0
         hashes = request.update_block_hashes(self.block_size)
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        last = request.num_tokens - 1
+        if request.prompt_logprob_row is not None:  # those rows must run
+            last = min(last, request.prompt_logprob_row)
+        max_blocks = last // self.block_size
         hits = []
         for block_hash in hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)

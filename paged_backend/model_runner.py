@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,16 @@ def _available_memory(device: torch.device) -> int:
     except OSError:
         pass
     return 8 << 30
+
+
+@dataclass
+class PromptRows:
+    """A step's final hidden rows whose logits give prompt logprobs (`Request.prompt_logprobs`):
+    `hidden`, and `spans` (index into `scheduled`, the prompt token its first row predicts, how
+    many rows) in the order of those rows."""
+
+    hidden: torch.Tensor
+    spans: list[tuple[int, int, int]]
 
 
 class ModelRunner:
@@ -408,7 +419,7 @@ class ModelRunner:
         scheduled: list[tuple[Request, int]],
         block_tables: list[list[int]],
         drafts: dict[Request, list[int]] | None = None,
-    ) -> tuple[torch.Tensor, list[int]]:
+    ) -> tuple[torch.Tensor, list[int], PromptRows | None]:
         """Run the new tokens of every scheduled request, decodes (one token) first; a request
         with `drafts` runs them after its known tokens (counted in its scheduled number). On CPU
         a step of more tokens than `forward_tokens` runs as several forwards (`_pieces`).
@@ -416,7 +427,7 @@ class ModelRunner:
         Returns the final hidden rows (`logits` and `logits_argmax` take them) of the requests
         that reach the end of their known tokens (those sample), one row each and one more per
         draft (a request's rows consecutive), and their indices into `scheduled`, in the order
-        of their rows."""
+        of their rows; then the rows that give prompt logprobs, if any."""
         drafts = drafts or {}
         held = self.huge_pages_from_blocks
         if held is not None and sum(len(t) for t in block_tables) >= held:
@@ -425,12 +436,18 @@ class ModelRunner:
         # The head runs once for the step's rows of every forward: once a forward, it read its
         # weights again for each (a 262,144-token vocabulary's: 135 MB), and concatenating the
         # forwards' logits held them twice.
-        hidden, sampling = [], []
+        hidden, sampling, prompt_hidden, spans = [], [], [], []
         for piece in self._pieces(scheduled, drafts):
-            piece_hidden, piece_sampling = self._forward(scheduled, block_tables, drafts, piece)
-            hidden.append(piece_hidden)
+            rows, piece_sampling, piece_spans = self._forward(
+                scheduled, block_tables, drafts, piece
+            )
+            num_sampled = len(rows) - sum(count for _, _, count in piece_spans)
+            hidden.append(rows[:num_sampled])
+            prompt_hidden.append(rows[num_sampled:])
             sampling.extend(piece_sampling)
-        return (hidden[0] if len(hidden) == 1 else torch.cat(hidden)), sampling
+            spans.extend(piece_spans)
+        prompt = PromptRows(torch.cat(prompt_hidden), spans) if spans else None
+        return (hidden[0] if len(hidden) == 1 else torch.cat(hidden)), sampling, prompt
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The fp32 logits of `execute`'s hidden rows, on the CPU."""
@@ -475,11 +492,13 @@ class ModelRunner:
         block_tables: list[list[int]],
         drafts: dict[Request, list[int]],
         piece: list[tuple[int, int, int]],
-    ) -> tuple[torch.Tensor, list[int]]:
+    ) -> tuple[torch.Tensor, list[int], list[tuple[int, int, int]]]:
         """One forward over a piece of the step (`_pieces`): the final hidden rows it samples
-        from, and their indices into `scheduled`."""
+        from, then those that give prompt logprobs; the former's indices into `scheduled`, and
+        the latter's `PromptRows.spans`."""
         bs = self.block_size
         ids, positions, qsl, seq_lens, logit_rows, sampling = [], [], [0], [], [], []
+        prompt_rows, spans = [], []
         max_blocks = max(len(block_tables[i]) for i, _, _ in piece)
         tables = np.full((len(piece), max_blocks), FREED_BLOCK, dtype=np.int32)
         for row, (i, offset, count) in enumerate(piece):
@@ -496,6 +515,12 @@ class ModelRunner:
             if end == request.num_tokens + len(drafted):
                 logit_rows.extend(range(qsl[-1] - 1 - len(drafted), qsl[-1]))
                 sampling.append(i)
+            first = request.prompt_logprob_row
+            if first is not None:  # rows first .. num_prompt_tokens - 2, as far as this runs
+                lo, hi = max(start, first), min(end, request.num_prompt_tokens - 1)
+                if lo < hi:
+                    prompt_rows.extend(range(qsl[-2] + lo - start, qsl[-2] + hi - start))
+                    spans.append((i, lo + 1, hi - lo))
         pos = np.concatenate(positions)
         rope_rows = pos
         if any(scheduled[i][0].long_rope for i, _, _ in piece):
@@ -530,9 +555,9 @@ class ModelRunner:
             self.kv_caches,
             self.backend,
             meta,
-            torch.tensor(logit_rows, dtype=torch.long, device=self.device),
+            torch.tensor(logit_rows + prompt_rows, dtype=torch.long, device=self.device),
         )
-        return hidden, sampling
+        return hidden, sampling, spans
 
 
 def _parameters_in_(model: torch.nn.Module, dtype: torch.dtype) -> None:

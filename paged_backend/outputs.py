@@ -39,4 +39,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # `SamplingParams.prompt_logprobs`: each prompt token's, None for the first
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None  # set when the engine failed this request (finish_reason "error")

@@ -64,6 +64,11 @@ class Request:
         self.num_hashed_blocks = 0  # how many of this request's blocks are registered in the cache
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        # `params.prompt_logprobs`: token t's at t (none for the first), filled as the prefill's
+        # rows give them; the first of `n` sequences alone computes them, for their parent.
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if params.prompt_logprobs is not None and index == 0 else None
+        )
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.max_tokens = max_tokens if max_tokens is not None else params.max_tokens
@@ -86,6 +91,15 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def prompt_logprob_row(self) -> int | None:
+        """The first row whose logits give a prompt logprob not taken yet (row t's predict
+        token t + 1); None when none is missing."""
+        taken = self.prompt_logprobs
+        if taken is None or len(taken) >= self.num_prompt_tokens:
+            return None
+        return len(taken) - 1
 
     @property
     def num_tokens_left(self) -> int:

@@ -72,8 +72,11 @@ class Sampler:
             if r.budget_guard is not None:
                 token_list[i] = r.budget_guard.admit(r.grammar, token_list[i], r.num_tokens_left)
         lps: list = [None] * len(requests)
-        for j, i in enumerate(want_lp):
-            lps[i] = _top_logprobs(raw_logprobs[j], token_list[i], requests[i].params.logprobs)
+        if want_lp:
+            ks = [requests[i].params.logprobs for i in want_lp]
+            found = top_logprobs(raw_logprobs, [token_list[i] for i in want_lp], ks)
+            for i, lp in zip(want_lp, found, strict=True):
+                lps[i] = lp
         return SamplerOutput(token_list, lps)
 
     def _forced_token(self, request: Request) -> int | None:
@@ -222,17 +225,23 @@ def _past_nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return ((probs.cumsum(dim=-1) - probs) >= top_p) & (top_p < 1.0)
 
 
-def _top_logprobs(
-    row: torch.Tensor, token: int, k: int
-) -> tuple[float, dict[int, tuple[float, int]]]:
-    chosen = row[token].item()
-    rank = int((row > chosen).sum().item()) + 1
-    entries = {token: (chosen, rank)}
-    if k:
-        values, ids = row.topk(k)
-        for r, (v, t) in enumerate(zip(values.tolist(), ids.tolist(), strict=True), start=1):
-            entries.setdefault(t, (v, r))
-    return chosen, entries
+def top_logprobs(
+    logprobs: torch.Tensor, tokens: list[int], ks: list[int]
+) -> list[tuple[float, dict[int, tuple[float, int]]]]:
+    """For each row of `logprobs` [rows, vocab]: its token's logprob, and {token: (logprob, rank)}
+    of that token and of the row's k most likely (rank 1: the most likely), k from `ks`."""
+    chosen = logprobs.gather(1, torch.tensor(tokens)[:, None])
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    most = max(ks, default=0)
+    values, ids = logprobs.topk(most) if most else (logprobs[:, :0], logprobs[:, :0])
+    out = []
+    for r, (token, k, lp) in enumerate(zip(tokens, ks, chosen[:, 0].tolist(), strict=True)):
+        entries = {token: (lp, ranks[r])}
+        top = zip(values[r, :k].tolist(), ids[r, :k].tolist(), strict=True)
+        for rank, (v, t) in enumerate(top, start=1):
+            entries.setdefault(int(t), (v, rank))
+        out.append((lp, entries))
+    return out
 
 
 def to_logprob_dict(entries: dict[int, tuple[float, int]], decode) -> dict[int, Logprob]:

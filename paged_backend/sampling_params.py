@@ -87,6 +87,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    """Each prompt token's logprob after the tokens before it, with that many more of the most
+    likely tokens there (vLLM's name): `RequestOutput.prompt_logprobs`, None for the first token.
+    The prefill computes every prompt position for them, whatever the prefix cache holds."""
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
@@ -132,12 +136,14 @@ class SamplingParams:
             "an integer >= 0 and <= max_tokens",
             self.min_tokens,
         )
-        _check(
-            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-            "logprobs",
-            "None or an integer in [0, 20]",
-            self.logprobs,
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or (_is_int(value) and 0 <= value <= 20),
+                name,
+                "None or an integer in [0, 20]",
+                value,
+            )
         _check(
             self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63),
             "seed",

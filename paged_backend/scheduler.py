@@ -175,9 +175,10 @@ class Scheduler:
         hit instead of computing a private copy: RAG prompts queued behind a first one with the
         same long context (whose prefill runs in chunks) would otherwise each compute the part
         not yet cached, and would no longer share it (a shared prefix is attended once for all
-        the sequences that hold the same blocks)."""
+        the sequences that hold the same blocks). Not one that computes its prompt's rows for
+        their logprobs: it would not take the hit."""
         hashes = request.block_hashes if self.kv.enable_caching else ()
-        if num_hit_blocks >= len(hashes):
+        if num_hit_blocks >= len(hashes) or request.prompt_logprob_row is not None:
             return False
         wanted = hashes[num_hit_blocks]
         bs = self.kv.block_size

@@ -299,7 +299,7 @@ def logits_of(llm, ids: list[int]) -> torch.Tensor:
     runner = llm.engine.runner
     request = Request("score", ids[:1], SamplingParams(max_tokens=1))
     blocks = list(range(-(-len(ids) // runner.block_size)))
-    hidden, _ = runner.execute([(request, len(ids))], [blocks], {request: ids[1:]})
+    hidden, _, _ = runner.execute([(request, len(ids))], [blocks], {request: ids[1:]})
     return runner.logits(hidden).float()
 
 

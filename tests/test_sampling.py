@@ -83,6 +83,9 @@ def gen(llm, prompt, **params):
         ({"repetition_penalty": -1.0}, "repetition_penalty"),
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": -1}, "logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 1.5}, "prompt_logprobs"),
         ({"stop": ""}, "stop"),
         ({"stop": ["ok", ""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
@@ -121,7 +124,8 @@ def test_boundary_values_are_accepted():
         stop=["x"],
         stop_token_ids=[0],
     )
-    SamplingParams(top_p=1e-9, min_p=0.0, top_k=0, logprobs=0, max_tokens=None)
+    SamplingParams(top_p=1e-9, min_p=0.0, top_k=0, logprobs=0, max_tokens=None, prompt_logprobs=0)
+    SamplingParams(prompt_logprobs=20)
 
 
 @pytest.mark.parametrize(
