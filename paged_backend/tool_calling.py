@@ -264,6 +264,8 @@ class ToolCallParser:
 
     Text that may be the start of `<tool_call>` is held back until it is decided; inside a call,
     the argument text is released as it arrives, except a last `}` that may close the call.
+    Content comes out as a whole output's parse gives it, stripped: whitespace before the first
+    content is dropped, and whitespace is held back until more content follows it.
     """
 
     def __init__(self) -> None:
@@ -271,6 +273,8 @@ class ToolCallParser:
         self._index = -1
         self._in_call = False
         self._head_seen = False
+        self._content_started = False
+        self._space = ""  # content's trailing whitespace, held back
 
     def feed(self, text: str, *, last: bool = False) -> tuple[str, list[ToolCallDelta]]:
         """(content text, call deltas) that `text` completes, at most one delta a call; with
@@ -284,7 +288,18 @@ class ToolCallParser:
             tail, more = self.finish()
             content.append(tail)
             deltas += more
-        return "".join(content), _one_delta_a_call(deltas)
+        return self._stripped("".join(content), last), _one_delta_a_call(deltas)
+
+    def _stripped(self, text: str, last: bool) -> str:
+        """The content `text` adds to what was released, without the whole content's leading
+        and (with `last`) trailing whitespace."""
+        if not self._content_started:
+            text = text.lstrip()
+            self._content_started = bool(text)
+        held = self._space + text
+        released = held.rstrip()
+        self._space = "" if last else held[len(released) :]
+        return released
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """Whatever is held back, at the end of the output."""

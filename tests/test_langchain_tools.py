@@ -120,7 +120,7 @@ def test_streamed_calls_arrive_as_tool_call_chunks():
 
 
 CALLS = (
-    'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    ' Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
 )
 
@@ -140,7 +140,7 @@ def test_calls_merge_to_the_invoked_ones_however_the_stream_groups_their_text(cu
             chunks.append(chunk.message)
     full = functools.reduce(operator.add, chunks)
     invoked = _message_fields(CALLS, with_tools=True)
-    assert full.content.strip() == invoked["content"] == "Checking."
+    assert full.content == invoked["content"] == "Checking."
     assert (
         [(c["name"], c["args"]) for c in full.tool_calls]
         == [(c["name"], c["args"]) for c in invoked["tool_calls"]]

@@ -75,7 +75,7 @@ TOOLS = [WEATHER, ADD, BOOK, SEARCH]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": [2, "}"]}}}\n</tool_call>'
-OUTPUT = "Let me add.\n" + CALL + "\n" + CALL.replace("add", "sub") + "\nDone <tool"
+OUTPUT = " \n Let me add.\n" + CALL + "\n" + CALL.replace("add", "sub") + "\nDone <tool \n"
 
 
 # ---- checks ------------------------------------------------------------------------------------
@@ -207,10 +207,10 @@ def test_streamed_output_parses_the_same_however_it_is_split(cuts):
         text, new = parser.feed(OUTPUT[start:end])
         assert len({d.index for d in new}) == len(new)  # one delta a call a feed
         content, deltas = content + text, deltas + new
-    tail, more = parser.finish()
+    tail, more = parser.feed("", last=True)
     streamed = collect_calls(content + tail, deltas + more)
     whole = parse_tool_calls(OUTPUT)
-    assert streamed.content == whole.content
+    assert content + tail == streamed.content == whole.content  # stripped as it streams
     assert [(c.name, c.arguments) for c in streamed.tool_calls] == [
         (c.name, c.arguments) for c in whole.tool_calls
     ]
