@@ -213,10 +213,17 @@ def ranked_logprobs(
         return None
     end = len(completion.token_ids)
     start = end - len(completion.delta_token_ids) if delta_only else 0
-    return [
-        sorted(position.items(), key=lambda item: item[1].rank)
-        for position in completion.logprobs[start:end]
-    ]
+    return [_by_rank(position) for position in completion.logprobs[start:end]]
+
+
+def ranked_prompt_logprobs(out: RequestOutput) -> list[list[tuple[int, Logprob]] | None]:
+    """`ranked_logprobs` of the prompt's tokens (`SamplingParams.prompt_logprobs`), None for
+    the first; [] when they were not asked for."""
+    return [None if p is None else _by_rank(p) for p in out.prompt_logprobs or ()]
+
+
+def _by_rank(position: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
+    return sorted(position.items(), key=lambda item: item[1].rank)
 
 
 def chat_message(

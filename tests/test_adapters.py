@@ -35,6 +35,7 @@ NON_DEFAULT = {
     "include_stop_str_in_output": True,
     "ignore_eos": True,
     "logprobs": 3,
+    "prompt_logprobs": 2,
     "skip_special_tokens": False,
     "logit_bias": {5: 1.0},
     "structured_outputs": StructuredOutputsParams(regex="[a-z]+"),

@@ -143,6 +143,26 @@ def test_chat_n_completions_and_logprobs():
     reply = chat(max_tokens=3, logprobs=2, ignore_eos=True).invoke("Hi")
     logprobs = reply.response_metadata["logprobs"]
     assert len(logprobs) == 3 and all(isinstance(e["logprob"], float) for e in logprobs[0])
+    assert "prompt_logprobs" not in reply.response_metadata
+
+
+def test_prompt_logprobs_come_in_the_metadata():
+    """Each prompt token's candidates, best first, the prompt's own token among them; the
+    same for the LLM class and for a stream's last chunk."""
+    model = chat(max_tokens=2, prompt_logprobs=1)
+    reply = model.invoke("Hi")
+    prompt = reply.response_metadata["prompt_logprobs"]
+    assert len(prompt) == reply.usage_metadata["input_tokens"] and prompt[0] is None
+    for candidates in prompt[1:]:
+        assert 1 <= len(candidates) <= 2  # the prompt's token, and the best if it is not that
+        assert [c["rank"] for c in candidates] == sorted(c["rank"] for c in candidates)
+        assert candidates[0]["logprob"] == max(c["logprob"] for c in candidates)
+    last = list(model.stream("Hi"))[-1]
+    assert last.response_metadata["prompt_logprobs"] == prompt
+    text = llm(max_tokens=2, prompt_logprobs=0).generate(["Hi there"]).generations[0][0]
+    scored = text.generation_info["prompt_logprobs"]
+    assert len(scored) == text.generation_info["usage"]["input_tokens"]
+    assert all(len(c) == 1 for c in scored[1:])  # k = 0: the prompt's token alone
 
 
 def test_messages_of_every_role_render_and_run():

@@ -175,6 +175,11 @@ def test_formatted_prompts_go_raw_and_per_call_kwargs_apply(llm):
         assert candidates[0].logprob >= candidates[1].logprob
     chunks = list(llm.stream_complete(COUNTING, formatted=True, max_tokens=4, logprobs=0))
     assert sum(len(c.logprobs) for c in chunks) == 4
+    assert "prompt_logprobs" not in response.raw
+    scored = llm.complete(COUNTING, formatted=True, max_tokens=1, prompt_logprobs=1)
+    prompt = scored.raw["prompt_logprobs"]
+    assert len(prompt) == len(llm.engine.tokenize(COUNTING)) and prompt[0] is None
+    assert all(c[0].logprob >= c[-1].logprob for c in prompt[1:])
 
 
 def test_stop_sequences_from_constructor_and_call_are_merged(llm):

@@ -22,9 +22,11 @@ from paged_backend.adapters import (
     model_tokenizer,
     pop_request_options,
     ranked_logprobs,
+    ranked_prompt_logprobs,
     sampling_values,
 )
 from paged_backend.engine_client import EngineClient
+from paged_backend.outputs import Logprob
 
 PROVIDER = "paged"
 
@@ -56,6 +58,9 @@ class PagedParams(BaseModel):
     include_stop_str_in_output: bool | None = None
     ignore_eos: bool | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    """Each prompt token's logprob, with that many of the most likely tokens there, in the
+    response metadata's `prompt_logprobs` (None for the first token)."""
     skip_special_tokens: bool | None = None
     logit_bias: dict[int, float] | None = None
     cache_salt: str | None = None
@@ -158,9 +163,12 @@ def usage_metadata(
     )
 
 
-def completion_metadata(completion: CompletionOutput, model_name: str) -> dict[str, Any]:
+def completion_metadata(
+    completion: CompletionOutput, model_name: str, out: RequestOutput | None = None
+) -> dict[str, Any]:
     """`finish_reason` ("stop", "length", "abort"), the matched stop and, when asked for,
-    per-token logprobs (a list per position of the sampled and top tokens, best first)."""
+    per-token logprobs (a list per position of the sampled and top tokens, best first) and the
+    prompt's (`out`'s, the same lists, None for the first token)."""
     meta: dict[str, Any] = {
         "finish_reason": completion.finish_reason,
         "stop_reason": completion.stop_reason,
@@ -168,11 +176,16 @@ def completion_metadata(completion: CompletionOutput, model_name: str) -> dict[s
     }
     positions = ranked_logprobs(completion)
     if positions is not None:
-        meta["logprobs"] = [
-            [
-                {"token_id": t, "token": lp.decoded_token, "logprob": lp.logprob, "rank": lp.rank}
-                for t, lp in candidates
-            ]
-            for candidates in positions
+        meta["logprobs"] = [_candidates(c) for c in positions]
+    if out is not None and out.prompt_logprobs is not None:
+        meta["prompt_logprobs"] = [
+            None if c is None else _candidates(c) for c in ranked_prompt_logprobs(out)
         ]
     return meta
+
+
+def _candidates(candidates: list[tuple[int, Logprob]]) -> list[dict[str, Any]]:
+    return [
+        {"token_id": t, "token": lp.decoded_token, "logprob": lp.logprob, "rank": lp.rank}
+        for t, lp in candidates
+    ]

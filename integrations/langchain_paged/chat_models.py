@@ -236,7 +236,7 @@ class ChatPaged(PagedParams, BaseChatModel):
                 message=AIMessage(
                     **_message_fields(c.text, with_tools),
                     usage_metadata=usage_metadata(out, [c]),
-                    response_metadata=completion_metadata(c, self.model_name),
+                    response_metadata=completion_metadata(c, self.model_name, out),
                 )
             )
             for c in out.outputs
@@ -360,7 +360,7 @@ class _ChunkBuilder:
             fields.update(
                 chunk_position="last",
                 usage_metadata=usage_metadata(out, [c]),
-                response_metadata=completion_metadata(c, self.model_name),
+                response_metadata=completion_metadata(c, self.model_name, out),
             )
         elif not text and not deltas:
             return None

@@ -39,7 +39,7 @@ class PagedLLM(PagedParams, BaseLLM):
                 Generation(
                     text=c.text,
                     generation_info={
-                        **completion_metadata(c, self.model_name),
+                        **completion_metadata(c, self.model_name, out),
                         "usage": usage_metadata(out, [c]),
                     },
                 )
@@ -57,7 +57,7 @@ class PagedLLM(PagedParams, BaseLLM):
         """The new text of one engine output; the last chunk carries usage and metadata."""
         c = out.outputs[0]
         if out.finished:
-            info = {**completion_metadata(c, self.model_name), "usage": usage_metadata(out)}
+            info = {**completion_metadata(c, self.model_name, out), "usage": usage_metadata(out)}
             return GenerationChunk(text=c.delta_text, generation_info=info)
         return GenerationChunk(text=c.delta_text) if c.delta_text else None
 

@@ -57,11 +57,12 @@ from paged_backend.adapters import (
     last_output,
     pop_request_options,
     ranked_logprobs,
+    ranked_prompt_logprobs,
 )
 from paged_backend.chat_template import check_chat_messages
 from paged_backend.engine import check_prompt_text
 from paged_backend.engine_client import EngineClient
-from paged_backend.outputs import CompletionOutput, RequestOutput
+from paged_backend.outputs import CompletionOutput, Logprob, RequestOutput
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.tool_calling import (
     ParsedOutput,
@@ -431,10 +432,11 @@ async def _aconvert(
 
 
 def _raw(out: RequestOutput) -> dict[str, Any]:
-    """OpenAI-shaped usage (read by TokenCountingHandler), plus prefix-cache hits."""
+    """OpenAI-shaped usage (read by TokenCountingHandler), plus prefix-cache hits; with
+    `prompt_logprobs` asked for, each prompt token's candidates (None for the first)."""
     completion = out.outputs[0]
     counts = TokenCounts.of(out)
-    return {
+    raw = {
         "request_id": out.request_id,
         "finish_reason": completion.finish_reason,
         "stop_reason": completion.stop_reason,
@@ -445,23 +447,26 @@ def _raw(out: RequestOutput) -> dict[str, Any]:
             "cached_tokens": counts.cached,
         },
     }
+    if out.prompt_logprobs is not None:
+        ranked = ranked_prompt_logprobs(out)
+        raw["prompt_logprobs"] = [None if c is None else _log_probs(c) for c in ranked]
+    return raw
 
 
 def _logprobs(completion: CompletionOutput, stream: bool) -> list[list[LogProb]] | None:
     """Per token, the candidates best first; a stream chunk carries its new tokens only."""
     positions = ranked_logprobs(completion, delta_only=stream)
-    if positions is None:
-        return None
+    return None if positions is None else [_log_probs(c) for c in positions]
+
+
+def _log_probs(candidates: list[tuple[int, Logprob]]) -> list[LogProb]:
     return [
-        [
-            LogProb(
-                token=lp.decoded_token or "",
-                logprob=lp.logprob,
-                bytes=list((lp.decoded_token or "").encode()),
-            )
-            for _, lp in candidates
-        ]
-        for candidates in positions
+        LogProb(
+            token=lp.decoded_token or "",
+            logprob=lp.logprob,
+            bytes=list((lp.decoded_token or "").encode()),
+        )
+        for _, lp in candidates
     ]
 
 
