@@ -10,8 +10,8 @@ one fails.
   block leaks, and at most a step's worth of tokens arrives after an abort.
 - faults: exceptions injected through the engine's fault hook into the forward, the sampler and
   the detokenizer at random steps: only the requests of the failed work fail
-  (RequestFailedError), the others' texts are unchanged, blocks balance, and a warm prefix of a
-  tenant the faults never touched is still cached.
+  (RequestFailedError), the others' texts are unchanged (and every third's prompt logprobs are
+  whole), blocks balance, and a warm prefix of a tenant the faults never touched is still cached.
 - soak: mixed traffic for `--minutes`; resident memory growth after warm-up (less the KV cache's
   pages first touched in that time: it commits memory as blocks are first used, up to its size)
   and free blocks at the end.
@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 
 from paged_backend import (
     LLM,
@@ -249,7 +250,8 @@ def cancellations(engine: AsyncEngine, refs: dict[str, list[int]], streams: int,
 
 
 def faults(engine: AsyncEngine, refs: dict[str, list[int]], requests: int, seed: int) -> dict:
-    """Faults at `FAULT_RATES` while `requests` requests run (their tracebacks silenced)."""
+    """Faults at `FAULT_RATES` while `requests` requests run (their tracebacks silenced);
+    every third asks for its prompt's logprobs too, which the survivors must have whole."""
     rng = random.Random(seed)
     warm = "You are the assistant of a tenant the faults never touch. " * 6
     warm_params = SamplingParams(temperature=0, max_tokens=2, cache_salt="untouched")
@@ -268,12 +270,24 @@ def faults(engine: AsyncEngine, refs: dict[str, list[int]], requests: int, seed:
 
     def consume(i: int, stream) -> None:
         try:
-            results[i] = list(stream)[-1].outputs[0].token_ids
+            last = list(stream)[-1]
+            results[i] = last.outputs[0].token_ids
+            if last.prompt_logprobs is not None:
+                scored_whole[i] = len(last.prompt_logprobs) == len(last.prompt_token_ids) and all(
+                    last.prompt_logprobs[1:]
+                )
         except RequestFailedError as exc:
             results[i] = exc
 
+    scored = [i % 3 == 0 for i in range(requests)]
+    scored_whole = [False] * requests
     try:
-        streams = [engine.generate_stream(p, greedy(len(refs[p]))) for p in prompts]
+        streams = [
+            engine.generate_stream(
+                p, replace(greedy(len(refs[p])), prompt_logprobs=1 if s else None)
+            )
+            for p, s in zip(prompts, scored, strict=True)
+        ]
         threads = [threading.Thread(target=consume, args=x) for x in enumerate(streams)]
         for t in threads:
             t.start()
@@ -284,17 +298,21 @@ def faults(engine: AsyncEngine, refs: dict[str, list[int]], requests: int, seed:
         logging.getLogger("paged_backend.engine").disabled = False
     failed = sum(isinstance(r, RequestFailedError) for r in results)
     same = sum(r == refs[p] for r, p in zip(results, prompts, strict=True))
+    survivors = [not isinstance(r, Exception) for r in results]
+    scored_survivors = sum(s and ok for s, ok in zip(scored, survivors, strict=True))
     warm_hit = list(engine.generate_stream(warm, warm_params))[-1].num_cached_tokens
     figures = {
         "requests": requests,
         "faults": dict(fired),
         "failed_requests": failed,
         "others_same_text": same,
+        "scored_survivors_with_prompt_logprobs": f"{sum(scored_whole)} of {scored_survivors}",
         "blocks_leaked": blocks_leaked(engine),
         "untouched_prefix_cached_tokens": warm_hit,
     }
     figures["ok"] = (
         failed + same == requests
+        and sum(scored_whole) == scored_survivors
         and figures["blocks_leaked"] == 0
         and warm_hit > 0
         and sum(fired.values()) > 0
