@@ -6,6 +6,7 @@ another replica, replica-labelled gauges, shutdown, and both adapters on `backen
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import time
 from collections import Counter
@@ -34,6 +35,7 @@ from paged_backend import (  # noqa: E402
 from paged_backend.default_model import default_model_file  # noqa: E402
 from paged_backend.distributed import NoReplicaError, Router  # noqa: E402
 from paged_backend.distributed.engine import RayEngine, _merge  # noqa: E402
+from paged_backend.distributed.replica import prompt_logprobs_once  # noqa: E402
 
 ENGINE_ARGS = {"dtype": "float32", "num_kv_blocks": 256}
 RAY_ARGS = {"backend": "ray", "num_replicas": 2, **ENGINE_ARGS}
@@ -269,6 +271,28 @@ async def test_greedy_outputs_equal_the_local_engine(engine, local_engine):
     assert len(stats["replicas"]) == 2 and all(r["alive"] for r in stats["replicas"])
     per_replica = [r["num_generated_tokens"] for r in stats["replicas"]]
     assert stats["num_generated_tokens"] == sum(per_replica)
+
+
+async def test_prompt_logprobs_cross_once_and_reach_every_output(engine, local_engine):
+    """A replica sends a request's prompt logprobs in its first output only (each output is
+    serialized); the caller sees them in every output, as a local engine gives them."""
+    params = dataclasses.replace(GREEDY, prompt_logprobs=2)
+    local = list(local_engine.generate_stream(PROMPTS[0], params))[-1].prompt_logprobs
+    outputs = [out async for out in engine.generate(PROMPTS[0], params)]
+    assert len(outputs) > 1
+    for out in outputs:
+        assert len(out.prompt_logprobs) == len(local) and out.prompt_logprobs[0] is None
+        for theirs, ours in zip(out.prompt_logprobs[1:], local[1:], strict=True):
+            assert theirs.keys() == ours.keys()
+            for token, lp in theirs.items():
+                assert lp.logprob == pytest.approx(ours[token].logprob, abs=1e-5)
+
+    async def engine_side():  # what a replica's engine gives it: them in every output
+        for out in outputs:
+            yield out
+
+    sent = [out async for out in prompt_logprobs_once(engine_side())]
+    assert [o.prompt_logprobs is not None for o in sent] == [True] + [False] * (len(sent) - 1)
 
 
 def test_the_router_hashes_blocks_as_the_engine_caches_them(local_engine):

@@ -17,7 +17,7 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
@@ -66,6 +66,7 @@ class _Call:
     streamed: bool = False  # an output reached the caller: it can no longer move
     finished: bool = False
     ended: bool = False
+    prompt_logprobs: list | None = None  # from its first output that had them
 
 
 class RayEngine(EngineClient[_Call]):
@@ -211,6 +212,10 @@ class RayEngine(EngineClient[_Call]):
     def _received(self, call: _Call, out: RequestOutput) -> RequestOutput:
         call.streamed = True
         call.finished = out.finished
+        if out.prompt_logprobs is not None:  # a replica sends them once (`prompt_logprobs_once`)
+            call.prompt_logprobs = out.prompt_logprobs
+        elif call.prompt_logprobs is not None:
+            out = replace(out, prompt_logprobs=call.prompt_logprobs)
         return out
 
     def _fail_over(self, call: _Call, exc: RayError) -> None:

@@ -4,6 +4,7 @@ becomes a group of processes (tensor parallelism)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -47,7 +48,7 @@ class Replica:
             timeout=timeout,
         )
         async with aclosing(outputs):  # closed early (cancelled): the engine aborts it
-            async for out in outputs:
+            async for out in prompt_logprobs_once(outputs):
                 yield out
 
     def abort(self, request_id: str) -> None:
@@ -55,3 +56,17 @@ class Replica:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+
+async def prompt_logprobs_once(
+    outputs: AsyncIterator[RequestOutput],
+) -> AsyncIterator[RequestOutput]:
+    """`outputs` with their prompt logprobs in the first that has them only: each output is
+    serialized on its way to the caller, and a long prompt's would be at every step (the
+    caller puts them back, `RayEngine._received`)."""
+    sent = False
+    async for out in outputs:
+        if sent:
+            out = dataclasses.replace(out, prompt_logprobs=None)
+        sent = sent or out.prompt_logprobs is not None
+        yield out
