@@ -10,13 +10,19 @@ from paged_backend import LLM, SamplingParams, cpu
 pytest.importorskip("triton")
 
 
+def prompt_scores(out) -> list[float | None]:
+    """Each prompt token's logprob (None for the first)."""
+    pairs = zip(out.prompt_token_ids, out.prompt_logprobs, strict=True)
+    return [None if lps is None else lps[token].logprob for token, lps in pairs]
+
+
 @pytest.mark.parametrize("c_linears", [{}, {"cpu_gemm_max_rows": 64}], ids=["plain", "c-linears"])
 def test_triton_backend_engine_matches_torch(tiny_model, c_linears):
     """Also with the C linears on (on CPU, where they build): their fused decode step, which runs
     on the torch backend's plans, steps aside for the Triton backend."""
     prompts = ["Hello there, how are", "A B C D E F G H I J K L M N O P Q R S", "x"]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    runs = {}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=1)
+    runs, scores = {}, {}
     for backend in ("torch", "triton"):
         llm = LLM(
             model=str(tiny_model),
@@ -29,10 +35,12 @@ def test_triton_backend_engine_matches_torch(tiny_model, c_linears):
         assert llm.engine.runner.backend.name == backend
         if c_linears and cpu.available():  # the fused step is there to step aside
             assert llm.engine.runner.model.fused_decode is not None
-        runs[backend] = [
-            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
-        ]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        runs[backend] = [o.outputs[0].token_ids for o in outputs]
+        scores[backend] = [prompt_scores(o) for o in outputs]  # their rows come in chunks
     assert runs["triton"] == runs["torch"]
+    for triton, torch_ in zip(scores["triton"], scores["torch"], strict=True):
+        assert triton[0] is None and triton[1:] == pytest.approx(torch_[1:], abs=1e-4)
 
 
 @pytest.mark.parametrize(
