@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 import torch
-from conftest import assert_all_blocks_free
+from conftest import QUOTED, assert_all_blocks_free
 
 from paged_backend import LLM, AsyncEngine, SamplingParams
 
@@ -27,12 +27,11 @@ def llm(tiny_model):
     return LLM(model=str(tiny_model), dtype="float32", num_kv_blocks=256)
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model):
+def hf_logprobs(model_path):
     """Each prompt's logprobs [tokens, vocab] from Hugging Face's forward over the whole prompt."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
 
     def logprobs(ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
@@ -40,6 +39,11 @@ def reference(tiny_model):
         return torch.log_softmax(logits, dim=-1)
 
     return logprobs
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    return hf_logprobs(tiny_model)
 
 
 def assert_prompt_logprobs(out, reference, k: int) -> None:
@@ -173,3 +177,23 @@ def test_the_default_models_heads_give_them(quantization):
         assert entries[ids[t]].logprob == pytest.approx(ref[t - 1, ids[t]].item(), abs=0.02)
         for token in (token for token, lp in entries.items() if lp.rank == 1):  # bf16 ties
             assert ref[t - 1, token].item() == pytest.approx(ref[t - 1].max().item(), abs=0.02)
+
+
+def test_drafting_engines_give_them_too(quoting_model):
+    """With n-gram drafting (a model that quotes its prompt, so drafts are accepted), a request's
+    prompt rows still run in its prefill, and its tokens stay those of plain decoding."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    llm = LLM(model=str(quoting_model), dtype="float32", num_kv_blocks=256, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=1)
+    plain = LLM(model=str(quoting_model), dtype="float32", num_kv_blocks=256)
+    prompts = ["Please repeat: " + QUOTED, "Say it again. " + QUOTED]
+    reference = hf_logprobs(quoting_model)
+    for out, alone in zip(
+        llm.generate(prompts, params, use_tqdm=False),
+        plain.generate(prompts, params, use_tqdm=False),
+        strict=True,
+    ):
+        assert_prompt_logprobs(out, reference, 1)
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert llm.stats()["spec_num_accepted_tokens"] > 0
+    assert_all_blocks_free(llm.engine)
