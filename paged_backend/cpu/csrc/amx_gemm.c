@@ -382,12 +382,12 @@ int quant_gemm_amx(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row
 }
 
 /* out[r][0..32) for rows r < rows (at most 32) of int8 activations (`quantize_activations`: rows
- * kp bytes apart, scales xd, 16-input sums bsum) times a Q8_256_VNNI strip (32 outputs): a
- * super-block's integer sums on `tdpbsud` (signed activations, levels plus 128), the rest in
- * `vnni_tile_of`'s integer and float sequence, so the bits of the VNNI GEMM. */
+ * kp bytes apart, scales xd; `offsets`: `superblock_offsets`') times a Q8_256_VNNI strip (32
+ * outputs): a super-block's integer sums on `tdpbsud` (signed activations, levels plus 128), the
+ * rest in `vnni_tile_of`'s integer and float sequence, so the bits of the VNNI GEMM. */
 void q8_256_tile_amx(const uint8_t *levels, int64_t levels_step, const float *dm, int64_t dm_step,
-                     int64_t k, const int8_t *xq, const float *xd, const int16_t *bsum, int64_t kp,
-                     int rows, float out[32][32]) {
+                     int64_t k, const int8_t *xq, const float *xd, const int32_t *offsets,
+                     int64_t kp, int rows, float out[32][32]) {
     int32_t c[2][2][16][16] __attribute__((aligned(64)));
     int m0 = rows < 16 ? rows : 16, m1 = rows - m0;
     tile_config before = saved_tiles();
@@ -422,12 +422,10 @@ void q8_256_tile_amx(const uint8_t *levels, int64_t levels_step, const float *dm
         }
         const float *d = dm + sb * dm_step;
         for (int r = 0; r < rows; r++) {
-            const int16_t *bs = bsum + r * (kp / 16) + sb * 16;
-            int sum = _mm512_reduce_add_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)bs)));
+            __m512i offset = _mm512_set1_epi32(offsets[r * (k / 256) + sb]);
             __m512 xs = _mm512_set1_ps(xd[r * (kp / 32) + sb * 8]);
             for (int b = 0; b < 2; b++) {
-                __m512i isum = _mm512_sub_epi32(_mm512_load_si512(c[r / 16][b][r % 16]),
-                                                _mm512_set1_epi32(sum * 128));
+                __m512i isum = _mm512_sub_epi32(_mm512_load_si512(c[r / 16][b][r % 16]), offset);
                 __m512 dd = _mm512_mul_ps(_mm512_load_ps(d + 16 * b), xs);
                 __m512 v = _mm512_mul_round_ps(_mm512_cvtepi32_ps(isum), dd,
                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -447,6 +447,31 @@ static uint8_t *vnni_buffer_for(int64_t k) {
     return vnni_buffer;
 }
 
+#ifdef AMX_GEMM
+/* Each row's 128 x (the sum of its int8 activations) a super-block, [rows][k / 256]: what the
+ * tiles' sums over levels stored plus 128 hold in excess (`q8_256_tile_amx`), added up once a
+ * product rather than once a strip. The calling thread's buffer; NULL where it could not grow. */
+static int32_t *superblock_offsets(const int16_t *bsum, int64_t rows, int64_t k, int64_t kp) {
+    static __thread int32_t *buffer;
+    static __thread int64_t length;
+    int64_t blocks = k / 256, need = rows * blocks;
+    if (need > length) {
+        free(buffer);
+        buffer = malloc((size_t)need * sizeof *buffer);
+        length = buffer ? need : 0;
+        if (!buffer) return NULL;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t sb = 0; sb < blocks; sb++) {
+            const int16_t *sums = bsum + r * (kp / 16) + sb * 16;
+            int32_t total = 0;
+            for (int i = 0; i < 16; i++) total += sums[i];
+            buffer[r * blocks + sb] = 128 * total;
+        }
+    return buffer;
+}
+#endif
+
 /* `quant_matmul` for weights of n a multiple of 32 (K-quants: k of 256) on the VNNI GEMM (see
  * above): the threads split the strips, Q8_256_VNNI's read as they are, the others unpacked.
  * Returns 0 where a thread could not get its buffer (nothing written then is wrong: the
@@ -458,6 +483,8 @@ int vnni_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_by
     int legacy = !is_superblock(type), packed = type == Q8_256_VNNI, tile_rows = legacy ? 2 : VNNI_ROWS, ok = 1;
 #ifdef AMX_GEMM
     int amx = packed && amx_ready(); /* Q8_256_VNNI's strips are the tiles' B layout */
+    int32_t *offsets = amx ? superblock_offsets(bsum, rows, k, kp) : NULL;
+    if (amx && !offsets) return 0;
 #endif
 #pragma omp parallel num_threads(threads) if (threads > 1) reduction(&& : ok)
     {
@@ -480,7 +507,7 @@ int vnni_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_by
                     int mt = rows - r0 < 32 ? (int)(rows - r0) : 32;
                     float tile[32][32];
                     q8_256_tile_amx(s.levels, s.levels_step, s.dm, s.dm_step, k, xq + r0 * kp,
-                                    xd + r0 * (kp / 32), bsum + r0 * (kp / 16), kp, mt, tile);
+                                    xd + r0 * (kp / 32), offsets + r0 * (k / 256), kp, mt, tile);
                     store_tile(out, out_bf16, out_stride, r0, mt, 32 * st, tile);
                 }
                 if (amx) continue;
