@@ -285,7 +285,7 @@ class ToolCallParser:
         while self._step(content, deltas):
             pass
         if last:
-            tail, more = self.finish()
+            tail, more = self._finish()
             content.append(tail)
             deltas += more
         return self._stripped("".join(content), last), _one_delta_a_call(deltas)
@@ -301,7 +301,7 @@ class ToolCallParser:
         self._space = "" if last else held[len(released) :]
         return released
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+    def _finish(self) -> tuple[str, list[ToolCallDelta]]:
         """Whatever is held back, at the end of the output."""
         rest, self._buffer = self._buffer, ""
         if not self._in_call:
