@@ -23,7 +23,7 @@ import json
 import re
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from paged_backend.structured_output import StructuredOutputsParams
@@ -288,7 +288,7 @@ class ToolCallParser:
             tail, more = self._finish()
             content.append(tail)
             deltas += more
-        return self._stripped("".join(content), last), _one_delta_a_call(deltas)
+        return self._stripped("".join(content), last), _joined(deltas)
 
     def _stripped(self, text: str, last: bool) -> str:
         """The content `text` adds to what was released, without the whole content's leading
@@ -365,24 +365,22 @@ class ToolCallParser:
         return ToolCallDelta(self._index, json.dumps(arguments), id=_new_id(), name=name)
 
 
-def _one_delta_a_call(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
-    """Each call's deltas of one `feed` joined into one. A chunk's deltas are a message chunk's
-    `tool_call_chunks`, and LangChain joins chunks of one index across chunks, never within
-    one: a call whose name and arguments came in one engine output (several tokens at once, as
-    a stream under load delivers them) became two calls, ('get_weather', {}) and ('', {...})."""
-    joined: list[ToolCallDelta] = []
+def _joined(deltas: Iterable[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Each call's deltas joined into one, in the order the calls began (new objects: the
+    deltas given stay as they are). `feed` hands over a call's deltas of one engine output so:
+    a chunk's deltas are a message chunk's `tool_call_chunks`, and LangChain joins chunks of one
+    index across chunks, never within one (a call whose name and arguments came in one output,
+    as a stream under load delivers them, became ('get_weather', {}) and ('', {...}))."""
+    calls: dict[int, ToolCallDelta] = {}
     for delta in deltas:
-        if joined and joined[-1].index == delta.index:
-            first = joined[-1]
-            joined[-1] = ToolCallDelta(
-                first.index,
-                first.arguments + delta.arguments,
-                id=first.id or delta.id,
-                name=first.name or delta.name,
-            )
+        call = calls.get(delta.index)
+        if call is None:
+            calls[delta.index] = replace(delta)
         else:
-            joined.append(delta)
-    return joined
+            call.arguments += delta.arguments
+            call.id = call.id or delta.id
+            call.name = call.name or delta.name
+    return list(calls.values())
 
 
 def parse_tool_calls(text: str) -> ParsedOutput:
@@ -392,13 +390,8 @@ def parse_tool_calls(text: str) -> ParsedOutput:
 
 def collect_calls(content: str, deltas: Iterable[ToolCallDelta]) -> ParsedOutput:
     """Join the deltas of each call and parse its arguments."""
-    calls: dict[int, ToolCallDelta] = {}
-    for d in deltas:
-        call = calls.setdefault(d.index, ToolCallDelta(d.index, id=d.id))
-        call.arguments += d.arguments
-        call.name = call.name or d.name
     parsed = ParsedOutput(content.strip())
-    for call in calls.values():
+    for call in _joined(deltas):
         name, arguments, error = call.name, call.arguments, None
         try:
             value = json.loads(arguments)

@@ -901,8 +901,8 @@ static int prefix_tile_rows(int64_t dim) {
  * log-sum-exp [heads][rows]. Without mask (`causal_group` 0), or causal: row r is token
  * r / causal_group of a chunk whose first token follows key `causal_offset`, and sees the keys up
  * to its own (with `window` > 0, its last `window` keys only). `softcap` > 0: scores are
- * soft-capped (`prefix_rows4`). `threads` threads share the blocks of 4 rows; `work` holds
- * PREFIX_WORK * padded floats for each. */
+ * soft-capped (`prefix_rows`). `threads` threads share the blocks of `prefix_tile_rows` rows;
+ * `work` holds PREFIX_WORK * padded floats for each. */
 void prefix_attention_bf16(const bf16 *q, int64_t heads, int64_t rows, int64_t dim,
                            const bf16 *kp, const bf16 *vp, int64_t len, float scale, float *out,
                            float *lse, float *work, int threads, int64_t causal_group,
