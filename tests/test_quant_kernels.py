@@ -397,20 +397,20 @@ def test_q8_256_blocks_round_each_weight_to_its_super_blocks_grid():
 def test_q8_256_in_vnni_strips_gives_the_bits_of_its_rows_in_any_step():
     """Q8_256_VNNI (`vnni_strips`: Q8_256's bytes as the VNNI GEMM reads them, no unpacking a
     step) is the same weight, and every step of it (one row included, which it also serves;
-    on AMX tiles of up to 32 rows) gives the row-major blocks' bits, on one or two threads (3
-    strips), fp32 and bf16 out."""
-    rows_major = random_weight("Q8_256", 96, 768, seed=6)
+    on AMX tiles of up to 32 rows, 8 strips at a time) gives the row-major blocks' bits, on one
+    or two threads (10 strips), fp32 and bf16 out."""
+    rows_major = random_weight("Q8_256", 320, 768, seed=6)
     strips = vnni_strips(rows_major)
     assert strips.format == "Q8_256_VNNI" and strips.data.shape == rows_major.data.shape
     assert torch.equal(dequantize(strips), dequantize(rows_major))
-    ids = torch.tensor([95, 0, 33])
+    ids = torch.tensor([95, 0, 33, 319])
     assert torch.equal(dequantize(strips, ids), dequantize(rows_major)[ids])
-    x = torch.randn(40, 768)
+    x = torch.randn(70, 768)
     threads = torch.get_num_threads()
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
-            for rows in (1, 3, 4, 11, 16, 40):
+            for rows in (1, 3, 4, 11, 16, 40, 70):
                 for dtype in (torch.float32, torch.bfloat16):
                     expected = quant_matmul(x[:rows], [rows_major], dtype)
                     assert torch.equal(quant_matmul(x[:rows], [strips], dtype), expected)

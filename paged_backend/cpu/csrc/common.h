@@ -265,8 +265,8 @@ int amx_ready(void);
 void gemm_bf16_strip_amx(const bf16 *, int64_t, int64_t, const bf16 *, int64_t, int64_t, int64_t,
                          int, void *, int);
 void gemm_bf16_amx(const bf16 *, int64_t, int64_t, const bf16 *, int64_t, int64_t, void *, int, int);
-void q8_256_tile_amx(const uint8_t *, int64_t, const float *, int64_t, int64_t, const int8_t *,
-                     const float *, const int32_t *, int64_t, int, float[32][32]);
+void q8_256_tiles_amx(const uint8_t *, int64_t, int, int64_t, const float *, int64_t, int64_t,
+                      const int8_t *, const float *, const int32_t *, int64_t, int, float[][32][32]);
 void dequantize_rows_bf16(int, const uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
                           int64_t, bf16 *);
 int quant_gemm_amx(int, const uint8_t *, int64_t, int64_t, int64_t, const bf16 *, int64_t, int64_t,

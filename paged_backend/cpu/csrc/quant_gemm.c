@@ -449,7 +449,7 @@ static uint8_t *vnni_buffer_for(int64_t k) {
 
 #ifdef AMX_GEMM
 /* Each row's 128 x (the sum of its int8 activations) a super-block, [rows][k / 256]: what the
- * tiles' sums over levels stored plus 128 hold in excess (`q8_256_tile_amx`), added up once a
+ * tiles' sums over levels stored plus 128 hold in excess (`q8_256_tiles_amx`), added up once a
  * product rather than once a strip. The calling thread's buffer; NULL where it could not grow. */
 static int32_t *superblock_offsets(const int16_t *bsum, int64_t rows, int64_t k, int64_t kp) {
     static __thread int32_t *buffer;
@@ -469,6 +469,31 @@ static int32_t *superblock_offsets(const int16_t *bsum, int64_t rows, int64_t k,
             buffer[r * blocks + sb] = 128 * total;
         }
     return buffer;
+}
+
+/* Strips [first, last) of a Q8_256_VNNI weight on the tiles: as many at a time as make ~1 MiB
+ * of weights (which the L2 holds while each 32 rows of x go through all of them), at most
+ * AMX_PANEL. */
+enum { AMX_PANEL = 8 };
+static void q8_256_panels_amx(const uint8_t *w, int64_t row_bytes, int64_t first, int64_t last,
+                              int64_t k, const int8_t *xq, const float *xd, const int32_t *offsets,
+                              int64_t kp, int64_t rows, void *out, int out_bf16,
+                              int64_t out_stride) {
+    float tiles[AMX_PANEL][32][32] __attribute__((aligned(64)));
+    int64_t strip_step = 32 * row_bytes, panel = (1 << 20) / strip_step;
+    panel = panel < 1 ? 1 : panel > AMX_PANEL ? AMX_PANEL : panel;
+    for (int64_t st = first; st < last; st += panel) {
+        int strips = last - st < panel ? (int)(last - st) : (int)panel;
+        vnni_strip s = vnni_strip_of(w, row_bytes, st);
+        for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+            int mt = rows - r0 < 32 ? (int)(rows - r0) : 32;
+            q8_256_tiles_amx(s.levels, strip_step, strips, s.levels_step, s.dm, s.dm_step, k,
+                             xq + r0 * kp, xd + r0 * (kp / 32), offsets + r0 * (k / 256), kp, mt,
+                             tiles);
+            for (int p = 0; p < strips; p++)
+                store_tile(out, out_bf16, out_stride, r0, mt, 32 * (st + p), tiles[p]);
+        }
+    }
 }
 #endif
 
@@ -495,23 +520,21 @@ int vnni_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_by
         } else {
             vnni_strip s = packed ? vnni_strip_of(w, row_bytes, 0) : vnni_strip_at(buf, kc);
             int64_t last = strips * (t + 1) / parts, tiles = (rows + tile_rows - 1) / tile_rows;
-            for (int64_t st = strips * t / parts; st < last; st++) {
+            int64_t first = strips * t / parts;
+#ifdef AMX_GEMM
+            if (amx) {
+                q8_256_panels_amx(w, row_bytes, first, last, k, xq, xd, offsets, kp, rows, out,
+                                  out_bf16, out_stride);
+                first = last;
+            }
+#endif
+            for (int64_t st = first; st < last; st++) {
                 if (packed)
                     s = vnni_strip_of(w, row_bytes, st);
                 else if (legacy)
                     vnni_pack_legacy(type, w, row_bytes, 32 * st, k, &s);
                 else
                     vnni_pack(type, w, row_bytes, 32 * st, k, &s);
-#ifdef AMX_GEMM
-                for (int64_t r0 = 0; amx && r0 < rows; r0 += 32) {
-                    int mt = rows - r0 < 32 ? (int)(rows - r0) : 32;
-                    float tile[32][32];
-                    q8_256_tile_amx(s.levels, s.levels_step, s.dm, s.dm_step, k, xq + r0 * kp,
-                                    xd + r0 * (kp / 32), offsets + r0 * (k / 256), kp, mt, tile);
-                    store_tile(out, out_bf16, out_stride, r0, mt, 32 * st, tile);
-                }
-                if (amx) continue;
-#endif
                 /* The next strip's 32 rows (one run of memory) are asked for a share after each
                  * tile, so that they arrive while this strip computes: read by the pack, 32
                  * rows apart, they had stalled it on memory. Not Q8_256_VNNI's, which the tiles
