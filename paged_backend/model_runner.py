@@ -255,8 +255,8 @@ class ModelRunner:
             from paged_backend.gguf.quantize import quantize_linears_int8_
             from paged_backend.models.rotation import rotate_
 
-            rotate_(model)  # int8 activations lose less of rotated outliers
-            quantize_linears_int8_(model)
+            rotated = rotate_(model)  # int8 activations lose less of rotated outliers
+            quantize_linears_int8_(model, row_scales=rotated)
             return self._blocks_model(config, model, ops)
         # From the full-precision weights: a Q4 grid survives only until the cast.
         int4 = quantize_linears_int4(model.layers) if config.quantization == "int4" else None

@@ -296,6 +296,7 @@ def test_fp32_steps_with_a_shared_prefix_run_the_modules(tmp_path, default_model
         ("tiny-phi3", "bfloat16"),
         ("int8", "float32"),
         ("int8", "bfloat16"),
+        ("int8-rows", "bfloat16"),  # rotated, 256 and 512 inputs: Q8_256 of one scale a row
     ],
 )
 def test_gguf_blocks_run_fused_with_the_modules_bits(
@@ -303,19 +304,25 @@ def test_gguf_blocks_run_fused_with_the_modules_bits(
 ):
     """Steps over a GGUF file's blocks (Q4_K and Q6_K parts of one projection, Qwen2's biases;
     Gemma 3's and Qwen3's layers; the default model's Q4_1; `quantization="int8"`'s Q8_0 of a
-    model with an untied head) run in one call with the modules' bits: fp32's, and bf16's (a
-    bf16 CPU's dtype; any build, as no C GEMM copy is needed)."""
+    model with an untied head, and its Q8_256 of one scale a row, whose activations have one a
+    row) run in one call with the modules' bits: fp32's, and bf16's (a bf16 CPU's dtype; any
+    build, as no C GEMM copy is needed)."""
     args = {}
+    widths = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
     if shape == "default":
         path = default_model_file()
-    elif shape == "int8":
-        path, args = make_tiny_model(tmp_path, default_model_path), {"quantization": "int8"}
+    elif shape.startswith("int8"):
+        overrides = widths if shape == "int8-rows" else {}
+        path = make_tiny_model(tmp_path, default_model_path, **overrides)
+        args = {"quantization": "int8"}
     else:
         path = write_checkpoint(shape, tmp_path, ("q4_k_m",))[0]
     llm = LLM(model=str(path), dtype=dtype, enable_prefix_caching=False, num_kv_blocks=64, **args)
     model = llm.engine.runner.model
     assert model.fused_decode is not None
     assert isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
+    if shape == "int8-rows":
+        assert all(p.weights[0].row_scales for p in (model.layers[0].mlp.down_proj, model.cpu_head))
     fused, steps = generate_counting(llm, monkeypatch, [20, 12, 16])
     assert steps
     model.fused_decode = None

@@ -14,6 +14,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from paged_backend import cpu
 from paged_backend.cpu import ops as cpu_ops
+from paged_backend.cpu.features import cpu_features
 from paged_backend.cpu.quant import (
     BLOCK_FORMATS,
     QuantLinear,
@@ -137,6 +138,58 @@ def test_activations_are_int8_blocks_of_32_with_level_sums():
     assert torch.equal(bsum[:, :18], xq[:, :288].view(3, 18, 16).sum(-1, dtype=torch.int16))
     assert not bsum[:, 19:].any()  # past k = 300
     assert xq.abs().max() <= 127
+
+
+def test_activations_of_one_scale_a_row():
+    """Block 0 (`row_scales` weights' activations): each row's largest |x| / 127 scales all of
+    it, in each 32's slot up to k (0 past it: the padding weighs nothing), levels and 16s' level
+    sums as for blocks."""
+    x = torch.randn(3, 600)
+    x[1, 500] = 40.0  # an outlier coarsens its whole row
+    x[2] = 0.0
+    xq, xd, bsum = quantize_activations(x, 0)
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    assert torch.equal(xd[:, :19], scale.expand(3, 19))  # slot 18 holds inputs 576-599
+    assert not xd[:, 19:].any() and not xq[:, 600:].any() and not xq[2].any()
+    expected = torch.round(x * torch.where(scale > 0, 127 / (scale * 127), 0.0))
+    assert (xq[:, :600].float() - expected).abs().max() <= 1  # x * (127 / amax), rounded
+    assert xq[1, 500] == 127 and xq[1, :500].abs().max() < 32
+    assert torch.equal(bsum[:, :38], xq[:, :608].view(3, 38, 16).sum(-1, dtype=torch.int16))
+
+
+@needs_vnni
+def test_q8_256_of_one_scale_a_row_is_its_integer_sums_scaled_once_in_any_step():
+    """`row_scales` Q8_256 (VNNI strips) times activations of one scale a row: every step (1 to
+    70 rows, 1 or 2 threads, 10 strips; the head's argmax slices) gives the same bits, the exact
+    integer sums of levels times the product of the two scales, fp32 (on AMX,
+    `q8_256_channels_amx`: bit for bit; elsewhere the VNNI GEMM adds a super-block's products
+    at a time)."""
+    weight = torch.randn(320, 768)
+    w = int8_weight(weight, row_scales=True)
+    assert w.format == "Q8_256_VNNI" and w.row_scales
+    blocks = q8_256_blocks(weight, row_scales=True).data.view(320, 3, 260)
+    levels = blocks[..., :256].contiguous().view(torch.int8).reshape(320, 768).long()
+    d = blocks[:, 0, 256:].contiguous().view(torch.float32).view(320)
+    x = torch.randn(70, 768)
+    xq, xd, _ = quantize_activations(x, 0)
+    expected = (xq[:, :768].long() @ levels.T).float() * (d[None, :] * xd[:, :1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = quant_matmul(x, [w])
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in (1, 3, 16, 40, 70):
+                assert torch.equal(quant_matmul(x[:rows], [w]), full[:rows])
+    finally:
+        torch.set_num_threads(threads)
+    for first, out in QuantLinear([w])._slices(x, 320, 64):  # the head's argmax: its bits too
+        assert torch.equal(out, full[:, first : first + 64])
+    amx = cpu.library.load_library().has("q8_256_channels_amx") and "amx_tile" in cpu_features()
+    if amx:
+        assert torch.equal(full, expected)
+    else:
+        torch.testing.assert_close(full, expected, rtol=1e-5, atol=1e-5 * expected.abs().max())
 
 
 @pytest.mark.parametrize("fmt", ROW_FORMATS)
@@ -370,21 +423,33 @@ def test_malformed_weights_are_refused(fmt, k, data, match):
         QuantWeight(fmt, data, k)
 
 
-def test_q8_256_blocks_round_each_weight_to_its_super_blocks_grid():
+@pytest.mark.parametrize("row_scales", [False, True])
+def test_q8_256_blocks_round_each_weight_to_its_grid(row_scales):
     """`quantization="int8"`'s Q8_256: each 256 inputs of a row on the grid of their largest
-    |w| / 127 (levels within +-127, a block of zeros all zeros), read back by the kernels'
-    dequantizer; inputs not whole super-blocks take Q8_0."""
+    |w| / 127, or with `row_scales` (a rotated model's) each row on its own, that scale stored
+    with each super-block (levels within +-127, a block or row of zeros all zeros), read back by
+    the kernels' dequantizer; inputs not whole super-blocks take Q8_0."""
     w = torch.randn(5, 768)
     w[1, 256:512] = 0.0
-    w[2, 10] = 40.0  # an outlier coarsens its own block only
-    q = q8_256_blocks(w)
-    assert q.format == "Q8_256" and q.data.shape == (5, 3 * 260)
-    step = w.view(5, 3, 256).abs().amax(-1, keepdim=True) / 127
+    w[3] = 0.0
+    w[2, 10] = 40.0  # an outlier coarsens its own block only, or its row
+    q = q8_256_blocks(w, row_scales)
+    assert q.format == "Q8_256" and q.data.shape == (5, 3 * 260) and q.row_scales == row_scales
+    amax = w.view(5, 3, 256).abs().amax(-1, keepdim=True)
+    step = (amax.amax(1, keepdim=True) if row_scales else amax) / 127
     error = (dequantize(q) - w).view(5, 3, 256).abs()
     assert torch.all(error <= step / 2 * (1 + 1e-5))
-    assert not dequantize(q)[1, 256:512].any()
-    levels = q.data.view(5, 3, 260)[..., :256].view(torch.int8)
-    assert levels.abs().amax(-1).tolist() == [[127] * 3, [127, 0, 127], *[[127] * 3] * 3]
+    assert not dequantize(q)[1, 256:512].any() and not dequantize(q)[3].any()
+    blocks = q.data.view(5, 3, 260)
+    assert torch.equal(blocks[..., 256:].contiguous().view(torch.float32), step.expand(5, 3, 1))
+    levels = blocks[..., :256].view(torch.int8).abs().amax(-1).tolist()
+    assert levels[1][1] == 0 and max(levels[1]) == 127 and levels[3] == [0, 0, 0]
+    if row_scales:  # one block a row reaches 127; the outlier's row: its other blocks coarsened
+        assert max(levels[0]) == 127 and levels[2][0] == 127 and max(levels[2][1:]) < 32
+    else:
+        assert levels[0] == levels[2] == [127] * 3
+    strips = int8_weight(w[:4].repeat(8, 1), row_scales=row_scales)  # 32 rows: VNNI strips
+    assert strips.row_scales == row_scales
     assert int8_weight(w[:, :96]).format == "Q8_0"
     assert int8_weight(w).format == "Q8_256"  # 5 outputs: not whole strips of 32
     strips = "Q8_256_VNNI" if vnni_gemm_built() else "Q8_256"

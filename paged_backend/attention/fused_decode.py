@@ -25,7 +25,7 @@ from paged_backend import cpu
 from paged_backend.attention.backend import AttentionMetadata
 from paged_backend.attention.planner import CDecodePlan
 from paged_backend.cpu import ops as cpu_ops
-from paged_backend.cpu.quant import QuantLinear, activation_stride, dequantize_work
+from paged_backend.cpu.quant import ROW_SCALES, QuantLinear, activation_stride, dequantize_work
 
 if TYPE_CHECKING:
     from paged_backend.attention.torch_backend import TorchAttention
@@ -116,11 +116,17 @@ class FusedDecode:
         most rows a quantized linear's int8 product takes (`QuantLinear.int8_max_rows`; more bf16
         rows dequantize), each part's type, address, outputs and row bytes; type 0 a float weight
         (fp32: the weight; bf16: the C GEMM's packed copy), a GGUF block type for a quantized
-        linear, minus one for an fp32 linear's blocks (`blocks`: `Linear.blocks`)."""
+        linear (with `ROW_SCALES` for `row_scales` weights), minus one for an fp32 linear's
+        blocks (`blocks`: `Linear.blocks`)."""
         if isinstance(linear, QuantLinear) or blocks:
             sign = -1 if blocks else 1
             parts = [
-                (sign * w.type_id, w.data.data_ptr(), w.out_features, w.data.stride(0))
+                (
+                    sign * w.type_id | (ROW_SCALES if w.row_scales else 0),
+                    w.data.data_ptr(),
+                    w.out_features,
+                    w.data.stride(0),
+                )
                 for w in (linear.blocks if blocks else linear.weights)
             ]
         elif self.f32:

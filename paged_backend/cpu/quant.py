@@ -16,6 +16,7 @@ activations and write to adjacent columns of one output.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -61,6 +62,10 @@ class QuantWeight:
     format: str
     data: torch.Tensor
     in_features: int
+    # Q8_256: every super-block of a row has the row's scale (`int8_weight` of a rotated model),
+    # and its products take activations with one scale a row (`activation_block`), which lets the
+    # AMX kernel sum all of k in integers.
+    row_scales: bool = False
 
     def __post_init__(self) -> None:
         if self.format not in BLOCK_FORMATS:
@@ -68,6 +73,8 @@ class QuantWeight:
                 f"weight format {self.format!r} is not one the CPU kernels read "
                 f"({', '.join(BLOCK_FORMATS)})"
             )
+        if self.row_scales and self.format not in ("Q8_256", "Q8_256_VNNI"):
+            raise ValueError(f"row_scales is for Q8_256 weights, not {self.format}")
         _, weights, size = BLOCK_FORMATS[self.format]
         row = self.in_features // weights * size
         if self.in_features % weights or self.data.dtype != torch.uint8 or self.data.dim() != 2:
@@ -177,7 +184,8 @@ def vnni_strips(weight: QuantWeight) -> QuantWeight:
     levels = (rows[..., :256] ^ 0x80).reshape(n // 32, 2, 16, blocks, 64, 4).permute(_STRIP_AXES)
     scales = rows[..., 256:].reshape(n // 32, 2, 16, blocks, 1, 4).permute(_STRIP_AXES)
     parts = [levels.reshape(n // 32, blocks, 8192), scales.reshape(n // 32, blocks, 128)]
-    return QuantWeight("Q8_256_VNNI", torch.cat(parts, dim=-1).reshape(n, -1), weight.in_features)
+    data = torch.cat(parts, dim=-1).reshape(n, -1)
+    return QuantWeight("Q8_256_VNNI", data, weight.in_features, weight.row_scales)
 
 
 def _rows_of_strips(weight: QuantWeight) -> QuantWeight:
@@ -190,14 +198,20 @@ def _rows_of_strips(weight: QuantWeight) -> QuantWeight:
         levels.permute(_STRIP_AXES).reshape(n // 32, 2, 16, blocks, 256),
         scales.permute(_STRIP_AXES).reshape(n // 32, 2, 16, blocks, 4),
     ]
-    return QuantWeight("Q8_256", torch.cat(parts, dim=-1).reshape(n, -1), weight.in_features)
+    data = torch.cat(parts, dim=-1).reshape(n, -1)
+    return QuantWeight("Q8_256", data, weight.in_features, weight.row_scales)
 
 
-def activation_block(fmt: str) -> int:
-    """Inputs that share one activation scale for weights of format `fmt`: a super-block (256)
-    for the K-quants, whose kernel then sums a super-block in integers (as llama.cpp's Q8_K),
-    and a block (32) for the others."""
+def activation_block(fmt: str, row_scales: bool = False) -> int:
+    """Inputs that share one activation scale for weights of format `fmt`: the whole row (0) for
+    weights of `row_scales`; a super-block (256) for the K-quants, whose kernel then sums a
+    super-block in integers (as llama.cpp's Q8_K); a block (32) for the others."""
+    if row_scales:
+        return 0
     return 256 if BLOCK_FORMATS[fmt][1] == 256 else 32
+
+
+ROW_SCALES = 4096  # the type-word bit of `row_scales` weights in fused descriptors (common.h's)
 
 
 def activation_stride(k: int) -> int:
@@ -208,10 +222,11 @@ def activation_stride(k: int) -> int:
 
 def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, ...]:
     """Rows x [rows, k] (fp32 or bf16, unit stride in a row) as the kernels read them, in blocks
-    of `block` (32 or 256) inputs: int8 levels [rows, kp] (kp: `activation_stride(k)`), each 32's
-    scale [rows, kp/32] (its block's) and each 16's level sum (int16) [rows, kp/16]."""
-    if block not in (32, 256):
-        raise ValueError(f"block must be 32 or 256, got {block}")
+    of `block` (32 or 256; 0: the whole row) inputs: int8 levels [rows, kp] (kp:
+    `activation_stride(k)`), each 32's scale [rows, kp/32] (its block's) and each 16's level sum
+    (int16) [rows, kp/16]."""
+    if block not in (0, 32, 256):
+        raise ValueError(f"block must be 0 (a row), 32 or 256, got {block}")
     rows, k = x.shape
     if x.dtype not in (torch.float32, torch.bfloat16) or x.stride(1) != 1:
         x = x.float().contiguous()
@@ -260,7 +275,7 @@ def quant_matmul(
     lib = load_library()
 
     def run_part(w: QuantWeight, out: int, out_stride: int, out_bf16: bool) -> None:
-        block = activation_block(w.format)
+        block = activation_block(w.format, w.row_scales)
         if block not in activations:
             activations[block] = quantize_activations(x, block)
         xq, xd, bsum = activations[block]
@@ -482,7 +497,7 @@ class QuantLinear(nn.Module):
         product, column = self._product(rows), 0
         for w in self.weights:
             for first in range(0, min(w.out_features, columns - column), width):
-                part = QuantWeight(w.format, w.data[first : first + width], w.in_features)
+                part = dataclasses.replace(w, data=w.data[first : first + width])
                 out = product(rows, [part], torch.float32)
                 start = column + first
                 if self.bias is not None:

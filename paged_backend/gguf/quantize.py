@@ -33,6 +33,8 @@ differ bit for bit, in the same format, which is what test and benchmark checkpo
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -188,10 +190,12 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
 _K_PACKERS = {"Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
-def q8_256_blocks(weight) -> QuantWeight:
+def q8_256_blocks(weight, row_scales: bool = False) -> QuantWeight:
     """`weight` [rows, cols] (cols a multiple of 256; see `int8_weight`) as Q8_256 blocks: each
-    256 inputs of a row as int8 levels round(w / d), d = their largest |w| / 127, then d (fp32).
-    A few rows at a time, so a large table (a tied head) is never copied whole in fp32."""
+    256 inputs of a row as int8 levels round(w / d), d = their largest |w| / 127, then d (fp32);
+    with `row_scales`, d = the row's largest |w| / 127 (one scale an output channel, in each of
+    its super-blocks). A few rows at a time, so a large table (a tied head) is never copied whole
+    in fp32."""
     rows, cols = weight.shape
     if cols % QK_K:
         raise ValueError(f"Q8_256 rows hold a multiple of {QK_K} weights, not {cols}")
@@ -199,42 +203,50 @@ def q8_256_blocks(weight) -> QuantWeight:
     step = max(1, _CHUNK // cols)
     for start in range(0, rows, step):
         w = torch.as_tensor(weight[start : start + step]).float().view(-1, cols // QK_K, QK_K)
-        d = w.abs().amax(-1, keepdim=True) / 127
+        over = (-1, -2) if row_scales else -1
+        d = w.abs().amax(over, keepdim=True).expand(-1, cols // QK_K, 1) / 127
         levels = torch.where(d > 0, w / d, 0.0).round_().clamp_(-127, 127)
         out[start : start + step, :, :QK_K] = levels.to(torch.int8).view(torch.uint8)
         out[start : start + step, :, QK_K:] = d.view(torch.uint8)
-    return QuantWeight("Q8_256", out.view(rows, -1), cols)
+    return QuantWeight("Q8_256", out.view(rows, -1), cols, row_scales)
 
 
-def int8_weight(weight, strips: bool = True) -> QuantWeight:
+def int8_weight(weight, strips: bool = True, row_scales: bool = False) -> QuantWeight:
     """A float weight [out, in] as `quantization="int8"` serves it: Q8_256 where its inputs are
     whole super-blocks (its VNNI GEMM ran ~1.5x Q8_0's on a Zen 4, which spends float work on
     every 32 inputs), laid out for that GEMM (`vnni_strips`) where `strips`, it is built and the
     outputs are whole strips of 32 (not for an embedding table, whose rows are looked up); else
-    Q8_0 (inputs a multiple of 32). `weight`: a tensor, or any [out, in] whose row slices are
-    float arrays (a GGUF tensor's rows, dequantized as they are sliced)."""
+    Q8_0 (inputs a multiple of 32). `row_scales`: Q8_256 of one scale a row, whose products take
+    activations of one scale a row (see `quantize_linears_int8_`). `weight`: a tensor, or any
+    [out, in] whose row slices are float arrays (a GGUF tensor's rows, dequantized as sliced)."""
     if isinstance(weight, torch.Tensor):
         weight = weight.detach()
     rows, cols = weight.shape
     if cols % QK_K == 0:
-        blocks = q8_256_blocks(weight)
+        blocks = q8_256_blocks(weight, row_scales)
         return vnni_strips(blocks) if strips and rows % 32 == 0 and vnni_gemm_built() else blocks
     values = weight.float().numpy() if isinstance(weight, torch.Tensor) else weight
     return QuantWeight("Q8_0", torch.from_numpy(quantize(values, "Q8_0")), cols)
 
 
-def quantize_linears_int8_(model: nn.Module) -> None:
+def quantize_linears_int8_(model: nn.Module, row_scales: bool = False) -> None:
     """`quantization="int8"`: every `nn.Linear` below `model` whose inputs are a multiple of 32
     as a `QuantLinear` of its weight's `int8_weight` (about half the bytes of bf16 for each step
     to read), and the head as such blocks in `cpu_head`: an untied one's weight, a tied one's
-    the embedding table's, which stays as it is for lookups."""
+    the embedding table's, which stays as it is for lookups. `row_scales` (a rotated model):
+    one scale an output and activations of one scale a row, so that on AMX a product's integer
+    sums run through all of k (a 1B model's linears at 512 rows 1.2x the rate of scales a
+    super-block, 32-row steps 1.1x; the default model's held-out agreement with bf16 95.3%
+    against 94.7%); without the rotation, one scale a row lets activation outliers coarsen every
+    input (8-token greedy agreement of the unrotated default model 59% against 75%+)."""
+    int8 = partial(int8_weight, row_scales=row_scales)
     swap_linears_(
         model,
-        lambda _, child: QuantLinear([int8_weight(child.weight)], child.bias),
+        lambda _, child: QuantLinear([int8(child.weight)], child.bias),
         where=lambda child: child.in_features % 32 == 0,
     )
     head = getattr(model, "lm_head", False)
     if head is None:
-        model.cpu_head = QuantLinear([int8_weight(model.embed_tokens.weight)])
+        model.cpu_head = QuantLinear([int8(model.embed_tokens.weight)])
     elif isinstance(head, QuantLinear):  # the model's head runs `cpu_head` where it has one
         model.cpu_head, model.lm_head = head, None

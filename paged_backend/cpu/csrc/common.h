@@ -143,6 +143,11 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q
 /* The K-quants (and Q8_256): super-blocks of 256 weights, against the legacy blocks of 32. */
 static inline int is_superblock(int type) { return type >= Q2_K && type <= Q8_256_VNNI; }
 
+/* A quantized part's type word in the fused steps' descriptors (`fused_linear`) carries this
+ * bit where the weight has one scale a row and takes activations with one scale a row
+ * (`QuantWeight.row_scales`: `quantize_activations`' block 0), not the type's block. */
+#define ROW_SCALES 4096
+
 /* The block format whose bytes an interleaved one lays out (the type itself for the others). */
 static inline int rows8_base(int type) {
     return type == Q4_0_R8 ? Q4_0 : type == Q5_0_R8 ? Q5_0 : type == Q8_0_R8 ? Q8_0 : type;
@@ -267,6 +272,9 @@ void gemm_bf16_strip_amx(const bf16 *, int64_t, int64_t, const bf16 *, int64_t, 
 void gemm_bf16_amx(const bf16 *, int64_t, int64_t, const bf16 *, int64_t, int64_t, void *, int, int);
 void q8_256_tiles_amx(const uint8_t *, int64_t, int, int64_t, const float *, int64_t, int64_t,
                       const int8_t *, const float *, const int32_t *, int64_t, int, float[][32][32]);
+void q8_256_channels_amx(const uint8_t *, int64_t, int, int64_t, const float *, int64_t,
+                         const int8_t *, const float *, const int32_t *, int64_t, int,
+                         float[][32][32]);
 void dequantize_rows_bf16(int, const uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
                           int64_t, bf16 *);
 int quant_gemm_amx(int, const uint8_t *, int64_t, int64_t, int64_t, const bf16 *, int64_t, int64_t,

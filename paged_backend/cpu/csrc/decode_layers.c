@@ -17,8 +17,9 @@
  * (0: none; fp32 values whatever the rows' dtype), the most rows its GGUF blocks take the int8
  * product for (`QuantLinear.int8_max_rows`), then each part's (type, address, outputs, row
  * bytes): type 0 a float weight, a negative one an fp32 weight in GGUF blocks of type -type
- * (`linear_blocks_f32`: the bits of `linear_f32` on their values), else a GGUF block type for
- * `quant_matmul`, on activations quantized into `act` (for the part's block size, once for
+ * (`linear_blocks_f32`: the bits of `linear_f32` on their values), else a GGUF block type (with
+ * the ROW_SCALES bit: activations scaled a row) for `quant_matmul`, on activations quantized
+ * into `act` (for the part's block size, once for
  * consecutive parts that share it), or, for more bf16 rows, `quant_gemm_bf16` (the weights
  * dequantized into `dequantized`). x [rows][k] and y [rows][n_total] are fp32 (type 0: an fp32
  * weight [n][k] for `linear_f32`) or, with `bf16_io`, bf16 (type 0: the one part, the packed
@@ -27,13 +28,14 @@
 static void fused_linear(const int64_t *d, const void *x, int bf16_io, int64_t rows, int64_t k, void *y,
                          int64_t n_total, float *act, int64_t max_k, void *dequantized,
                          int threads) {
-    int64_t kp = act_stride(max_k), block = 0, column = 0, elem = bf16_io ? 2 : 4;
+    int64_t kp = act_stride(max_k), block = -1, column = 0, elem = bf16_io ? 2 : 4;
     float *xd = act;
     int16_t *bsum = (int16_t *)(xd + rows * kp / 32);
     int8_t *xq = (int8_t *)(bsum + rows * kp / 16);
     for (int64_t p = 0; p < d[0]; p++) {
         const int64_t *part = d + 3 + 4 * p;
-        int type = (int)part[0];
+        int row_scales = part[0] > 0 && (part[0] & ROW_SCALES);
+        int type = (int)(row_scales ? part[0] & ~(int64_t)ROW_SCALES : part[0]);
         void *out = (char *)y + column * elem;
         if (type < 0) { /* an fp32 linear's GGUF blocks: `linear_f32`'s bits */
             linear_blocks_f32(x, rows, k, -type, (const uint8_t *)part[1], part[2], k, out, n_total,
@@ -48,7 +50,7 @@ static void fused_linear(const int64_t *d, const void *x, int bf16_io, int64_t r
                             1, n_total, dequantized, threads);
 #endif
         } else {
-            int64_t need = is_superblock(type) ? 256 : 32;
+            int64_t need = row_scales ? 0 : is_superblock(type) ? 256 : 32;
             if (block != need)
                 quantize_activations(x, bf16_io, rows, k, k, need, xq, xd, bsum, threads);
             block = need;

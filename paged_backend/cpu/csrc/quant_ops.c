@@ -90,26 +90,34 @@ static inline int levels16(const float *v, float inv, int8_t *q) {
 }
 
 /* Rows of x (fp32, or bf16 where `x_bf16`; rows `x_stride` elements apart) to int8 in blocks of
- * `block` (32, or 256 for the K-quants: one scale a super-block, as llama.cpp's Q8_K): xq
- * [rows][kp] (kp = `act_stride(k)`, zero past k), xd [rows][kp/32] the scale of each 32 (its
- * block's) and bsum [rows][kp/16] each 16's level sum.
+ * `block` (32, or 256 for the K-quants: one scale a super-block, as llama.cpp's Q8_K; 0: one
+ * scale a row, for Q8_256's per-channel weights): xq [rows][kp] (kp = `act_stride(k)`, zero past
+ * k), xd [rows][kp/32] the scale of each 32 (its block's; 0 past k) and bsum [rows][kp/16] each
+ * 16's level sum.
  * Levels round to nearest even, as `vcvtps2dq` does (with AVX-512, 16 values at a time: the
  * scalar loop took ~2 ns a value, a tenth of a 256-row product of a 2048 x 2048 Q4_K weight). */
 void quantize_activations(const void *x, int x_bf16, int64_t rows, int64_t k, int64_t x_stride,
                           int64_t block, int8_t *xq, float *xd, int16_t *bsum, int threads) {
-    int64_t kp = act_stride(k);
+    int64_t kp = act_stride(k), size = block > 0 ? block : CHUNK;
 #pragma omp parallel for num_threads(threads) if (threads > 1 && rows * k >= 65536)
     for (int64_t r = 0; r < rows; r++) {
         float v[CHUNK];
         int8_t *q = xq + r * kp;
-        for (int64_t b = 0; b < kp / block; b++) {
-            int64_t first = block * b, n = k - first < block ? (k - first > 0 ? k - first : 0) : block;
-            block_values(x, x_bf16, r * x_stride + first, n, block, v);
-            float amax = block_amax(v, block);
+        float row_amax = 0.0f; /* block 0: the row's, over its chunks first */
+        for (int64_t first = 0; block <= 0 && first < k; first += CHUNK) {
+            int64_t n = k - first < CHUNK ? k - first : CHUNK;
+            block_values(x, x_bf16, r * x_stride + first, n, CHUNK, v);
+            row_amax = fmaxf(row_amax, block_amax(v, CHUNK));
+        }
+        for (int64_t b = 0; b < kp / size; b++) {
+            int64_t first = size * b, n = k - first < size ? (k - first > 0 ? k - first : 0) : size;
+            block_values(x, x_bf16, r * x_stride + first, n, size, v);
+            float amax = block > 0 ? block_amax(v, size) : n > 0 ? row_amax : 0.0f;
             float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            for (int64_t i = 0; i < block; i += 16)
+            for (int64_t i = 0; i < size; i += 16)
                 bsum[r * (kp / 16) + (first + i) / 16] = (int16_t)levels16(v + i, inv, q + first + i);
-            for (int64_t i = 0; i < block; i += 32) xd[r * (kp / 32) + (first + i) / 32] = d;
+            for (int64_t i = 0; i < size; i += 32)
+                xd[r * (kp / 32) + (first + i) / 32] = block > 0 || first + i < k ? d : 0.0f;
         }
     }
 }
