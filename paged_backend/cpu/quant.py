@@ -211,7 +211,7 @@ def activation_block(fmt: str, row_scales: bool = False) -> int:
     return 256 if BLOCK_FORMATS[fmt][1] == 256 else 32
 
 
-ROW_SCALES = 4096  # the type-word bit of `row_scales` weights in fused descriptors (common.h's)
+ROW_SCALES = 4096  # the type bit of `row_scales` weights (csrc/common.h's)
 
 
 def activation_stride(k: int) -> int:
@@ -280,7 +280,7 @@ def quant_matmul(
             activations[block] = quantize_activations(x, block)
         xq, xd, bsum = activations[block]
         lib.quant_matmul(
-            type=w.type_id,
+            type=w.type_id | (ROW_SCALES if w.row_scales else 0),
             w=w.data.data_ptr(),
             n=w.out_features,
             k=w.in_features,
@@ -347,7 +347,7 @@ def quant_gemm_bf16(
 
     def run_part(w: QuantWeight, out: int, out_stride: int, out_bf16: bool) -> None:
         lib.quant_gemm_bf16(
-            type=w.type_id,
+            type=w.type_id | (ROW_SCALES if w.row_scales else 0),
             w=w.data.data_ptr(),
             n=w.out_features,
             k=k,
@@ -393,7 +393,7 @@ def linear_blocks_f32(
             x=x.data_ptr(),
             rows=rows,
             x_stride=x.stride(0),
-            type=w.type_id,
+            type=w.type_id | (ROW_SCALES if w.row_scales else 0),
             w=w.data.data_ptr(),
             n=w.out_features,
             k=k,

@@ -143,9 +143,9 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q
 /* The K-quants (and Q8_256): super-blocks of 256 weights, against the legacy blocks of 32. */
 static inline int is_superblock(int type) { return type >= Q2_K && type <= Q8_256_VNNI; }
 
-/* A quantized part's type word in the fused steps' descriptors (`fused_linear`) carries this
- * bit where the weight has one scale a row and takes activations with one scale a row
- * (`QuantWeight.row_scales`: `quantize_activations`' block 0), not the type's block. */
+/* `quant_matmul`'s type, and a quantized part's type word in the fused steps' descriptors
+ * (`fused_linear`), carry this bit where the weight has one scale a row and takes activations
+ * with one scale a row (`QuantWeight.row_scales`: `quantize_activations`' block 0). */
 #define ROW_SCALES 4096
 
 /* The block format whose bytes an interleaved one lays out (the type itself for the others). */

@@ -54,8 +54,8 @@ static void fused_linear(const int64_t *d, const void *x, int bf16_io, int64_t r
             if (block != need)
                 quantize_activations(x, bf16_io, rows, k, k, need, xq, xd, bsum, threads);
             block = need;
-            quant_matmul(type, (const uint8_t *)part[1], part[2], k, part[3], xq, xd, bsum,
-                         rows, out, bf16_io, n_total, threads);
+            quant_matmul(type | (row_scales ? ROW_SCALES : 0), (const uint8_t *)part[1], part[2],
+                         k, part[3], xq, xd, bsum, rows, out, bf16_io, n_total, threads);
         }
         column += part[2];
     }

@@ -398,8 +398,8 @@ typedef chunk kernel_chunk;
 #define VNNI_ROWS 4
 
 /* `quant_matmul`'s product on the VNNI GEMM (`quant_gemm.c`); 0 where it could not run. */
-int vnni_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
-                const int8_t *xq, const float *xd, const int16_t *bsum, int64_t rows, void *out,
-                int out_bf16, int64_t out_stride, int threads);
+int vnni_matmul(int type, int row_scales, const uint8_t *w, int64_t n, int64_t k,
+                int64_t row_bytes, const int8_t *xq, const float *xd, const int16_t *bsum,
+                int64_t rows, void *out, int out_bf16, int64_t out_stride, int threads);
 #endif
 #endif

@@ -471,47 +471,26 @@ static int32_t *superblock_offsets(const int16_t *bsum, int64_t rows, int64_t k,
     return buffer;
 }
 
-/* Whether each row of the activations has one scale (the same in every super-block). */
-static int one_scale_a_row(const float *xd, int64_t rows, int64_t k, int64_t kp) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t sb = 1; sb < k / 256; sb++)
-            if (xd[r * (kp / 32) + sb * 8] != xd[r * (kp / 32)]) return 0;
-    return 1;
-}
-
-/* Whether each output of `strips` strips (from s) has one scale (the same in every super-block). */
-static int one_scale_an_output(const vnni_strip *s, int strips, int64_t strip_step, int64_t k) {
-    for (int p = 0; p < strips; p++) {
-        const float *dm = (const float *)((const uint8_t *)s->dm + p * strip_step);
-        for (int64_t sb = 1; sb < k / 256; sb++)
-            if (memcmp(dm + sb * s->dm_step, dm, 32 * sizeof *dm)) return 0;
-    }
-    return 1;
-}
-
 /* Strips [first, last) of a Q8_256_VNNI weight on the tiles: as many at a time as make ~1 MiB
  * of weights (which the L2 holds while each 32 rows of x go through all of them), at most
- * AMX_PANEL; where the strips' outputs and the rows (`rows_one_scale`) each have one scale,
- * through `q8_256_channels_amx` (so the same weight and activations take the same kernel at
- * any step: a row's bits never depend on the others). */
+ * AMX_PANEL; through `q8_256_channels_amx` for `row_scales` (one scale a row of w and of x). */
 enum { AMX_PANEL = 8 };
 static void q8_256_panels_amx(const uint8_t *w, int64_t row_bytes, int64_t first, int64_t last,
                               int64_t k, const int8_t *xq, const float *xd, const int32_t *offsets,
-                              int rows_one_scale, int64_t kp, int64_t rows, void *out,
-                              int out_bf16, int64_t out_stride) {
+                              int row_scales, int64_t kp, int64_t rows, void *out, int out_bf16,
+                              int64_t out_stride) {
     float tiles[AMX_PANEL][32][32] __attribute__((aligned(64)));
     int64_t strip_step = 32 * row_bytes, panel = (1 << 20) / strip_step;
     panel = panel < 1 ? 1 : panel > AMX_PANEL ? AMX_PANEL : panel;
     for (int64_t st = first; st < last; st += panel) {
         int strips = last - st < panel ? (int)(last - st) : (int)panel;
         vnni_strip s = vnni_strip_of(w, row_bytes, st);
-        int channels = rows_one_scale && one_scale_an_output(&s, strips, strip_step, k);
         for (int64_t r0 = 0; r0 < rows; r0 += 32) {
             int mt = rows - r0 < 32 ? (int)(rows - r0) : 32;
             const int8_t *x = xq + r0 * kp;
             const float *x_d = xd + r0 * (kp / 32);
             const int32_t *offset = offsets + r0 * (k / 256);
-            if (channels)
+            if (row_scales)
                 q8_256_channels_amx(s.levels, strip_step, strips, s.levels_step, s.dm, k, x, x_d,
                                     offset, kp, mt, tiles);
             else
@@ -528,16 +507,15 @@ static void q8_256_panels_amx(const uint8_t *w, int64_t row_bytes, int64_t first
  * above): the threads split the strips, Q8_256_VNNI's read as they are, the others unpacked.
  * Returns 0 where a thread could not get its buffer (nothing written then is wrong: the
  * caller's kernel recomputes every output). */
-int vnni_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
-                       const int8_t *xq, const float *xd, const int16_t *bsum, int64_t rows,
-                       void *out, int out_bf16, int64_t out_stride, int threads) {
+int vnni_matmul(int type, int row_scales, const uint8_t *w, int64_t n, int64_t k,
+                int64_t row_bytes, const int8_t *xq, const float *xd, const int16_t *bsum,
+                int64_t rows, void *out, int out_bf16, int64_t out_stride, int threads) {
     int64_t kp = act_stride(k), strips = n / 32, kc = (k + CHUNK - 1) / CHUNK * CHUNK;
     int legacy = !is_superblock(type), packed = type == Q8_256_VNNI, tile_rows = legacy ? 2 : VNNI_ROWS, ok = 1;
 #ifdef AMX_GEMM
     int amx = packed && amx_ready(); /* Q8_256_VNNI's strips are the tiles' B layout */
     int32_t *offsets = amx ? superblock_offsets(bsum, rows, k, kp) : NULL;
     if (amx && !offsets) return 0;
-    int rows_one_scale = amx && one_scale_a_row(xd, rows, k, kp);
 #endif
 #pragma omp parallel num_threads(threads) if (threads > 1) reduction(&& : ok)
     {
@@ -551,8 +529,8 @@ int vnni_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_by
             int64_t first = strips * t / parts;
 #ifdef AMX_GEMM
             if (amx) {
-                q8_256_panels_amx(w, row_bytes, first, last, k, xq, xd, offsets, rows_one_scale,
-                                  kp, rows, out, out_bf16, out_stride);
+                q8_256_panels_amx(w, row_bytes, first, last, k, xq, xd, offsets, row_scales, kp,
+                                  rows, out, out_bf16, out_stride);
                 first = last;
             }
 #endif

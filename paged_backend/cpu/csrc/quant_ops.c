@@ -882,13 +882,16 @@ static __attribute__((noinline)) void tile_outputs(int type, const uint8_t *w, i
 /* out [rows][n] (rows `out_stride` apart; fp32, or bf16 where `out_bf16`) = activations (from
  * `quantize_activations`, in blocks of 256 for the K-quants and 32 for the others) times the
  * weight w [n][row_bytes] of `type`, k inputs a row (Q8_256_VNNI: VNNI builds only, every step
- * on the VNNI GEMM). `threads` threads split the outputs; each
+ * on the VNNI GEMM; with the ROW_SCALES bit, one scale a row of w and of x, which AMX tiles
+ * then sum through all of k). `threads` threads split the outputs; each
  * unpacks a chunk of a weight row once for up to ROW_TILE rows, so at a few rows the step
  * streams the weight from memory once. */
 void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
                   const int8_t *xq, const float *xd, const int16_t *bsum,
                   int64_t rows, void *out, int out_bf16, int64_t out_stride, int threads) {
     int64_t kp = act_stride(k);
+    int row_scales = (type & ROW_SCALES) != 0;
+    type &= ~ROW_SCALES;
 #ifdef LEGACY_VBMI
     if (legacy_matmul_vbmi(type, w, n, k, row_bytes, xq, xd, bsum, rows, out, out_bf16, out_stride,
                            threads))
@@ -896,7 +899,8 @@ void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_
 #endif
 #ifdef VNNI_GEMM
     if ((type == Q8_256_VNNI || (rows >= VNNI_MIN_ROWS && n % 32 == 0 && (!is_superblock(type) || k % CHUNK == 0))) &&
-        vnni_matmul(type, w, n, k, row_bytes, xq, xd, bsum, rows, out, out_bf16, out_stride, threads))
+        vnni_matmul(type, row_scales, w, n, k, row_bytes, xq, xd, bsum, rows, out, out_bf16,
+                    out_stride, threads))
         return;
 #endif
 #ifdef ROWS8
