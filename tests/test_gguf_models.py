@@ -410,6 +410,7 @@ def test_int8_linears_are_int8_blocks_of_the_float_weights(llm_fp32, monkeypatch
     assert [w.format for w in qkv.weights] == [served_format("Q8_0")]
     q8_256 = "Q8_256_VNNI" if vnni_gemm_built() else "Q8_256"  # 576 outputs: 18 strips
     assert isinstance(down, QuantLinear) and [w.format for w in down.weights] == [q8_256]
+    assert not down.weights[0].row_scales  # unrotated: activation outliers keep a scale a 256
     assert isinstance(model.cpu_head, QuantLinear)
     from paged_backend.model_runner import _weight_tensors
 
