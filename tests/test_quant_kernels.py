@@ -4,6 +4,7 @@ scales and high bits), rows that end in a partial chunk, any number of activatio
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -185,6 +186,10 @@ def test_q8_256_of_one_scale_a_row_is_its_integer_sums_scaled_once_in_any_step()
         torch.set_num_threads(threads)
     for first, out in QuantLinear([w])._slices(x, 320, 64):  # the head's argmax: its bits too
         assert torch.equal(out, full[:, first : first + 64])
+    if can_dequantize_to_bf16([w]):  # past the int8 rows: the same blocks, dequantized
+        xb = x.to(torch.bfloat16)
+        plain = dataclasses.replace(w, row_scales=False)
+        assert torch.equal(quant_gemm_bf16(xb, [w]), quant_gemm_bf16(xb, [plain]))
     amx = cpu.library.load_library().has("q8_256_channels_amx") and "amx_tile" in cpu_features()
     if amx:
         assert torch.equal(full, expected)

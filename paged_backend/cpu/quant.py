@@ -347,7 +347,7 @@ def quant_gemm_bf16(
 
     def run_part(w: QuantWeight, out: int, out_stride: int, out_bf16: bool) -> None:
         lib.quant_gemm_bf16(
-            type=w.type_id | (ROW_SCALES if w.row_scales else 0),
+            type=w.type_id,
             w=w.data.data_ptr(),
             n=w.out_features,
             k=k,
@@ -393,7 +393,7 @@ def linear_blocks_f32(
             x=x.data_ptr(),
             rows=rows,
             x_stride=x.stride(0),
-            type=w.type_id | (ROW_SCALES if w.row_scales else 0),
+            type=w.type_id,
             w=w.data.data_ptr(),
             n=w.out_features,
             k=k,
