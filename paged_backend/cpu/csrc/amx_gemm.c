@@ -399,6 +399,34 @@ static inline __attribute__((always_inline)) void inputs_on_tiles(const int8_t *
     }
 }
 
+/* Tiles 0-3 = `start` (row tile t's at start[t], for both blocks; tiles 2-3 where m1). */
+static inline void sums_from(int32_t start[2][16][16], int m1) {
+    _tile_loadd(0, start[0], 64);
+    _tile_loadd(1, start[0], 64);
+    if (m1) {
+        _tile_loadd(2, start[1], 64);
+        _tile_loadd(3, start[1], 64);
+    }
+}
+
+/* Tiles 0-3 into c[row tile][block] (tiles 2-3 where m1). */
+static inline void sums_to(int32_t c[2][2][16][16], int m1) {
+    _tile_stored(0, c[0][0], 64);
+    _tile_stored(1, c[0][1], 64);
+    if (m1) {
+        _tile_stored(2, c[1][0], 64);
+        _tile_stored(3, c[1][1], 64);
+    }
+}
+
+/* 16 outputs' integer sums times their scales d times the row's activation scale xs, in
+ * `vnni_tile_of`'s float sequence (the scales' product first, then one rounded product). */
+static inline __m512 rescaled(const int32_t sums[16], const float d[16], __m512 xs) {
+    return _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums)),
+                               _mm512_mul_ps(_mm512_load_ps(d), xs),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
 /* out[p][r][0..32) for rows r < rows (at most 32) of int8 activations (`quantize_activations`:
  * rows kp bytes apart, scales xd; `offsets`: `superblock_offsets`') times `strips` Q8_256_VNNI
  * strips (32 outputs each, `strip_step` bytes apart): a super-block's integer sums on `tdpbsud`
@@ -433,12 +461,7 @@ void q8_256_tiles_amx(const uint8_t *levels, int64_t strip_step, int strips, int
                 for (int r = 0; r < rows; r++)
                     _mm512_store_si512(start[r / 16][r % 16],
                                        _mm512_set1_epi32(-offsets[r * blocks + sb]));
-            _tile_loadd(0, start[0], 64);
-            _tile_loadd(1, start[0], 64);
-            if (m1) {
-                _tile_loadd(2, start[1], 64);
-                _tile_loadd(3, start[1], 64);
-            }
+            sums_from(start, m1);
         }
         for (int q = 0; q < 4; q++) { /* 64 inputs: 16 4-input steps of both blocks */
             if (i < items) inputs_on_tiles(x, x1, kp, lv, q, m1);
@@ -448,31 +471,20 @@ void q8_256_tiles_amx(const uint8_t *levels, int64_t strip_step, int strips, int
                 __m512 xs = _mm512_set1_ps(xd[r * (kp / 32) + was * 8]);
                 float *o = out[last][r];
                 for (int b = 0; b < 2; b++) {
-                    __m512 v = _mm512_mul_round_ps(
-                        _mm512_cvtepi32_ps(_mm512_load_si512(sums[r / 16][b][r % 16])),
-                        _mm512_mul_ps(_mm512_load_ps(d + 16 * b), xs),
-                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    __m512 v = rescaled(sums[r / 16][b][r % 16], d + 16 * b, xs);
                     _mm512_store_ps(o + 16 * b, _mm512_add_ps(_mm512_load_ps(o + 16 * b), v));
                 }
             }
         }
-        if (i < items) {
-            int32_t(*cp)[2][16][16] = c[i % 2];
-            _tile_stored(0, cp[0][0], 64);
-            _tile_stored(1, cp[0][1], 64);
-            if (m1) {
-                _tile_stored(2, cp[1][0], 64);
-                _tile_stored(3, cp[1][1], 64);
-            }
-        }
+        if (i < items) sums_to(c[i % 2], m1);
     }
     restore_tiles(before);
 }
 
 /* `q8_256_tiles_amx` for strips whose outputs each have one scale (every super-block's the
  * same: `int8_weight`'s per-channel scales) and rows of activations with one scale each
- * (`quantize_activations` of whole rows): a strip's integer sums run through all of k in the
- * tiles, starting at -(the row's offsets), and are rescaled once, so the tiles never wait for
+ * (`quantize_activations` of whole rows; `offsets`: a row's one total): a strip's integer sums
+ * run through all of k in the tiles, starting at -offset, and are rescaled once, so the tiles never wait for
  * vector work (1B shapes at 512 rows: 1.15-1.7x the per-super-block kernel). Strips in turn: the
  * rows' x (32 x k bytes) stay in the L2 beside the strips' weights. */
 void q8_256_channels_amx(const uint8_t *levels, int64_t strip_step, int strips,
@@ -485,38 +497,22 @@ void q8_256_channels_amx(const uint8_t *levels, int64_t strip_step, int strips,
     int64_t blocks = k / 256;
     tile_config before = saved_tiles();
     configure_tiles(m0, m1 ? m1 : 16);
-    for (int r = 0; r < rows; r++) {
-        int32_t total = 0;
-        for (int64_t sb = 0; sb < blocks; sb++) total += offsets[r * blocks + sb];
-        _mm512_store_si512(start[r / 16][r % 16], _mm512_set1_epi32(-total));
-    }
+    for (int r = 0; r < rows; r++)
+        _mm512_store_si512(start[r / 16][r % 16], _mm512_set1_epi32(-offsets[r]));
     for (int p = 0; p < strips; p++) {
         const uint8_t *strip = levels + p * strip_step;
-        _tile_loadd(0, start[0], 64);
-        _tile_loadd(1, start[0], 64);
-        if (m1) {
-            _tile_loadd(2, start[1], 64);
-            _tile_loadd(3, start[1], 64);
-        }
+        sums_from(start, m1);
         for (int64_t sb = 0; sb < blocks; sb++) {
             const uint8_t *lv = strip + sb * levels_step;
             const int8_t *x = xq + sb * 256, *x1 = x + 16 * kp;
             for (int q = 0; q < 4; q++) inputs_on_tiles(x, x1, kp, lv, q, m1);
         }
-        _tile_stored(0, c[0][0], 64);
-        _tile_stored(1, c[0][1], 64);
-        if (m1) {
-            _tile_stored(2, c[1][0], 64);
-            _tile_stored(3, c[1][1], 64);
-        }
+        sums_to(c, m1);
         const float *d = (const float *)((const uint8_t *)dm + p * strip_step);
         for (int r = 0; r < rows; r++) {
             __m512 xs = _mm512_set1_ps(xd[r * (kp / 32)]);
             for (int b = 0; b < 2; b++)
-                _mm512_store_ps(out[p][r] + 16 * b,
-                                _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[r / 16][b][r % 16])),
-                                                    _mm512_mul_ps(_mm512_load_ps(d + 16 * b), xs),
-                                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                _mm512_store_ps(out[p][r] + 16 * b, rescaled(c[r / 16][b][r % 16], d + 16 * b, xs));
         }
     }
     restore_tiles(before);

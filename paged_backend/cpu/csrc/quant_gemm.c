@@ -448,26 +448,32 @@ static uint8_t *vnni_buffer_for(int64_t k) {
 }
 
 #ifdef AMX_GEMM
-/* Each row's 128 x (the sum of its int8 activations) a super-block, [rows][k / 256]: what the
- * tiles' sums over levels stored plus 128 hold in excess (`q8_256_tiles_amx`), added up once a
- * product rather than once a strip. The calling thread's buffer; NULL where it could not grow. */
-static int32_t *superblock_offsets(const int16_t *bsum, int64_t rows, int64_t k, int64_t kp) {
+/* Each row's 128 x (the sum of its int8 activations) a super-block, [rows][k / 256], or for
+ * `row_scales` (`q8_256_channels_amx`, whose sums run through all of k) a row, [rows][1]: what
+ * the tiles' sums over levels stored plus 128 hold in excess, added up once a product rather
+ * than once a strip. The calling thread's buffer; NULL where it could not grow. */
+static int32_t *superblock_offsets(const int16_t *bsum, int64_t rows, int64_t k, int64_t kp,
+                                   int row_scales) {
     static __thread int32_t *buffer;
     static __thread int64_t length;
-    int64_t blocks = k / 256, need = rows * blocks;
+    int64_t blocks = k / 256, need = rows * (row_scales ? 1 : blocks);
     if (need > length) {
         free(buffer);
         buffer = malloc((size_t)need * sizeof *buffer);
         length = buffer ? need : 0;
         if (!buffer) return NULL;
     }
-    for (int64_t r = 0; r < rows; r++)
+    for (int64_t r = 0; r < rows; r++) {
+        int32_t row = 0;
         for (int64_t sb = 0; sb < blocks; sb++) {
             const int16_t *sums = bsum + r * (kp / 16) + sb * 16;
             int32_t total = 0;
             for (int i = 0; i < 16; i++) total += sums[i];
-            buffer[r * blocks + sb] = 128 * total;
+            if (!row_scales) buffer[r * blocks + sb] = 128 * total;
+            row += 128 * total;
         }
+        if (row_scales) buffer[r] = row;
+    }
     return buffer;
 }
 
@@ -489,7 +495,7 @@ static void q8_256_panels_amx(const uint8_t *w, int64_t row_bytes, int64_t first
             int mt = rows - r0 < 32 ? (int)(rows - r0) : 32;
             const int8_t *x = xq + r0 * kp;
             const float *x_d = xd + r0 * (kp / 32);
-            const int32_t *offset = offsets + r0 * (k / 256);
+            const int32_t *offset = offsets + r0 * (row_scales ? 1 : k / 256);
             if (row_scales)
                 q8_256_channels_amx(s.levels, strip_step, strips, s.levels_step, s.dm, k, x, x_d,
                                     offset, kp, mt, tiles);
@@ -514,7 +520,7 @@ int vnni_matmul(int type, int row_scales, const uint8_t *w, int64_t n, int64_t k
     int legacy = !is_superblock(type), packed = type == Q8_256_VNNI, tile_rows = legacy ? 2 : VNNI_ROWS, ok = 1;
 #ifdef AMX_GEMM
     int amx = packed && amx_ready(); /* Q8_256_VNNI's strips are the tiles' B layout */
-    int32_t *offsets = amx ? superblock_offsets(bsum, rows, k, kp) : NULL;
+    int32_t *offsets = amx ? superblock_offsets(bsum, rows, k, kp, row_scales) : NULL;
     if (amx && !offsets) return 0;
 #endif
 #pragma omp parallel num_threads(threads) if (threads > 1) reduction(&& : ok)
