@@ -156,6 +156,8 @@ def test_activations_of_one_scale_a_row():
     assert (xq[:, :600].float() - expected).abs().max() <= 1  # x * (127 / amax), rounded
     assert xq[1, 500] == 127 and xq[1, :500].abs().max() < 32
     assert torch.equal(bsum[:, :38], xq[:, :608].view(3, 38, 16).sum(-1, dtype=torch.int16))
+    with pytest.raises(ValueError, match=r"block must be 0 \(a row\), 32 or 256, got 64"):
+        quantize_activations(x, 64)
 
 
 @needs_vnni
@@ -455,6 +457,8 @@ def test_q8_256_blocks_round_each_weight_to_its_grid(row_scales):
         assert levels[0] == levels[2] == [127] * 3
     strips = int8_weight(w[:4].repeat(8, 1), row_scales=row_scales)  # 32 rows: VNNI strips
     assert strips.row_scales == row_scales
+    with pytest.raises(ValueError, match="row_scales is for Q8_256 weights, not Q4_0"):
+        QuantWeight("Q4_0", random_weight("Q4_0", 4, 256).data, 256, row_scales=True)
     assert int8_weight(w[:, :96]).format == "Q8_0"
     assert int8_weight(w).format == "Q8_256"  # 5 outputs: not whole strips of 32
     strips = "Q8_256_VNNI" if vnni_gemm_built() else "Q8_256"
