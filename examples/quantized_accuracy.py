@@ -1,5 +1,7 @@
 """How close a model served quantized comes to the same weights in full precision: top-1
-agreement and perplexity, teacher-forced, on held-out text and on the reference's own greedy text.
+agreement and perplexity, teacher-forced, on held-out text, on the reference's own greedy text
+from a few prompts, and on its 2,000 greedy tokens continuing windows of the held-out text (only
+those tokens scored).
 
 The reference is `quantization="none"` (a GGUF file dequantized: the values transformers'
 conversion gives). `--quantization gguf` (default) serves a GGUF file's blocks as they are,
@@ -9,9 +11,12 @@ both quantize activations to int8. Every position of a sequence is scored in one
     python examples/quantized_accuracy.py [--model FILE.gguf | DIR] [--quantization gguf|int8]
                                           [--tokens 2000] [--dtype float32] [--llama-cpp]
                                           [--kv-cache-dtype auto|float16|float32]
+                                          [--float32]
 
 `--llama-cpp` scores llama-cpp-python on the same GGUF file too (its own kernels, which also
 quantize activations), against the same reference: how far a quantized file's own runtime lands.
+`--float32` scores the reference's own weights in fp32 too: how far a bf16 reference lands from
+them, the noise of the number format alone.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ PROMPTS = [
     "What are the trade-offs between renting and buying a home?",
 ]
 CHUNK = 512  # tokens scored per forward pass
+WINDOWS = 8  # held-out windows the reference continues greedily, each HELD_OUT_PROMPT tokens
+HELD_OUT_PROMPT = 256
 
 
 def all_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
@@ -95,9 +102,12 @@ def llama_cpp_logits(path: str, threads: int) -> Callable[[list[int]], torch.Ten
     return logits
 
 
-def compare(scorers: dict[str, Callable], sequences: list[list[int]]) -> dict[str, dict]:
+def compare(
+    scorers: dict[str, Callable], sequences: list[list[int]], scored_from: int = 1
+) -> dict[str, dict]:
     """Each scorer's top-1 agreement with the first one (the reference) and each one's
-    perplexity, over `sequences` scored CHUNK tokens at a time."""
+    perplexity, over `sequences` read CHUNK tokens at a time, scoring the predictions of their
+    tokens from index `scored_from` on (those before it: a prompt, only read)."""
     names = list(scorers)
     agree = dict.fromkeys(names, 0)
     nll = dict.fromkeys(names, 0.0)
@@ -105,8 +115,9 @@ def compare(scorers: dict[str, Callable], sequences: list[list[int]]) -> dict[st
     for ids in sequences:
         for start in range(0, len(ids) - 1, CHUNK):
             chunk = ids[start : start + CHUNK + 1]
-            targets = torch.tensor(chunk[1:])
-            logits = {name: scorer(chunk[:-1]) for name, scorer in scorers.items()}
+            skip = max(0, scored_from - 1 - start)  # predictions of tokens before scored_from
+            targets = torch.tensor(chunk[1 + skip :])
+            logits = {name: scorer(chunk[:-1])[skip:] for name, scorer in scorers.items()}
             top = logits[names[0]].argmax(-1)
             total += len(targets)
             for name, these in logits.items():
@@ -117,6 +128,15 @@ def compare(scorers: dict[str, Callable], sequences: list[list[int]]) -> dict[st
         name: {"tokens": total, "top1": agree[name] / total, "ppl": math.exp(nll[name] / total)}
         for name in names
     }
+
+
+def greedy_text(reference: LLM, prompts: list, tokens: int) -> list[list[int]]:
+    """Each prompt (a string or token ids) followed by the reference's greedy continuation,
+    `tokens` generated in all."""
+    greedy = SamplingParams(temperature=0, max_tokens=-(-tokens // len(prompts)), ignore_eos=True)
+    as_inputs = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
+    outputs = reference.generate(as_inputs, greedy, use_tqdm=False)
+    return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outputs]
 
 
 def main() -> None:
@@ -134,6 +154,7 @@ def main() -> None:
         help="the quantized engine's (auto: float16 for quantized weights in float32)",
     )
     parser.add_argument("--llama-cpp", action="store_true", help="score llama-cpp-python too")
+    parser.add_argument("--float32", action="store_true", help="score the weights in fp32 too")
     args = parser.parse_args()
     common = dict(model=args.model, dtype=args.dtype, num_kv_blocks=2 * CHUNK, max_model_len=4096)
     reference = LLM(quantization="none", **common)
@@ -148,19 +169,24 @@ def main() -> None:
     }
     if args.llama_cpp:
         scorers["llama.cpp"] = llama_cpp_logits(args.model, torch.get_num_threads())
+    if args.float32:
+        fp32 = LLM(**{**common, "dtype": "float32"}, quantization="none")
+        scorers["float32"] = partial(all_logits, fp32)
     tokenizer = reference.engine.tokenizer
-    text = tokenizer.encode(HELD_OUT.read_text())[: args.tokens + 1]
-    per_prompt = -(-args.tokens // len(PROMPTS))
-    greedy = SamplingParams(temperature=0, max_tokens=per_prompt, ignore_eos=True)
-    outputs = reference.generate(PROMPTS, greedy, use_tqdm=False)
-    own = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outputs]
+    held_out = tokenizer.encode(HELD_OUT.read_text())
+    windows = [held_out[i * len(held_out) // WINDOWS :][:HELD_OUT_PROMPT] for i in range(WINDOWS)]
     print(f"{args.model} on {cpu_description()}, {reference.engine.runner.dtype}")
-    for text_name, sequences in (("held-out text", [text]), ("greedy text", own)):
-        results = compare(scorers, sequences)
+    measures = (
+        ("held-out text", [held_out[: args.tokens + 1]], 1),
+        ("greedy text", greedy_text(reference, PROMPTS, args.tokens), 1),
+        ("held-out greedy", greedy_text(reference, windows, args.tokens), HELD_OUT_PROMPT),
+    )
+    for text_name, sequences, scored_from in measures:
+        results = compare(scorers, sequences, scored_from)
         ref = results.pop("reference")
         for name, r in results.items():
             print(
-                f"{text_name:14s} {name:9s} {r['tokens']:5d} tokens: top-1 agreement "
+                f"{text_name:15s} {name:9s} {r['tokens']:5d} tokens: top-1 agreement "
                 f"{r['top1']:.1%}, perplexity {ref['ppl']:.3f} -> {r['ppl']:.3f} "
                 f"({r['ppl'] / ref['ppl'] - 1:+.2%})"
             )
