@@ -573,8 +573,13 @@ def _parameters_in_(model: torch.nn.Module, dtype: torch.dtype) -> None:
 def _parts_key(weights: list[QuantWeight]) -> tuple:
     """A quantized linear's parts, (format, out, in) each, flat: the kernel choice times a
     linear's parts together, as a step runs them (a fused qkv's small k and v parts alone can
-    favour another kernel than the whole)."""
-    return tuple(x for w in weights for x in (w.format, w.out_features, w.in_features))
+    favour another kernel than the whole). Weights of one scale a row (`row_scales`) run other
+    kernels than the format's own: their format is named apart."""
+    return tuple(
+        x
+        for w in weights
+        for x in (w.format + ("-row-scales" if w.row_scales else ""), w.out_features, w.in_features)
+    )
 
 
 def _weight_tensors(model: torch.nn.Module):

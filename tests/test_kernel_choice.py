@@ -265,3 +265,16 @@ def test_a_linears_parts_are_timed_together(private_cache, monkeypatch):
     key = ("Q8_0", 64, 64, "Q8_0", 32, 64)
     assert kernel_choice.int8_max_rows({key: [q, kv]}) == {key: 8}
     assert timed == [[q, kv]]
+
+
+def test_weights_of_a_scale_a_row_are_timed_apart_from_their_formats_others():
+    """`row_scales` weights run their own kernel (one rescale a product on AMX): a choice timed
+    on Q8_256 weights of a scale a super-block must not serve them, nor theirs the others."""
+    from paged_backend.gguf.quantize import int8_weight
+    from paged_backend.model_runner import _parts_key
+
+    weight = torch.randn(64, 256)
+    plain, rows = int8_weight(weight, strips=False), int8_weight(weight, False, row_scales=True)
+    assert plain.format == rows.format and plain.data.shape == rows.data.shape
+    assert _parts_key([plain]) != _parts_key([rows])
+    assert _parts_key([plain]) == _parts_key([int8_weight(weight * 2, strips=False)])
