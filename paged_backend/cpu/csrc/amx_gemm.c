@@ -481,38 +481,55 @@ void q8_256_tiles_amx(const uint8_t *levels, int64_t strip_step, int strips, int
     restore_tiles(before);
 }
 
+/* Row r's 32 outputs of a strip (its integer sums in c) times the strip's scales d and the row's
+ * scale xs, into out at `at`: `rescaled` and the VNNI GEMM's store, so its bits. */
+static inline void store_rescaled(int32_t c[2][2][16][16], const float *d, float xs, int r,
+                                  void *out, int out_bf16, int64_t at) {
+    __m512 s = _mm512_set1_ps(xs);
+    for (int b = 0; b < 2; b++)
+        store_outputs16(out, out_bf16, at + 16 * b, rescaled(c[r / 16][b][r % 16], d + 16 * b, s));
+}
+
 /* `q8_256_tiles_amx` for strips whose outputs each have one scale (every super-block's the
  * same: `int8_weight`'s per-channel scales) and rows of activations with one scale each
  * (`quantize_activations` of whole rows; `offsets`: a row's one total): a strip's integer sums
- * run through all of k in the tiles, starting at -offset, and are rescaled once, so the tiles never wait for
- * vector work (1B shapes at 512 rows: 1.15-1.7x the per-super-block kernel). Strips in turn: the
- * rows' x (32 x k bytes) stay in the L2 beside the strips' weights. */
+ * run through all of k in the tiles, starting at -offset, and are rescaled once, so the tiles
+ * never wait for a super-block's vector work (1B shapes at 512 rows: 1.15-1.7x the
+ * per-super-block kernel). The rows' x (32 x k bytes) stay in the L2 beside the strips' weights.
+ * Each strip's outputs go straight to out (rows r0.., columns col + 32 p), rescaled a share of
+ * its rows after each super-block of the next strip's tile steps, so that the vector work and
+ * its stores (a line of each of 32 output rows) run while the tiles do: rescaled after the strip,
+ * into a buffer the caller then stored, they had taken ~20% of a 512-row product at k = 2,048. */
 void q8_256_channels_amx(const uint8_t *levels, int64_t strip_step, int strips,
                          int64_t levels_step, const float *dm, int64_t k, const int8_t *xq,
-                         const float *xd, const int32_t *offsets, int64_t kp, int rows,
-                         float out[][32][32]) {
-    int32_t c[2][2][16][16] __attribute__((aligned(64)));
-    int32_t start[2][16][16] __attribute__((aligned(64))); /* -offset, each row's 16 times */
+                         const float *xd, const int32_t *offsets, int64_t kp, int rows, void *out,
+                         int out_bf16, int64_t out_stride, int64_t r0, int64_t col) {
+    int32_t c[2][2][2][16][16] __attribute__((aligned(64))); /* two strips' sums in turn */
+    int32_t start[2][16][16] __attribute__((aligned(64)));   /* -offset, each row's 16 times */
     int m0 = rows < 16 ? rows : 16, m1 = rows - m0;
     int64_t blocks = k / 256;
     tile_config before = saved_tiles();
     configure_tiles(m0, m1 ? m1 : 16);
     for (int r = 0; r < rows; r++)
         _mm512_store_si512(start[r / 16][r % 16], _mm512_set1_epi32(-offsets[r]));
-    for (int p = 0; p < strips; p++) {
-        const uint8_t *strip = levels + p * strip_step;
-        sums_from(start, m1);
-        for (int64_t sb = 0; sb < blocks; sb++) {
-            const uint8_t *lv = strip + sb * levels_step;
-            const int8_t *x = xq + sb * 256, *x1 = x + 16 * kp;
-            for (int q = 0; q < 4; q++) inputs_on_tiles(x, x1, kp, lv, q, m1);
-        }
-        sums_to(c, m1);
-        const float *d = (const float *)((const uint8_t *)dm + p * strip_step);
-        for (int r = 0; r < rows; r++) {
-            __m512 xs = _mm512_set1_ps(xd[r * (kp / 32)]);
-            for (int b = 0; b < 2; b++)
-                _mm512_store_ps(out[p][r] + 16 * b, rescaled(c[r / 16][b][r % 16], d + 16 * b, xs));
+    for (int p = 0; p <= strips; p++) {
+        const float *d = p ? (const float *)((const uint8_t *)dm + (p - 1) * strip_step) : NULL;
+        if (p < strips) {
+            const uint8_t *strip = levels + p * strip_step;
+            sums_from(start, m1);
+            for (int64_t sb = 0; sb < blocks; sb++) {
+                const int8_t *x = xq + sb * 256;
+                for (int q = 0; q < 4; q++)
+                    inputs_on_tiles(x, x + 16 * kp, kp, strip + sb * levels_step, q, m1);
+                for (int r = (int)(rows * sb / blocks); p > 0 && r < rows * (sb + 1) / blocks; r++)
+                    store_rescaled(c[(p - 1) % 2], d, xd[r * (kp / 32)], r, out, out_bf16,
+                                   (r0 + r) * out_stride + col + 32 * (p - 1));
+            }
+            sums_to(c[p % 2], m1);
+        } else {
+            for (int r = 0; r < rows; r++)
+                store_rescaled(c[(p - 1) % 2], d, xd[r * (kp / 32)], r, out, out_bf16,
+                               (r0 + r) * out_stride + col + 32 * (p - 1));
         }
     }
     restore_tiles(before);

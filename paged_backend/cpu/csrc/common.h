@@ -273,8 +273,8 @@ void gemm_bf16_amx(const bf16 *, int64_t, int64_t, const bf16 *, int64_t, int64_
 void q8_256_tiles_amx(const uint8_t *, int64_t, int, int64_t, const float *, int64_t, int64_t,
                       const int8_t *, const float *, const int32_t *, int64_t, int, float[][32][32]);
 void q8_256_channels_amx(const uint8_t *, int64_t, int, int64_t, const float *, int64_t,
-                         const int8_t *, const float *, const int32_t *, int64_t, int,
-                         float[][32][32]);
+                         const int8_t *, const float *, const int32_t *, int64_t, int, void *, int,
+                         int64_t, int64_t, int64_t);
 void dequantize_rows_bf16(int, const uint8_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
                           int64_t, bf16 *);
 int quant_gemm_amx(int, const uint8_t *, int64_t, int64_t, int64_t, const bf16 *, int64_t, int64_t,
@@ -282,6 +282,20 @@ int quant_gemm_amx(int, const uint8_t *, int64_t, int64_t, int64_t, const bf16 *
 void attention_scores_amx(const bf16 *, int, int64_t, const bf16 *, int64_t, float *, int64_t);
 void attention_values_amx(const bf16 *, int, int64_t, const bf16 *, int64_t, int64_t, const float *,
                           float *);
+#endif
+
+#ifdef __AVX512F__
+/* out[at..at + 16) = v, as `store_output` stores each (its rounding to bf16, in 16 lanes). */
+static inline void store_outputs16(void *out, int out_bf16, int64_t at, __m512 v) {
+    if (!out_bf16) {
+        _mm512_storeu_ps((float *)out + at, v);
+        return;
+    }
+    __m512i u = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16)));
+}
 #endif
 
 /* GeGLU's gelu (tanh approximation) as g * sigmoid(z): 0.5 (1 + tanh(u)) = sigmoid(2u), so

@@ -412,18 +412,6 @@ static __attribute__((noinline)) void vnni_legacy_tile(int type, int rows, const
 #undef TILE
 }
 
-/* out[at..at + 16) = v, as `store_output` stores each (its rounding to bf16, in 16 lanes). */
-static inline void store_outputs16(void *out, int out_bf16, int64_t at, __m512 v) {
-    if (!out_bf16) {
-        _mm512_storeu_ps((float *)out + at, v);
-        return;
-    }
-    __m512i u = _mm512_castps_si512(v);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16)));
-}
-
 /* Rows [r0, r0 + rows) of a strip's outputs (tile[r][0..32), from column col) into out. */
 static void store_tile(void *out, int out_bf16, int64_t out_stride, int64_t r0, int rows,
                        int64_t col, float (*tile)[32]) {
@@ -496,12 +484,13 @@ static void q8_256_panels_amx(const uint8_t *w, int64_t row_bytes, int64_t first
             const int8_t *x = xq + r0 * kp;
             const float *x_d = xd + r0 * (kp / 32);
             const int32_t *offset = offsets + r0 * (row_scales ? 1 : k / 256);
-            if (row_scales)
+            if (row_scales) {
                 q8_256_channels_amx(s.levels, strip_step, strips, s.levels_step, s.dm, k, x, x_d,
-                                    offset, kp, mt, tiles);
-            else
-                q8_256_tiles_amx(s.levels, strip_step, strips, s.levels_step, s.dm, s.dm_step, k,
-                                 x, x_d, offset, kp, mt, tiles);
+                                    offset, kp, mt, out, out_bf16, out_stride, r0, 32 * st);
+                continue;
+            }
+            q8_256_tiles_amx(s.levels, strip_step, strips, s.levels_step, s.dm, s.dm_step, k, x,
+                             x_d, offset, kp, mt, tiles);
             for (int p = 0; p < strips; p++)
                 store_tile(out, out_bf16, out_stride, r0, mt, 32 * (st + p), tiles[p]);
         }
