@@ -161,21 +161,23 @@ def test_activations_of_one_scale_a_row():
 
 
 @needs_vnni
-def test_q8_256_of_one_scale_a_row_is_its_integer_sums_scaled_once_in_any_step():
+@pytest.mark.parametrize("k", [256, 768])
+def test_q8_256_of_one_scale_a_row_is_its_integer_sums_scaled_once_in_any_step(k):
     """`row_scales` Q8_256 (VNNI strips) times activations of one scale a row: every step (1 to
     70 rows, 1 or 2 threads, 10 strips; the head's argmax slices) gives the same bits, the exact
     integer sums of levels times the product of the two scales, fp32 (on AMX,
     `q8_256_channels_amx`: bit for bit; elsewhere the VNNI GEMM adds a super-block's products
-    at a time)."""
-    weight = torch.randn(320, 768)
+    at a time), and in bf16 those rounded once. One super-block (k = 256): a strip's rows are
+    all rescaled within the next strip's one step."""
+    weight = torch.randn(320, k)
     w = int8_weight(weight, row_scales=True)
     assert w.format == "Q8_256_VNNI" and w.row_scales
-    blocks = q8_256_blocks(weight, row_scales=True).data.view(320, 3, 260)
-    levels = blocks[..., :256].contiguous().view(torch.int8).reshape(320, 768).long()
+    blocks = q8_256_blocks(weight, row_scales=True).data.view(320, k // 256, 260)
+    levels = blocks[..., :256].contiguous().view(torch.int8).reshape(320, k).long()
     d = blocks[:, 0, 256:].contiguous().view(torch.float32).view(320)
-    x = torch.randn(70, 768)
+    x = torch.randn(70, k)
     xq, xd, _ = quantize_activations(x, 0)
-    expected = (xq[:, :768].long() @ levels.T).float() * (d[None, :] * xd[:, :1])
+    expected = (xq[:, :k].long() @ levels.T).float() * (d[None, :] * xd[:, :1])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -184,6 +186,8 @@ def test_q8_256_of_one_scale_a_row_is_its_integer_sums_scaled_once_in_any_step()
             torch.set_num_threads(count)
             for rows in (1, 3, 16, 40, 70):
                 assert torch.equal(quant_matmul(x[:rows], [w]), full[:rows])
+        bf16 = quant_matmul(x, [w], torch.bfloat16)
+        assert torch.equal(bf16, full.to(torch.bfloat16))
     finally:
         torch.set_num_threads(threads)
     for first, out in QuantLinear([w])._slices(x, 320, 64):  # the head's argmax: its bits too
