@@ -270,6 +270,28 @@ def test_dequantized_gemm_is_the_bf16_product_with_the_dequantized_weight(fmt, r
 
 
 @needs_bf16_gemm
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0"])
+def test_dequantized_gemm_of_long_rows_in_pieces_keeps_the_bf16_gemms_bits(fmt):
+    """A step whose x is 4 MiB or more at k past ~5,000 runs k in pieces on AMX (the sums held
+    between them, `quant_gemm_amx`): here 300 rows of 8,448 inputs, pieces of 4,352 and 4,096
+    inputs, a partial last row tile, 160 outputs split by 1 or 2 threads. The same bits as the
+    bf16 GEMM on the dequantized weight, which sums k in one run."""
+    k = 8448
+    w = random_weight(fmt, 160, k, seed=3)
+    x = torch.randn(300, k).to(torch.bfloat16)
+    packed = cpu_ops.pack_gemm_weight(dequantize(w).to(torch.bfloat16))
+    expected = cpu_ops.gemm(x, packed, torch.float32)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert torch.equal(quant_gemm_bf16(x, [w]), expected)
+            assert torch.equal(quant_gemm_bf16(x, [w], torch.bfloat16), expected.bfloat16())
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_bf16_gemm
 def test_dequantized_gemms_of_two_threads_at_once_keep_their_own_results():
     """Two engines in one process step from two Python threads: each thread's dequantized GEMM
     has buffers of its own (a shared one mixed their weights)."""

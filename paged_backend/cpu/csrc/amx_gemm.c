@@ -237,6 +237,16 @@ static inline void store_accumulator(int t, float c[16][16]) {
     }
 }
 
+/* Accumulator tile t (0-3) from c: `store_accumulator`'s inverse. */
+static inline void load_accumulator(int t, float c[16][16]) {
+    switch (t) {
+    case 0: _tile_loadd(0, c, 64); break;
+    case 1: _tile_loadd(1, c, 64); break;
+    case 2: _tile_loadd(2, c, 64); break;
+    default: _tile_loadd(3, c, 64);
+    }
+}
+
 /* `tile_steps`' sums (16 outputs x m rows a tile) transposed into out: rows r0 + 16t + r (m0 of
  * row tile 0, m1 of 1; `n` apart), columns col + 16b + [0, 16). */
 static void store_sums(int nb, int m0, int m1, void *out, int64_t n, int64_t r0, int64_t col,
@@ -293,8 +303,8 @@ static inline void ask_for_rows(const uint8_t *w, int64_t row_bytes, int64_t j1,
  * those rows' B tiles are read from memory once a strip. */
 static void weight_strip_on_tiles(int type, const uint8_t *w, int64_t row_bytes, int64_t j0,
                                   int nb, int64_t k, const bf16 *xt, int64_t rows, bf16 *strip,
-                                  int64_t ks, void *out, int64_t n, int out_bf16, int *m0,
-                                  int *m1) {
+                                  int64_t ks, int64_t kc, float (*held)[16][16], void *out,
+                                  int64_t n, int out_bf16, int *m0, int *m1) {
     int64_t steps = k / 32, j1 = j0 + 16 * nb;
     if (rows <= 32) {
         enum { CS = 256 + 32 }; /* the chunk's row stride: a line more, off the rows' L1 set */
@@ -317,23 +327,36 @@ static void weight_strip_on_tiles(int type, const uint8_t *w, int64_t row_bytes,
         store_sums(nb, *m0, *m1, out, n, 0, j0, out_bf16);
         return;
     }
-    for (int part = 0; part < 4 * nb; part++) { /* 4 rows at a time */
-        if (part + 2 < 4 * nb) ask_for_rows(w, row_bytes, j0 + 4 * (part + 2), 4, 0, 1);
-        dequantize_rows_bf16(type, w, row_bytes, j0 + 4 * part, 4, 0, k, ks, strip + 4 * part * ks);
-    }
-    int64_t tiles = (rows + 31) / 32, asking = tiles < 4 ? tiles : 4;
-    for (int64_t r0 = 0; r0 < rows; r0 += 32) {
-        row_tiles_at(r0, rows, m0, m1);
-        const bf16 *x0 = xt + r0 / 16 * steps * 512;
-        int64_t before_end = tiles - r0 / 32; /* this row tile's place from the last, 1 for it */
-        if (before_end <= asking)
-            ask_for_rows(w, row_bytes, j1, 16 * nb, (int)(asking - before_end), (int)asking);
-        for (int b = 0; b < nb; b += 2) {
-            int pair = nb - b < 2 ? 1 : 2;
-            const bf16 *a = strip + 16 * b * ks;
-            zero_sums(pair, *m1 > 0);
-            tile_steps(a, a + 16 * ks, ks * 2, x0, x0 + steps * 512, steps, pair, *m1 > 0);
-            store_sums(pair, *m0, *m1, out, n, r0, j0 + 16 * b, out_bf16);
+    for (int64_t k0 = 0; k0 < k; k0 += kc) { /* pieces of k (one, but for the longest rows) */
+        int64_t k1 = k - k0 < kc ? k : k0 + kc;
+        for (int part = 0; part < 4 * nb; part++) { /* 4 rows at a time */
+            if (part + 2 < 4 * nb) ask_for_rows(w, row_bytes, j0 + 4 * (part + 2), 4, 0, 1);
+            dequantize_rows_bf16(type, w, row_bytes, j0 + 4 * part, 4, k0, k1, ks,
+                                 strip + 4 * part * ks);
+        }
+        int64_t tiles = (rows + 31) / 32, asking = k1 < k ? 0 : tiles < 4 ? tiles : 4;
+        for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+            row_tiles_at(r0, rows, m0, m1);
+            const bf16 *x0 = xt + (r0 / 16 * steps + k0 / 32) * 512;
+            int64_t before_end = tiles - r0 / 32; /* this row tile's place from the last, 1 for it */
+            if (before_end <= asking)
+                ask_for_rows(w, row_bytes, j1, 16 * nb, (int)(asking - before_end), (int)asking);
+            for (int b = 0; b < nb; b += 2) {
+                int pair = nb - b < 2 ? 1 : 2, two = *m1 > 0;
+                const bf16 *a = strip + 16 * b * ks;
+                float(*sums)[16][16] = held + (r0 / 16 * nb + 2 * b); /* [2b' + t]: block b + b' */
+                if (k0 == 0)
+                    zero_sums(pair, two);
+                else
+                    for (int c = 0; c < 2 * pair; c++)
+                        if (two || c % 2 == 0) load_accumulator(c, sums[c]);
+                tile_steps(a, a + 16 * ks, ks * 2, x0, x0 + steps * 512, (k1 - k0) / 32, pair, two);
+                if (k1 == k)
+                    store_sums(pair, *m0, *m1, out, n, r0, j0 + 16 * b, out_bf16);
+                else
+                    for (int c = 0; c < 2 * pair; c++)
+                        if (two || c % 2 == 0) store_accumulator(c, sums[c]);
+            }
         }
     }
 }
@@ -341,6 +364,18 @@ static void weight_strip_on_tiles(int type, const uint8_t *w, int64_t row_bytes,
 /* The calling thread's B tiles of x, grown to the largest step it has served. */
 static __thread bf16 *b_tiles;
 static __thread int64_t b_tiles_bytes;
+/* Each thread's sums held between pieces of k (`weight_strip_on_tiles`), grown likewise. */
+static __thread float (*held_sums)[16][16];
+static __thread int64_t held_sums_bytes;
+
+/* *buffer of at least `need` bytes (64-aligned), grown where smaller; 0 where it could not be. */
+static int grown(void **buffer, int64_t *bytes, int64_t need) {
+    if (need <= *bytes) return 1;
+    free(*buffer);
+    *buffer = aligned_alloc(64, (size_t)((need + 63) / 64 * 64));
+    *bytes = *buffer ? need : 0;
+    return *buffer != NULL;
+}
 
 /* `quant_gemm_bf16` on the tiles for weights in rows of GGUF blocks (k a multiple of 32, n of
  * 16): x laid out as B tiles once, then each thread dequantizes 32-128 weight rows at a time
@@ -350,35 +385,43 @@ int quant_gemm_amx(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row
                    const bf16 *x, int64_t rows, int64_t x_stride, void *out, int out_bf16,
                    int64_t out_stride, bf16 *work, int threads) {
     int64_t need = (rows + 15) / 16 * 16 * k * (int64_t)sizeof(bf16), blocks = n / 16;
-    if (need > b_tiles_bytes) {
-        free(b_tiles);
-        b_tiles = aligned_alloc(64, (size_t)need);
-        b_tiles_bytes = b_tiles ? need : 0;
-        if (!b_tiles) return 0;
-    }
+    if (!grown((void **)&b_tiles, &b_tiles_bytes, need)) return 0;
     bf16 *xt = b_tiles;
-    /* The strip's rows a line further apart than k (at k of 2,048 or more a tile's 16 rows had
-     * shared an L1 set: 4,096 x 512 rows 1.15x slower). Steps of many rows take up to
+    /* The strip's rows a line further apart than its inputs (at k of 2,048 or more a tile's 16
+     * rows had shared an L1 set: 4,096 x 512 rows 1.15x slower). Steps of many rows take up to
      * DEQUANTIZED_ROWS of them a strip, as many as keep it within ~1.25 MiB (with a row tile's
-     * x, the L2 holds it): 64 outputs a strip instead of 32 read each row's x half as often. */
-    int64_t ks = k + 32, span = 2;
+     * x, the L2 holds it): 64 outputs a strip instead of 32 read each row's x half as often.
+     * Where a step's x is 4 MiB or more (it streams from the L3 once a strip) and 128 rows would
+     * not fit, k runs in pieces of whole 256-input chunks that let them: at k = 8,192 (a down
+     * projection) strips of 64 outputs had held the tiles to ~0.7 TFLOP/s a core at 512 rows
+     * (pieces of 4,096: 1.15-1.2x; 3,072 x 14,336 in three: 1.56x; at 128 rows and fewer, where
+     * x stays in the L2, pieces were 0.94-0.99x). Each strip's sums wait in `held` between pieces,
+     * stored and loaded as the tiles hold them: the same bits. */
+    int64_t kc = k, span = 2;
+    while (rows > 32 && rows * k * 2 >= (4 << 20) && kc > 256 &&
+           DEQUANTIZED_ROWS * (kc + 32) * 2 > (5 << 18))
+        kc = (k / ((k + kc - 1) / kc + 1) + 255) / 256 * 256;
+    int64_t ks = kc + 32;
     while (rows > 32 && span < DEQUANTIZED_ROWS / 16 && 16 * (span + 2) * ks * 2 <= (5 << 18))
         span += 2;
-#pragma omp parallel num_threads(threads) if (threads > 1)
+    int ok = 1;
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(&& : ok)
     {
         x_as_b_tiles(x, rows, x_stride, k, xt);
         int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();
         int64_t nb0 = blocks * t / parts, nb1 = blocks * (t + 1) / parts;
+        int64_t held_bytes = kc < k ? (rows + 31) / 32 * 2 * span * 1024 : 0;
+        ok = grown((void **)&held_sums, &held_sums_bytes, held_bytes);
         tile_config before = saved_tiles();
         int m0 = -1, m1 = -1; /* the row tiles configured */
-        for (int64_t nb = nb0; nb < nb1; nb += span)
+        for (int64_t nb = nb0; ok && nb < nb1; nb += span)
             weight_strip_on_tiles(type, w, row_bytes, 16 * nb,
                                   nb1 - nb < span ? (int)(nb1 - nb) : (int)span, k, xt, rows,
-                                  work + t * DEQUANTIZED_ROWS * ks, ks, out, out_stride, out_bf16,
-                                  &m0, &m1);
+                                  work + t * DEQUANTIZED_ROWS * ks, ks, kc, held_sums, out,
+                                  out_stride, out_bf16, &m0, &m1);
         restore_tiles(before);
     }
-    return 1;
+    return ok;
 }
 
 /* Tiles 0-3 += inputs [64q, 64q + 64) of a super-block: rows x (and x1, 16 rows on, where m1)
