@@ -298,9 +298,11 @@ static inline void ask_for_rows(const uint8_t *w, int64_t row_bytes, int64_t j1,
 
 /* A weight strip's part of `quant_gemm_amx`: weight rows j0 .. j0 + 16 nb, each dequantized
  * once. Steps of up to 32 rows (nb <= 2) take the strip a chunk (256 inputs) at a time through
- * an L1 buffer, the sums staying in the tiles; larger ones dequantize it whole into `strip`
- * (rows ks apart, in L2) and run each 32 rows of x through its 32-output parts in turn, so that
- * those rows' B tiles are read from memory once a strip. */
+ * an L1 buffer, the sums staying in the tiles; larger ones dequantize it into `strip` (rows ks
+ * apart, in L2) kc inputs at a time (all of k but for the longest rows, see `quant_gemm_amx`)
+ * and run each 32 rows of x through its 32-output parts in turn, so that those rows' B tiles are
+ * read from memory once a strip (a piece); their sums wait in `held` ([row tile][block] of the
+ * tiles' layout) from one piece to the next. */
 static void weight_strip_on_tiles(int type, const uint8_t *w, int64_t row_bytes, int64_t j0,
                                   int nb, int64_t k, const bf16 *xt, int64_t rows, bf16 *strip,
                                   int64_t ks, int64_t kc, float (*held)[16][16], void *out,
