@@ -270,15 +270,24 @@ def test_dequantized_gemm_is_the_bf16_product_with_the_dequantized_weight(fmt, r
 
 
 @needs_bf16_gemm
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0"])
-def test_dequantized_gemm_of_long_rows_in_pieces_keeps_the_bf16_gemms_bits(fmt):
+@pytest.mark.parametrize(
+    ("fmt", "n", "rows", "k"),
+    [
+        ("Q4_K", 160, 300, 8448),
+        ("Q6_K", 160, 300, 8448),
+        ("Q8_0", 160, 300, 8448),
+        ("Q8_0", 16, 33, 262144),
+    ],
+)
+def test_dequantized_gemm_of_long_rows_in_pieces_keeps_the_bf16_gemms_bits(fmt, n, rows, k):
     """A step whose x is 4 MiB or more at k past ~5,000 runs k in pieces on AMX (the sums held
-    between them, `quant_gemm_amx`): here 300 rows of 8,448 inputs, pieces of 4,352 and 4,096
-    inputs, a partial last row tile, 160 outputs split by 1 or 2 threads. The same bits as the
-    bf16 GEMM on the dequantized weight, which sums k in one run."""
-    k = 8448
-    w = random_weight(fmt, 160, k, seed=3)
-    x = torch.randn(300, k).to(torch.bfloat16)
+    between them, `quant_gemm_amx`): 300 rows of 8,448 inputs take pieces of 4,352 and 4,096
+    inputs, a partial last row tile, 160 outputs split by 1 or 2 threads; 262,144 inputs take 54
+    pieces (where a piece's rounding up to 256 inputs once kept their count, choosing them had
+    not ended). The same bits as the bf16 GEMM on the dequantized weight, which sums k in one
+    run."""
+    w = random_weight(fmt, n, k, seed=3)
+    x = torch.randn(rows, k).to(torch.bfloat16)
     packed = cpu_ops.pack_gemm_weight(dequantize(w).to(torch.bfloat16))
     expected = cpu_ops.gemm(x, packed, torch.float32)
     before = torch.get_num_threads()

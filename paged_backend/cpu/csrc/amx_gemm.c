@@ -400,9 +400,10 @@ int quant_gemm_amx(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row
      * x stays in the L2, pieces were 0.94-0.99x). Each strip's sums wait in `held` between pieces,
      * stored and loaded as the tiles hold them: the same bits. */
     int64_t kc = k, span = 2;
-    while (rows > 32 && rows * k * 2 >= (4 << 20) && kc > 256 &&
-           DEQUANTIZED_ROWS * (kc + 32) * 2 > (5 << 18))
-        kc = (k / ((k + kc - 1) / kc + 1) + 255) / 256 * 256;
+    for (int64_t pieces = 2; rows > 32 && rows * k * 2 >= (4 << 20) && kc > 256 &&
+                             DEQUANTIZED_ROWS * (kc + 32) * 2 > (5 << 18);
+         pieces++)
+        kc = (k / pieces + 255) / 256 * 256;
     int64_t ks = kc + 32;
     while (rows > 32 && span < DEQUANTIZED_ROWS / 16 && 16 * (span + 2) * ks * 2 <= (5 << 18))
         span += 2;
