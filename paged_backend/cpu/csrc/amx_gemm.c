@@ -370,14 +370,6 @@ static __thread int64_t b_tiles_bytes;
 static __thread float (*held_sums)[16][16];
 static __thread int64_t held_sums_bytes;
 
-/* *buffer of at least `need` bytes (64-aligned), grown where smaller; 0 where it could not be. */
-static int grown(void **buffer, int64_t *bytes, int64_t need) {
-    if (need <= *bytes) return 1;
-    free(*buffer);
-    *buffer = aligned_alloc(64, (size_t)((need + 63) / 64 * 64));
-    *bytes = *buffer ? need : 0;
-    return *buffer != NULL;
-}
 
 /* `quant_gemm_bf16` on the tiles for weights in rows of GGUF blocks (k a multiple of 32, n of
  * 16): x laid out as B tiles once, then each thread dequantizes 32-128 weight rows at a time

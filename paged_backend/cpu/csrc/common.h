@@ -3,6 +3,7 @@
 #define PAGED_BACKEND_COMMON_H
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -14,6 +15,16 @@
 static inline int omp_get_thread_num(void) { return 0; }
 static inline int omp_get_num_threads(void) { return 1; }
 #endif
+
+/* *buffer of at least `need` bytes (64-aligned), grown where smaller (a thread's buffer kept
+ * from call to call, *bytes its size); 0 where it could not be. */
+static inline int grown(void **buffer, int64_t *bytes, int64_t need) {
+    if (need <= *bytes) return 1;
+    free(*buffer);
+    *buffer = aligned_alloc(64, (size_t)((need + 63) / 64 * 64));
+    *bytes = *buffer ? need : 0;
+    return *buffer != NULL;
+}
 
 /* Row loops of the elementwise ops split over `threads` threads once a step has this many
  * elements: below it, waking the other thread costs more than it saves. A batch-32 decode step

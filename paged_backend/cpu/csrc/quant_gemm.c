@@ -426,13 +426,8 @@ static __thread uint8_t *vnni_buffer;
 static __thread int64_t vnni_buffer_bytes;
 
 static uint8_t *vnni_buffer_for(int64_t k) {
-    int64_t need = vnni_strip_bytes(k);
-    if (need > vnni_buffer_bytes) {
-        free(vnni_buffer);
-        vnni_buffer = aligned_alloc(64, (size_t)((need + 63) / 64 * 64));
-        vnni_buffer_bytes = vnni_buffer ? need : 0;
-    }
-    return vnni_buffer;
+    return grown((void **)&vnni_buffer, &vnni_buffer_bytes, vnni_strip_bytes(k)) ? vnni_buffer
+                                                                                : NULL;
 }
 
 #ifdef AMX_GEMM
@@ -443,14 +438,9 @@ static uint8_t *vnni_buffer_for(int64_t k) {
 static int32_t *superblock_offsets(const int16_t *bsum, int64_t rows, int64_t k, int64_t kp,
                                    int row_scales) {
     static __thread int32_t *buffer;
-    static __thread int64_t length;
+    static __thread int64_t bytes;
     int64_t blocks = k / 256, need = rows * (row_scales ? 1 : blocks);
-    if (need > length) {
-        free(buffer);
-        buffer = malloc((size_t)need * sizeof *buffer);
-        length = buffer ? need : 0;
-        if (!buffer) return NULL;
-    }
+    if (!grown((void **)&buffer, &bytes, need * (int64_t)sizeof *buffer)) return NULL;
     for (int64_t r = 0; r < rows; r++) {
         int32_t row = 0;
         for (int64_t sb = 0; sb < blocks; sb++) {

@@ -890,7 +890,9 @@ void quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_
                   const int8_t *xq, const float *xd, const int16_t *bsum,
                   int64_t rows, void *out, int out_bf16, int64_t out_stride, int threads) {
     int64_t kp = act_stride(k);
-    int row_scales = (type & ROW_SCALES) != 0;
+#ifdef VNNI_GEMM
+    int row_scales = (type & ROW_SCALES) != 0; /* only the VNNI GEMM tells them apart */
+#endif
     type &= ~ROW_SCALES;
 #ifdef LEGACY_VBMI
     if (legacy_matmul_vbmi(type, w, n, k, row_bytes, xq, xd, bsum, rows, out, out_bf16, out_stride,
