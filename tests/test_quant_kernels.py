@@ -450,6 +450,57 @@ def test_rows_have_the_bits_of_one_row_in_steps_of_any_size(fmt):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("fmt", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_largest_levels_by_largest_activations_keep_exact_sums(fmt, sign):
+    """Every level at its largest and every activation level at +-127 (constant rows): the
+    sums a GEMM keeps in int16 (AVX2's, over as many 4-input steps as fit) reach their bound and
+    must not wrap. Each row has the one-row kernel's bits in steps of 6-40 rows (80 outputs: 5
+    strips of 16, split unevenly over two threads), and is the dequantized product."""
+    w = random_weight(fmt, 80, 512, seed=11)
+    blocks = w.data.view(80, 2, BLOCK_FORMATS[fmt][2])
+    scales = {at: blocks[..., at : at + 2].clone() for at in FP16_FIELDS[fmt]}
+    blocks.fill_(255)  # every level, scale and high bit set
+    for at, value in scales.items():
+        blocks[..., at : at + 2] = value
+    x = torch.full((40, 512), sign)
+    alone = torch.cat([quant_matmul(x[i : i + 1], [w]) for i in range(40)])
+    expected = dequantized_activations(x, fmt) @ reference_weight(w).astype(np.float64).T
+    torch.testing.assert_close(alone.double(), torch.from_numpy(expected), rtol=1e-5, atol=0)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in (6, 7, 40):
+                assert torch.equal(quant_matmul(x[:rows], [w]), alone[:rows])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    "avx512f" not in cpu_features(), reason="no AVX-512 here: the tests above run as capped"
+)
+def test_capped_at_avx2_the_gemms_keep_the_bits_of_one_row():
+    """Under ATEN_CPU_CAPABILITY=avx2 (kernels built without AVX-512), the bit-exactness tests of
+    the steps of many rows run again: on an AVX-512 machine they would not reach the AVX2 GEMM
+    and the interleaved-row kernels otherwise."""
+    import os
+    import subprocess
+    import sys
+
+    tests = "rows_have_the_bits or largest_levels or interleaved_by_8 or interleaved_heads"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+        env=dict(os.environ, ATEN_CPU_CAPABILITY="avx2"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1]
+
+
 @pytest.mark.parametrize(
     "fmt, k, data, match",
     [

@@ -7,7 +7,9 @@ its file's bytes, [out rows, bytes a row] (read from the memory-mapped file, the
 pages with every weight), and the C kernels compute with them directly: activations are quantized to
 int8 per block of 32, or of 256 for the K-quants (as llama.cpp does), and the integer dot products
 are scaled back (see the C file for the scheme). With AVX512-VNNI, steps of 4 rows on run a GEMM on
-`vpdpbusd` with the same bits a row. Embedding rows are dequantized as they are looked up.
+`vpdpbusd` with the same bits a row; on AVX2 alone, steps of 6 rows on of a K-quant weight run a
+GEMM of `vpmaddubsw` sums added in int16 (`csrc/avx2_gemm.c`), with the same bits. Embedding rows
+are dequantized as they are looked up.
 
 `QuantLinear` can hold several weights side by side (a fused qkv or gate/up projection whose
 parts a Q4_K_M file stores in different formats): they share one quantization of the

@@ -348,6 +348,61 @@ static inline __attribute__((always_inline)) __m128i block_halves(const uint8_t 
 #undef HALF
 }
 
+/* A K-quant super-block's integer scales, which each group's products are weighted by before
+ * anything is converted to float. Q4_K / Q5_K: w = d * sc_j * q - dmin * m_j (per 32); Q6_K:
+ * w = d * sc_g * (q - 32) (per 16), Q3_K the same with q - 4; Q2_K: Q4_K's per 16. So with one
+ * activation scale xd a super-block,
+ *   dot = isum * (d * xd) - msum * (mfac * xd),
+ * isum = sum_g sc_g (q . x)_g and msum = sum_16 mv_16 * bsum_16 exact integers, mfac = dmin
+ * (mv: the mins) or 32 d / 4 d (mv: the scales). Every kernel (one row, a tile of rows, the VNNI and AVX2 GEMMs)
+ * adds a row's super-blocks in this one float sequence (`k_add`), in order, so that an output
+ * has the same bits whatever kernel and batch computed it. */
+typedef struct {
+    __m256i lo, hi; /* int16 scales in both 128-bit halves: 16-group formats' 0-7 and 8-15; the others' 8 */
+    __m256i mv;     /* int16 per 16 weights */
+    __m128 dm;      /* d, then mfac */
+} k_header;
+
+static inline __attribute__((always_inline)) void k_header_of(int type, const uint8_t *blk,
+                                                              k_header *h) {
+    if (type == Q8_256) { /* no group scales, no offsets: msum is 0 */
+        h->lo = h->hi = h->mv = _mm256_setzero_si256();
+        h->dm = _mm_setr_ps(q8_256_scale(blk), 0.0f, 0.0f, 0.0f);
+        return;
+    }
+    if (type == Q2_K) { /* Q4_K's scheme on 16 groups: 16 scales and 16 mins */
+        __m128i sc8 = q2k_scales_m128(blk);
+        h->lo = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sc8));
+        h->hi = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_srli_si128(sc8, 8)));
+        h->mv = _mm256_cvtepu8_epi16(q2k_mins_m128(blk));
+        uint32_t dm;
+        memcpy(&dm, blk + 80, 4);
+        h->dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+        return;
+    }
+    if (has_signed_scales(type)) {
+        __m128i sc8 = signed_scales_m128(type, blk);
+        h->lo = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc8));
+        h->hi = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(sc8, 8)));
+        h->mv = _mm256_cvtepi8_epi16(sc8);
+        uint16_t d;
+        memcpy(&d, blk + signed_d_at(type), 2);
+        __m128 d4 = _mm_cvtph_ps(_mm_set1_epi16((short)d));
+        float off = signed_offset(type);
+        h->dm = _mm_mul_ps(d4, _mm_setr_ps(1.0f, off, 1.0f, off));
+        return;
+    }
+    uint64_t sc, mins;
+    k4_scales_mins(blk, &sc, &mins);
+    h->lo = h->hi = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)sc)));
+    __m128i doubled = _mm_shuffle_epi8(_mm_cvtsi64_si128((int64_t)mins),
+                                       _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+    h->mv = _mm256_cvtepu8_epi16(doubled);
+    uint32_t dm;
+    memcpy(&dm, blk, 4);
+    h->dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+}
+
 /* A chunk of a legacy format's row (8 blocks of 32, fewer at the row's end). */
 static inline __attribute__((always_inline)) void unpack_kernel_chunk(
     int type, const uint8_t *row, int64_t first, int64_t count, kernel_chunk *c) {
@@ -401,5 +456,18 @@ typedef chunk kernel_chunk;
 int vnni_matmul(int type, int row_scales, const uint8_t *w, int64_t n, int64_t k,
                 int64_t row_bytes, const int8_t *xq, const float *xd, const int16_t *bsum,
                 int64_t rows, void *out, int out_bf16, int64_t out_stride, int threads);
+#endif
+
+#if defined(QUANT_AVX2) && !defined(VNNI_GEMM)
+/* Steps of at least AVX2_MIN_ROWS rows of a K-quant weight (16 outputs a strip, whole
+ * super-blocks) run the AVX2 GEMM (`avx2_gemm.c`): `vpmaddubsw` sums of 4 inputs of 8 outputs,
+ * added in int16, weighted by a group's scales once; the float work a lane an output. */
+#define AVX2_GEMM 1
+#define AVX2_MIN_ROWS 6
+
+/* `quant_matmul`'s product on the AVX2 GEMM; 0 where it could not run. */
+int avx2_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
+                const int8_t *xq, const float *xd, const int16_t *bsum, int64_t rows, void *out,
+                int out_bf16, int64_t out_stride, int threads);
 #endif
 #endif
