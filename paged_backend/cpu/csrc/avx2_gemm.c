@@ -65,6 +65,13 @@ static inline __attribute__((always_inline)) void transpose8x8(__m256i r[8]) {
     }
 }
 
+/* 8 int16 scales as int32 lanes each holding its scale twice (`vpmaddwd` weighs both int16
+ * sums of a lane by it). */
+static inline __m256i scale_pairs(__m128i scales) {
+    __m256i v = _mm256_cvtepi16_epi32(scales);
+    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
+}
+
 /* Super-block sb of weight rows [j0, j0 + 16) into the strip: each group's levels of 8 rows
  * (`k_level`) transposed so that each 4 inputs' 8 outputs are adjacent, and the rows' headers
  * (`k_header_of`'s values) spread an int32 lane an output. */
@@ -86,24 +93,28 @@ static inline __attribute__((always_inline)) void avx2_pack_of(int type, const u
             for (int p = 0; p < 8; p++)
                 _mm256_store_si256((__m256i *)(s->levels + ((64 * sb + 8 * g + p) * 2 + b) * 32), r[p]);
         }
-        int16_t sc[8][16], mv[8][16];
+        __m256i lo[8], hi[8], mv[8]; /* row j's scales of groups 0-7, 8-15, its offset pairs */
         float d[8], mfac[8];
         for (int j = 0; j < 8; j++) {
             k_header h;
             k_header_of(type, blk[j], &h);
-            _mm_storeu_si128((__m128i *)sc[j], _mm256_castsi256_si128(h.lo));
-            _mm_storeu_si128((__m128i *)(sc[j] + 8), _mm256_castsi256_si128(h.hi));
-            _mm256_storeu_si256((__m256i *)mv[j], h.mv);
+            lo[j] = scale_pairs(_mm256_castsi256_si128(h.lo));
+            hi[j] = scale_pairs(_mm256_castsi256_si128(h.hi));
+            mv[j] = h.mv; /* int16 lanes 2t, 2t + 1: int32 lane t is the pair of 16s */
             d[j] = _mm_cvtss_f32(h.dm);
             mfac[j] = _mm_cvtss_f32(_mm_movehdup_ps(h.dm));
         }
-        for (int g = 0; g < groups; g++)
-            for (int j = 0; j < 8; j++)
-                s->scale[((16 * sb + g) * 2 + b) * 8 + j] = (int32_t)((uint16_t)sc[j][g] * 0x10001u);
-        for (int t = 0; t < 8; t++)
-            for (int j = 0; j < 8; j++)
-                s->mv[((8 * sb + t) * 2 + b) * 8 + j] =
-                    (int32_t)((uint16_t)mv[j][2 * t] | ((uint32_t)(uint16_t)mv[j][2 * t + 1] << 16));
+        transpose8x8(lo);
+        transpose8x8(mv);
+        for (int g = 0; g < 8; g++) {
+            _mm256_store_si256((__m256i *)(s->scale + ((16 * sb + g) * 2 + b) * 8), lo[g]);
+            _mm256_store_si256((__m256i *)(s->mv + ((8 * sb + g) * 2 + b) * 8), mv[g]);
+        }
+        if (groups == 16) {
+            transpose8x8(hi);
+            for (int g = 0; g < 8; g++)
+                _mm256_store_si256((__m256i *)(s->scale + ((16 * sb + 8 + g) * 2 + b) * 8), hi[g]);
+        }
         memcpy(s->dm + (4 * sb + b) * 8, d, sizeof d);
         memcpy(s->dm + (4 * sb + 2 + b) * 8, mfac, sizeof mfac);
     }
