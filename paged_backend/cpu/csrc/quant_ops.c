@@ -44,6 +44,13 @@ static inline void block_values(const void *x, int x_bf16, int64_t at, int64_t n
                           : _mm512_loadu_ps((const float *)x + at + i);
         _mm512_storeu_ps(v + i, f);
     }
+#elif defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) {
+        __m256 f = x_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                                _mm_loadu_si128((const __m128i *)((const uint16_t *)x + at + i))), 16))
+                          : _mm256_loadu_ps((const float *)x + at + i);
+        _mm256_storeu_ps(v + i, f);
+    }
 #endif
     for (; i < block; i++) {
         float f = 0.0f;
@@ -67,6 +74,13 @@ static inline float block_amax(const float *v, int64_t block) {
     __m512 m = _mm512_setzero_ps();
     for (; i + 16 <= block; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(v + i)));
     amax = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+    __m256 m = _mm256_setzero_ps();
+    for (; i + 8 <= block; i += 8) /* |v| first: a NaN is passed over, as fmaxf does */
+        m = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(v + i)), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 #endif
     for (; i < block; i++) amax = fmaxf(amax, fabsf(v[i]));
     return amax;
@@ -78,6 +92,16 @@ static inline int levels16(const float *v, float inv, int8_t *q) {
     __m512i l = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v), _mm512_set1_ps(inv)));
     _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(l));
     return _mm512_reduce_add_epi32(l);
+#elif defined(__AVX2__)
+    __m256 s = _mm256_set1_ps(inv);
+    __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v), s));
+    __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8), s));
+    __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8); /* int16 in order */
+    _mm_storeu_si128((__m128i *)q, _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(_mm256_add_epi32(a, b)),
+                              _mm256_extracti128_si256(_mm256_add_epi32(a, b), 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1)));
 #else
     int sum = 0;
     for (int l = 0; l < 16; l++) {
@@ -94,8 +118,9 @@ static inline int levels16(const float *v, float inv, int8_t *q) {
  * scale a row, for Q8_256's per-channel weights): xq [rows][kp] (kp = `act_stride(k)`, zero past
  * k), xd [rows][kp/32] the scale of each 32 (its block's; 0 past k) and bsum [rows][kp/16] each
  * 16's level sum.
- * Levels round to nearest even, as `vcvtps2dq` does (with AVX-512, 16 values at a time: the
- * scalar loop took ~2 ns a value, a tenth of a 256-row product of a 2048 x 2048 Q4_K weight). */
+ * Levels round to nearest even, as `vcvtps2dq` does (with AVX-512 or AVX2, 8-16 values at a
+ * time: the scalar loop took ~2 ns a value, a tenth of a 256-row product of a 2048 x 2048 Q4_K
+ * weight). */
 void quantize_activations(const void *x, int x_bf16, int64_t rows, int64_t k, int64_t x_stride,
                           int64_t block, int8_t *xq, float *xd, int16_t *bsum, int threads) {
     int64_t kp = act_stride(k), size = block > 0 ? block : CHUNK;
