@@ -76,7 +76,7 @@ static inline float block_amax(const float *v, int64_t block) {
     amax = _mm512_reduce_max_ps(m);
 #elif defined(__AVX2__)
     __m256 m = _mm256_setzero_ps();
-    for (; i + 8 <= block; i += 8) /* |v| first: a NaN is passed over, as fmaxf does */
+    for (; i < (block & ~7); i += 8) /* |v| first: a NaN is passed over, as fmaxf does */
         m = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(v + i)), m);
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
@@ -608,56 +608,68 @@ static inline __m256i fifth_of(__m256i bits, int j) {
     return _mm256_and_si256(at4, _mm256_set1_epi8(16));
 }
 
-/* Block `blk` of 8 interleaved rows . activations x (their block's scale xd, 16s' level sums bs):
- * lane r row r's `legacy_value`. */
-static inline __attribute__((always_inline)) __m256 block_value8(int type, const uint8_t *blk,
-                                                                 const int8_t *x, float xd,
-                                                                 const int16_t *bs) {
-    __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk)), xd8 = _mm256_set1_ps(xd);
-    const uint8_t *levels = blk + rows8_levels_at(type);
-    __m256i sums, part[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-    if (type == Q8_0_R8) {
-        for (int u = 0; u < 8; u++) {
-            __m256i q = _mm256_loadu_si256((const __m256i *)(levels + 32 * u));
-            part[u % 2] = _mm256_add_epi32(part[u % 2], dot_bytes(q, broadcast4(x + 4 * u), 1));
-        }
-        sums = _mm256_add_epi32(part[0], part[1]);
-    } else {
-        __m256i bits = type == Q5_0_R8 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
-        for (int u = 0; u < 4; u++) {
-            __m256i q = _mm256_loadu_si256((const __m256i *)(levels + 32 * u));
-            __m256i lo = low_nibbles(q), hi = high_nibbles(q);
-            if (type == Q5_0_R8) {
-                lo = _mm256_or_si256(lo, fifth_of(bits, u));
-                hi = _mm256_or_si256(hi, fifth_of(bits, 4 + u));
-            }
-            __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(x + 4 * u)),
-                                         _mm256_maddubs_epi16(hi, broadcast4(x + 16 + 4 * u)));
-            part[u / 2] = _mm256_add_epi16(part[u / 2], p);
-        }
-        __m256i ones = _mm256_set1_epi16(1);
-        sums = _mm256_add_epi32(_mm256_madd_epi16(part[0], ones), _mm256_madd_epi16(part[1], ones));
-    }
+/* Block `blk` of 8 interleaved rows . R rows of activations (row r's at x + r * kp, its block's
+ * scale xd[r * xd_step], 16s' level sums at bs + r * bs_step): v[r] lane j output j's
+ * `legacy_value`. The levels are taken apart once for the R rows. */
+static inline __attribute__((always_inline)) void block_values8(
+    int type, const int R, const uint8_t *blk, const int8_t *x, int64_t kp, const float *xd,
+    int64_t xd_step, const int16_t *bs, int64_t bs_step, __m256 v[2]) {
+    __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
     __m256 off8 = _mm256_mul_ps(d8, _mm256_set1_ps(type == Q5_0_R8 ? -16.0f : -8.0f));
-    return legacy_scaled(rows8_base(type), sums, d8, off8, xd8, _mm256_set1_epi32(bs[0] + bs[1]));
+    const uint8_t *levels = blk + rows8_levels_at(type);
+    __m256i bits = type == Q5_0_R8 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+    __m256i part[2][2]; /* [row][half of the units] */
+    for (int r = 0; r < R; r++) part[r][0] = part[r][1] = _mm256_setzero_si256();
+    for (int u = 0; u < (type == Q8_0_R8 ? 8 : 4); u++) { /* unit u taken apart once */
+        __m256i l = _mm256_loadu_si256((const __m256i *)(levels + 32 * u));
+        for (int r = 0; r < R && type == Q8_0_R8; r++)
+            part[r][u % 2] = _mm256_add_epi32(part[r][u % 2], dot_bytes(l, broadcast4(x + r * kp + 4 * u), 1));
+        if (type == Q8_0_R8) continue;
+        __m256i lo = low_nibbles(l), hi = high_nibbles(l); /* inputs 4u.., 16 + 4u.. */
+        if (type == Q5_0_R8) {
+            lo = _mm256_or_si256(lo, fifth_of(bits, u));
+            hi = _mm256_or_si256(hi, fifth_of(bits, 4 + u));
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *xr = x + r * kp;
+            __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(xr + 4 * u)),
+                                         _mm256_maddubs_epi16(hi, broadcast4(xr + 16 + 4 * u)));
+            part[r][u / 2] = _mm256_add_epi16(part[r][u / 2], p);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m256i sums = _mm256_add_epi32(part[r][0], part[r][1]);
+        if (type != Q8_0_R8) {
+            __m256i ones = _mm256_set1_epi16(1);
+            sums = _mm256_add_epi32(_mm256_madd_epi16(part[r][0], ones), _mm256_madd_epi16(part[r][1], ones));
+        }
+        const int16_t *b = bs + r * bs_step;
+        v[r] = legacy_scaled(rows8_base(type), sums, d8, off8, _mm256_set1_ps(xd[r * xd_step]),
+                             _mm256_set1_epi32(b[0] + b[1]));
+    }
 }
 
-/* The chunk of 8 interleaved rows at blk (`groups` blocks) . a row's activations there: lane r
- * row r's chunk, in `hsum8`'s tree. */
-static inline __attribute__((always_inline)) __m256 chunk_value8(int type, const uint8_t *blk,
-                                                                 int groups, const int8_t *x,
-                                                                 const float *xd,
-                                                                 const int16_t *bs) {
-    __m256 v[8];
-    for (int g = 0; g < 8; g++)
-        v[g] = g < groups ? block_value8(type, blk + 8 * g * block_bytes(type), x + 32 * g, xd[g], bs + 2 * g)
-                          : _mm256_setzero_ps();
-    return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(v[0], v[4]), _mm256_add_ps(v[2], v[6])),
-                         _mm256_add_ps(_mm256_add_ps(v[1], v[5]), _mm256_add_ps(v[3], v[7])));
+/* The chunk of 8 interleaved rows at blk (`groups` blocks) . R rows of activations there
+ * (`block_values8`'s): acc[r] + lane j output j's chunk, in `hsum8`'s tree. */
+static inline __attribute__((always_inline)) void chunk_values8(
+    int type, const int R, const uint8_t *blk, int groups, const int8_t *x, int64_t kp,
+    const float *xd, const int16_t *bs, __m256 acc[2]) {
+    __m256 v[8][2];
+    for (int g = 0; g < 8; g++) {
+        if (g < groups)
+            block_values8(type, R, blk + 8 * g * block_bytes(type), x + 32 * g, kp, xd + g, kp / 32,
+                          bs + 2 * g, kp / 16, v[g]);
+        else
+            v[g][0] = v[g][1] = _mm256_setzero_ps();
+    }
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm256_add_ps(
+            acc[r], _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(v[0][r], v[4][r]), _mm256_add_ps(v[2][r], v[6][r])),
+                                  _mm256_add_ps(_mm256_add_ps(v[1][r], v[5][r]), _mm256_add_ps(v[3][r], v[7][r]))));
 }
 
-/* Rows [8 i0, 8 i1) of an interleaved weight for activation rows [m0, m0 + mt), each output's
- * chunks added in order, with `type` a constant. */
+/* Rows [8 i0, 8 i1) of an interleaved weight for activation rows [m0, m0 + mt), two at a time,
+ * each output's chunks added in order, with `type` a constant. */
 static inline __attribute__((always_inline)) void rows8_outputs_of(
     int type, const uint8_t *w, int64_t row_bytes, int64_t i0, int64_t i1, int64_t k,
     const int8_t *xq, const float *xd, const int16_t *bsum, int64_t kp, int64_t m0, int64_t mt,
@@ -671,11 +683,15 @@ static inline __attribute__((always_inline)) void rows8_outputs_of(
             const uint8_t *blk = rows + (first / 32) * group_bytes;
             int groups = k - first < CHUNK ? (int)((k - first) / 32) : 8;
             prefetch_ahead(blk, groups * group_bytes);
-            for (int64_t m = 0; m < mt; m++) {
+            for (int64_t m = 0; m < mt; m += 2) {
                 int64_t row = m0 + m;
-                acc[m] = _mm256_add_ps(acc[m], chunk_value8(type, blk, groups, xq + row * kp + first,
-                                                            xd + row * (kp / 32) + first / 32,
-                                                            bsum + row * (kp / 16) + first / 16));
+                const int8_t *x = xq + row * kp + first;
+                const float *x_d = xd + row * (kp / 32) + first / 32;
+                const int16_t *bs = bsum + row * (kp / 16) + first / 16;
+                if (mt - m >= 2)
+                    chunk_values8(type, 2, blk, groups, x, kp, x_d, bs, acc + m);
+                else
+                    chunk_values8(type, 1, blk, groups, x, kp, x_d, bs, acc + m);
             }
         }
         for (int64_t m = 0; m < mt; m++) {
