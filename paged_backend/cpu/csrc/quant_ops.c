@@ -180,9 +180,6 @@ static inline __attribute__((always_inline)) __m256i lane_sums8(const __m256i p[
                             _mm256_permute2x128_si256(lo, hi, 0x31));
 }
 
-/* A legacy chunk's value, lane g block g's, from its blocks' integer sums (lane g), scales d8
- * and offsets off8, and the activations' scales xd and 16s' level sums bs: the float sequence
- * of every legacy kernel. */
 /* The float sequence of every legacy kernel, lane by lane: blocks' integer sums, their scales d8
  * and offsets off8, the activations' block scales xd8 and level sums (ignored for Q8_0). */
 static inline __attribute__((always_inline)) __m256 legacy_scaled(int type, __m256i sums, __m256 d8,
