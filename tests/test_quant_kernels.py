@@ -5,6 +5,9 @@ scales and high bits), rows that end in a partial chunk, any number of activatio
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -485,10 +488,6 @@ def test_capped_at_avx2_the_gemms_keep_the_bits_of_one_row():
     """Under ATEN_CPU_CAPABILITY=avx2 (kernels built without AVX-512), the bit-exactness tests of
     the steps of many rows run again: on an AVX-512 machine they would not reach the AVX2 GEMM
     and the interleaved-row kernels otherwise."""
-    import os
-    import subprocess
-    import sys
-
     tests = "rows_have_the_bits or largest_levels or interleaved_by_8 or interleaved_heads"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],

@@ -168,9 +168,7 @@ static inline __attribute__((always_inline)) void avx2_tile_of(
                 __m256i w0 = _mm256_load_si256((const __m256i *)(lv + 64 * q));
                 __m256i w1 = _mm256_load_si256((const __m256i *)(lv + 64 * q + 32));
                 for (int r = 0; r < R; r++) {
-                    int32_t four;
-                    memcpy(&four, x + r * kp + 4 * q, 4);
-                    __m256i a = _mm256_set1_epi32(four);
+                    __m256i a = broadcast4(x + r * kp + 4 * q);
                     __m256i p0 = _mm256_maddubs_epi16(w0, a), p1 = _mm256_maddubs_epi16(w1, a);
                     t[r][0] = q % flush ? _mm256_add_epi16(t[r][0], p0) : p0;
                     t[r][1] = q % flush ? _mm256_add_epi16(t[r][1], p1) : p1;
@@ -189,9 +187,7 @@ static inline __attribute__((always_inline)) void avx2_tile_of(
             const int32_t *mv = s->mv + (8 * sb + h) * 16;
             __m256i mv0 = _mm256_load_si256((const __m256i *)mv), mv1 = _mm256_load_si256((const __m256i *)(mv + 8));
             for (int r = 0; r < R; r++) {
-                int32_t pair;
-                memcpy(&pair, bsum + r * (kp / 16) + sb * 16 + 2 * h, 4);
-                __m256i bb = _mm256_set1_epi32(pair);
+                __m256i bb = broadcast4(bsum + r * (kp / 16) + sb * 16 + 2 * h); /* a 16s pair */
                 __m256i m0 = _mm256_madd_epi16(mv0, bb), m1 = _mm256_madd_epi16(mv1, bb);
                 t[r][0] = h ? _mm256_add_epi32(t[r][0], m0) : m0;
                 t[r][1] = h ? _mm256_add_epi32(t[r][1], m1) : m1;

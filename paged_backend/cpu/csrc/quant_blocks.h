@@ -246,6 +246,13 @@ typedef struct {
     int groups, is_signed;
 } kernel_chunk;
 
+/* The 4 bytes at p in every 32-bit lane. */
+static inline __m256i broadcast4(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
 static inline __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
 
 static inline __m256i high_nibbles(__m256i v) { return low_nibbles(_mm256_srli_epi16(v, 4)); }
@@ -354,9 +361,9 @@ static inline __attribute__((always_inline)) __m128i block_halves(const uint8_t 
  * activation scale xd a super-block,
  *   dot = isum * (d * xd) - msum * (mfac * xd),
  * isum = sum_g sc_g (q . x)_g and msum = sum_16 mv_16 * bsum_16 exact integers, mfac = dmin
- * (mv: the mins) or 32 d / 4 d (mv: the scales). Every kernel (one row, a tile of rows, the VNNI and AVX2 GEMMs)
- * adds a row's super-blocks in this one float sequence (`k_add`), in order, so that an output
- * has the same bits whatever kernel and batch computed it. */
+ * (mv: the mins) or 32 d / 4 d (mv: the scales). Every kernel (one row, a tile of rows, the VNNI
+ * and AVX2 GEMMs) adds a row's super-blocks in this one float sequence (`k_add`), in order, so
+ * that an output has the same bits whatever kernel and batch computed it. */
 typedef struct {
     __m256i lo, hi; /* int16 scales in both 128-bit halves: 16-group formats' 0-7 and 8-15; the others' 8 */
     __m256i mv;     /* int16 per 16 weights */

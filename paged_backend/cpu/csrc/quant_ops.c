@@ -592,12 +592,6 @@ static void rows8_block(int type, uint8_t *rows, int r, uint8_t *file, int to_fi
     if (to_file) memcpy(file + 2, &qh, 4);
 }
 
-static inline __m256i broadcast4(const int8_t *x) {
-    int32_t v;
-    memcpy(&v, x, 4);
-    return _mm256_set1_epi32(v);
-}
-
 /* Q5_0's fifth bits of unit-half j (0-3: low nibbles of unit j, 4-7: high of unit j - 4) as 16
  * or 0 a byte, from the interleaved fifth-bit bytes: bit j moved to bit 4 within each byte. */
 static inline __m256i fifth_of(__m256i bits, int j) {
@@ -619,9 +613,11 @@ static inline __attribute__((always_inline)) void block_values8(
     for (int r = 0; r < R; r++) part[r][0] = part[r][1] = _mm256_setzero_si256();
     for (int u = 0; u < (type == Q8_0_R8 ? 8 : 4); u++) { /* unit u taken apart once */
         __m256i l = _mm256_loadu_si256((const __m256i *)(levels + 32 * u));
-        for (int r = 0; r < R && type == Q8_0_R8; r++)
-            part[r][u % 2] = _mm256_add_epi32(part[r][u % 2], dot_bytes(l, broadcast4(x + r * kp + 4 * u), 1));
-        if (type == Q8_0_R8) continue;
+        if (type == Q8_0_R8) {
+            for (int r = 0; r < R; r++)
+                part[r][u % 2] = _mm256_add_epi32(part[r][u % 2], dot_bytes(l, broadcast4(x + r * kp + 4 * u), 1));
+            continue;
+        }
         __m256i lo = low_nibbles(l), hi = high_nibbles(l); /* inputs 4u.., 16 + 4u.. */
         if (type == Q5_0_R8) {
             lo = _mm256_or_si256(lo, fifth_of(bits, u));
@@ -635,11 +631,10 @@ static inline __attribute__((always_inline)) void block_values8(
         }
     }
     for (int r = 0; r < R; r++) {
-        __m256i sums = _mm256_add_epi32(part[r][0], part[r][1]);
-        if (type != Q8_0_R8) {
-            __m256i ones = _mm256_set1_epi16(1);
-            sums = _mm256_add_epi32(_mm256_madd_epi16(part[r][0], ones), _mm256_madd_epi16(part[r][1], ones));
-        }
+        __m256i ones = _mm256_set1_epi16(1); /* 4- and 5-bit parts are int16 sums */
+        __m256i sums = type == Q8_0_R8 ? _mm256_add_epi32(part[r][0], part[r][1])
+                                       : _mm256_add_epi32(_mm256_madd_epi16(part[r][0], ones),
+                                                          _mm256_madd_epi16(part[r][1], ones));
         const int16_t *b = bs + r * bs_step;
         v[r] = legacy_scaled(rows8_base(type), sums, d8, off8, _mm256_set1_ps(xd[r * xd_step]),
                              _mm256_set1_epi32(b[0] + b[1]));
