@@ -72,7 +72,7 @@ static inline float block_amax(const float *v, int64_t block) {
     float amax = 0.0f;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     __m512 m = _mm512_setzero_ps();
-    for (; i + 16 <= block; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(v + i)));
+    for (; i < (block & ~15); i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(v + i)));
     amax = _mm512_reduce_max_ps(m);
 #elif defined(__AVX2__)
     __m256 m = _mm256_setzero_ps();
