@@ -250,12 +250,27 @@ def test_the_c_fp32_linear_serves_every_step_where_it_keeps_up_at_a_prefill(
     assert widths.get(256, 4096) == 4096 and widths.get(1, 5000) == 5000
 
 
+def test_a_clear_dequantizing_win_counts_however_little_time_it_saves(monkeypatch):
+    """Both kernels of a quantized linear run in the one-call decode step, so the dequantized
+    GEMM takes the counts from its first clear win on even where that saves less than the
+    margin a kernel outside the fused step must save (`_TORCH_SAVES_S`)."""
+    int8_time = kernel_choice._TORCH_SAVES_S  # a win of 20% saves a fifth of the margin
+
+    def best_times(*calls, before=None):
+        count = calls[0][1].shape[0]
+        return [int8_time, int8_time * (0.8 if count >= 16 else 1.0)]
+
+    monkeypatch.setattr(kernel_choice, "_best_times", best_times)
+    weight = QuantWeight("Q8_0", torch.zeros(32, 34 * 2, dtype=torch.uint8), 64)
+    assert kernel_choice._time_int8([weight]) == 8
+
+
 def test_a_linears_parts_are_timed_together(private_cache, monkeypatch):
     """A fused linear's parts run in one step together: their choice is timed on all of them
     (a fused qkv's small k and v parts alone can favour the other kernel than the whole)."""
     timed = []
 
-    def rows_c_serves(k, dtype, c_call, torch_call, before=None, counts=None):
+    def rows_c_serves(k, dtype, c_call, torch_call, before=None, counts=None, fused=True):
         timed.append(c_call(torch.zeros(1, k))[2])
         return 8
 

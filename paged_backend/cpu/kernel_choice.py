@@ -77,6 +77,9 @@ _INT8_MIN_ROWS = 4  # the int8 product serves at least steps this small (`_time_
 # The int8 product's step sizes timed: prefill chunks too, which its VNNI GEMM can win.
 _INT8_ROW_COUNTS = (*ROW_COUNTS, 256)
 ALL_ROWS = 1 << 30  # a kernel that wins at every timed count serves every step
+# Raised where a choice comes to be timed otherwise (2: the int8 product and the dequantized GEMM
+# timed as both fused), so that choices cached under the old way are timed again.
+_TIMING_RULES = 2
 _EVICT_BYTES = 128 << 20  # read before each cold call: more than a CPU's last-level cache
 _F32_WIDE_ROWS = 256  # the fp32 linears' prefill step timed: C serves every step if it keeps up
 _F32_WIDE_OUTPUTS = 4096
@@ -114,16 +117,20 @@ def int8_max_rows(linears: dict[tuple, list[QuantWeight]]) -> dict[tuple, int]:
 
 
 def _time_int8(weights: list[QuantWeight]) -> int:
-    """At least `_INT8_MIN_ROWS`: steps that few run fused (`FusedDecode`), worth more than a
-    dequantizing win at such rows, which only tiny weights show (at a 1B model's shapes the int8
-    product is ~10x faster at one row, ~4x at four). `ALL_ROWS` where it wins at every count
-    (the VNNI GEMM, ~1.3-1.5x the bf16 GEMM at 256 rows on a Zen 4)."""
+    """At least `_INT8_MIN_ROWS`: at so few rows a dequantizing win is small where there is one
+    (a 1B model's shapes from memory on a Xeon with AMX: 0.9-1.3x the int8 product's time at
+    four rows; the int8 product several times faster at one). `ALL_ROWS` where it wins at every
+    count (the VNNI GEMM, ~1.3-1.5x the bf16 GEMM at 256 rows on a Zen 4). Both kernels run in
+    the one-call decode step (`FusedDecode`), so neither gets its margin (`_TORCH_SAVES_S`):
+    with it, the dequantized GEMM could not take a 1B model's attention linears (~0.3-0.8 ms a
+    call) at any row count below 32."""
     rows = _rows_c_serves(
         weights[0].in_features,
         torch.bfloat16,
         lambda x: (quant_matmul, x, weights, torch.bfloat16),
         lambda x: (quant_gemm_bf16, x, weights, torch.bfloat16),
         counts=_INT8_ROW_COUNTS,
+        fused=False,  # past its int8 rows a quantized linear's dequantized GEMM runs fused too
     )
     return ALL_ROWS if rows == _INT8_ROW_COUNTS[-1] else max(_INT8_MIN_ROWS, rows)
 
@@ -291,7 +298,10 @@ def _machine_key() -> str:
     build (its file name holds a hash of the source, the flags and the CPU's flags)."""
     lib = library.load_library()
     built = Path(lib.path).name if lib is not None else ""
-    rule = f"{torch.__version__}|{built}|{_TORCH_WINS}|{_TORCH_SAVES_S}|{_F32_WIDE_ROWS}"
+    rule = (
+        f"{torch.__version__}|{built}|{_TORCH_WINS}|{_TORCH_SAVES_S}|{_F32_WIDE_ROWS}"
+        f"|{_TIMING_RULES}"
+    )
     build = hashlib.sha256(rule.encode()).hexdigest()[:12]  # a new rule: time again
     return f"{cpu_description()} / {torch.get_num_threads()} threads / {build}"
 
