@@ -273,6 +273,19 @@ def test_dequantized_gemm_is_the_bf16_product_with_the_dequantized_weight(fmt, r
 
 
 @needs_bf16_gemm
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_dequantized_gemm_of_rows_ending_on_an_odd_block_keeps_the_bf16_gemms_bits(fmt):
+    """The 4-bit formats' values are looked up in a table two blocks share: rows of 19 blocks (2
+    chunks and 3 blocks) end on a block of their own. The bits of the bf16 GEMM on the
+    dequantized weight, at one row (a chunk at a time on AMX) and at 70 (a strip at a time)."""
+    w = random_weight(fmt, 32, 19 * 32, seed=5)
+    packed = cpu_ops.pack_gemm_weight(dequantize(w).to(torch.bfloat16))
+    for rows in (1, 70):
+        x = torch.randn(rows, 19 * 32).to(torch.bfloat16)
+        assert torch.equal(quant_gemm_bf16(x, [w]), cpu_ops.gemm(x, packed, torch.float32))
+
+
+@needs_bf16_gemm
 @pytest.mark.parametrize(
     ("fmt", "n", "rows", "k"),
     [

@@ -566,11 +566,67 @@ static inline __m512 group_values16(const chunk *c, int g) {
                            _mm512_set1_ps(c->s.b[g]));
 }
 
+/* The 32 levels of a Q4_0, Q4_1, Q5_0 or Q5_1 block as int16 lanes (level i in lane i): the 16
+ * bytes in both halves, shifted by 0 or 4; plus 16 where bit i of qh is set. */
+static inline __attribute__((always_inline)) __m512i block32_level_words(int type,
+                                                                        const uint8_t *blk) {
+    __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + nibbles_at(type)));
+    __m512i words = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(bytes));
+    __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    __m512i q = _mm512_and_si512(_mm512_srlv_epi16(words, shifts), _mm512_set1_epi16(15));
+    if (type == Q5_0 || type == Q5_1) {
+        uint32_t qh;
+        memcpy(&qh, blk + fifth_bits_at(type), 4);
+        q = _mm512_mask_add_epi16(q, (__mmask32)qh, q, _mm512_set1_epi16(16));
+    }
+    return q;
+}
+
+/* `blocks` consecutive blocks of a legacy format in bf16, `group_values16`'s values rounded,
+ * straight from the row's bytes (not through a `chunk`). Q4_0, Q4_1, Q5_0, Q5_1: a block's
+ * possible values (a level times its scale plus its offset) computed once, rounded, then looked
+ * up by its 32 levels in one `vpermw`; a 4-bit block's 16 share a table with the next block's.
+ * Q8_0, of 256 levels: each converted. */
+static inline __attribute__((always_inline)) void legacy_to_bf16(int type, const uint8_t *blk,
+                                                                 int blocks, bf16 *dst) {
+    const int five = type == Q5_0 || type == Q5_1, bytes = (int)block_bytes(type);
+    const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 above = _mm512_add_ps(levels, _mm512_set1_ps(16.0f));
+    group_scales s; /* block g's at 2g */
+    for (int g = 0; g < blocks; g++) block32_scales(type, blk + g * bytes, &s, g);
+    __asm__ __volatile__("" : : "m"(s) : "memory"); /* broadcast from memory (`superblock_scales16`) */
+    for (int g = 0; type == Q8_0 && g < blocks; g++) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(blk + g * bytes + 2));
+        __m512 a = _mm512_set1_ps(s.a[2 * g]), b = _mm512_set1_ps(s.b[2 * g]);
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+        _mm512_storeu_si512(dst + 32 * g, (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, a, b),
+                                                                       _mm512_fmadd_ps(lo, a, b)));
+    }
+    for (int g = 0; type != Q8_0 && g < blocks; g += five ? 1 : 2) {
+        int pair = !five && g + 1 < blocks, h = g + pair; /* the table's second block */
+        __m512 a = _mm512_set1_ps(s.a[2 * g]), b = _mm512_set1_ps(s.b[2 * g]);
+        __m512 second = five ? _mm512_fmadd_ps(above, a, b)
+                             : _mm512_fmadd_ps(levels, _mm512_set1_ps(s.a[2 * h]),
+                                               _mm512_set1_ps(s.b[2 * h]));
+        __m512i table = (__m512i)_mm512_cvtne2ps_pbh(second, _mm512_fmadd_ps(levels, a, b));
+        for (int i = 0; i <= pair; i++) { /* the second block's levels index entries 16-31 */
+            __m512i q = block32_level_words(type, blk + (g + i) * bytes);
+            if (i) q = _mm512_or_si512(q, _mm512_set1_epi16(16));
+            _mm512_storeu_si512(dst + 32 * (g + i), _mm512_permutexvar_epi16(q, table));
+        }
+    }
+}
+
 /* A row's weights [first, first + count) (`unpack_chunk`'s) in bf16, rounded to nearest even,
  * at dst. */
 static inline __attribute__((always_inline)) void chunk_to_bf16(int type, const uint8_t *row,
                                                                 int64_t first, int64_t count,
                                                                 bf16 *dst) {
+    if (!is_superblock(type)) {
+        legacy_to_bf16(type, row + (first >> 5) * block_bytes(type), (int)(count / 32), dst);
+        return;
+    }
     chunk c;
     unpack_chunk(type, row, first, count, &c);
     for (int g = 0; g < count / 16; g += 2)
@@ -637,6 +693,8 @@ static __attribute__((noinline)) void pack_block16(int type, const uint8_t *w, i
     case Q4_K: pack_block16_of(Q4_K, w, row_bytes, j0, k, dst); break;
     case Q6_K: pack_block16_of(Q6_K, w, row_bytes, j0, k, dst); break;
     case Q4_0: pack_block16_of(Q4_0, w, row_bytes, j0, k, dst); break;
+    case Q4_1: pack_block16_of(Q4_1, w, row_bytes, j0, k, dst); break;
+    case Q5_0: pack_block16_of(Q5_0, w, row_bytes, j0, k, dst); break;
     case Q8_0: pack_block16_of(Q8_0, w, row_bytes, j0, k, dst); break;
     default: pack_block16_of(type, w, row_bytes, j0, k, dst);
     }
@@ -744,6 +802,8 @@ void dequantize_rows_bf16(int type, const uint8_t *w, int64_t row_bytes, int64_t
     case Q4_K: DEQUANTIZE(Q4_K); break;
     case Q6_K: DEQUANTIZE(Q6_K); break;
     case Q4_0: DEQUANTIZE(Q4_0); break;
+    case Q4_1: DEQUANTIZE(Q4_1); break;
+    case Q5_0: DEQUANTIZE(Q5_0); break;
     case Q8_0: DEQUANTIZE(Q8_0); break;
     default: DEQUANTIZE(type);
     }
