@@ -760,6 +760,7 @@ static inline __attribute__((always_inline)) void superblock_to_bf16(int type, c
                                                                      bf16 *dst) {
     group_scales s;
     superblock_scales16(type, blk, &s);
+#pragma GCC unroll 8 /* `k_level` shares its loads and branches on g: both gone once g is constant */
     for (int g = 0; g < 8; g++) { /* groups 2g and 2g + 1 of 16 */
         __m256i q = k_level(type, blk, g);
         __m512i lo = type == Q8_256 ? _mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))
@@ -800,6 +801,7 @@ void dequantize_rows_bf16(int type, const uint8_t *w, int64_t row_bytes, int64_t
 #define DEQUANTIZE(T) dequantize_rows_bf16_of(T, w, row_bytes, j0, n, first, last, ks, dst)
     switch (type) {
     case Q4_K: DEQUANTIZE(Q4_K); break;
+    case Q5_K: DEQUANTIZE(Q5_K); break;
     case Q6_K: DEQUANTIZE(Q6_K); break;
     case Q4_0: DEQUANTIZE(Q4_0); break;
     case Q4_1: DEQUANTIZE(Q4_1); break;
