@@ -27,8 +27,10 @@ from paged_backend.cpu.quant import (
     activation_stride,
     can_dequantize_to_bf16,
     dequantize,
+    glu_serves,
     interleave_rows_,
     quant_gemm_bf16,
+    quant_glu_bf16,
     quant_matmul,
     quantize_activations,
     rows8_built,
@@ -336,6 +338,80 @@ def test_dequantized_gemms_of_two_threads_at_once_keep_their_own_results():
     for t in threads:
         t.join()
     assert not wrong
+
+
+needs_glu = pytest.mark.skipif(
+    not cpu.available() or not cpu.load_library().has("quant_glu_amx"), reason="no AMX tiles"
+)
+
+
+@needs_glu
+@pytest.mark.parametrize(
+    ("gate_fmt", "up_fmt", "n", "k"),
+    [("Q4_K", "Q4_K", 96, 512), ("Q5_0", "Q8_0", 64, 896), ("Q6_K", "Q4_K", 32, 8448)],
+)
+@pytest.mark.parametrize("gelu", [False, True])
+def test_gated_product_has_the_bits_of_the_dequantized_gemm_and_its_activation(
+    gate_fmt, up_fmt, n, k, gelu
+):
+    """`quant_glu_bf16` (AMX) applies act(gate) * up to each pair of blocks' sums as they leave
+    the tiles: the bits of `quant_gemm_bf16` of both weights, then `silu_and_mul` (or
+    `gelu_tanh_and_mul`), whatever the formats of the two, the rows (a chunk at a time up to 32,
+    a strip at a time past them, k in pieces for 300 x 8,448) and the threads (which split the
+    pairs of blocks: 3 pairs unevenly, 1 pair to one thread)."""
+    gate, up = random_weight(gate_fmt, n, k, seed=1), random_weight(up_fmt, n, k, seed=2)
+    act = cpu_ops.gelu_tanh_and_mul if gelu else cpu_ops.silu_and_mul
+    before = torch.get_num_threads()
+    try:
+        for rows, threads in [(1, 1), (17, 2), (32, 1), (33, 2), (300, 1), (300, 2)]:
+            torch.set_num_threads(threads)
+            x = torch.randn(rows, k).to(torch.bfloat16)
+            assert glu_serves(x, gate, up)
+            expected = act(quant_gemm_bf16(x, [gate, up], torch.bfloat16))
+            assert torch.equal(quant_glu_bf16(x, gate, up, gelu), expected)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_glu
+def test_gated_product_serves_bf16_rows_of_equal_halves_in_pairs_of_blocks():
+    x = torch.randn(40, 256).to(torch.bfloat16)
+    gate, up = random_weight("Q4_K", 64, 256, seed=1), random_weight("Q4_K", 64, 256, seed=2)
+    assert glu_serves(x, gate, up)
+    assert not glu_serves(x.float(), gate, up)
+    assert not glu_serves(x, gate, random_weight("Q4_K", 32, 256))  # halves of unequal size
+    assert not glu_serves(x, *(random_weight("Q4_K", 48, 256, seed=s) for s in (1, 2)))
+    assert not glu_serves(x, gate, vnni_strips(random_weight("Q8_256", 64, 256)))
+
+
+@pytest.mark.parametrize("one_weight", [False, True])
+def test_gate_up_linears_act_and_mul_is_the_two_passes_whatever_serves_it(one_weight):
+    """`QuantLinear.act_and_mul` is `silu_and_mul` of the linear's outputs, bit for bit: in one
+    kernel where AMX serves a step of bf16 rows past the int8 product's (`fuses_act_and_mul`),
+    as the two passes on steps of fewer rows, fp32 rows, a linear with a bias, or a CPU without
+    AMX; gate and up as two weights or the halves of one."""
+    gate, up = random_weight("Q4_K", 64, 512, seed=1), random_weight("Q4_K", 64, 512, seed=2)
+    weights = [gate, up]
+    if one_weight:
+        weights = [QuantWeight("Q4_K", torch.cat([gate.data, up.data]), 512)]
+    linear = QuantLinear(weights)
+    if can_dequantize_to_bf16(weights):
+        linear.int8_max_rows = 4
+    fused = cpu.load_library().has("quant_glu_amx")
+
+    def two_passes(linear: QuantLinear, x: torch.Tensor, act) -> torch.Tensor:
+        return act(linear(x).view(-1, 128)).view(*x.shape[:-1], 64)
+
+    for rows in (2, 20):  # 4 and 40 rows in all
+        x = torch.randn(2, rows, 512).to(torch.bfloat16)
+        assert linear.fuses_act_and_mul(x) == (fused and rows > 2)
+        for gelu, act in ((False, cpu_ops.silu_and_mul), (True, cpu_ops.gelu_tanh_and_mul)):
+            assert torch.equal(linear.act_and_mul(x, gelu), two_passes(linear, x, act))
+        assert not linear.fuses_act_and_mul(x.float())
+    biased = QuantLinear(weights, torch.randn(128))
+    biased.int8_max_rows = linear.int8_max_rows
+    assert not biased.fuses_act_and_mul(x)
+    assert torch.equal(biased.act_and_mul(x, False), two_passes(biased, x, cpu_ops.silu_and_mul))
 
 
 @needs_bf16_gemm

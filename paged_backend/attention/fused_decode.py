@@ -36,7 +36,6 @@ QUANT_MAX_ROWS = 64  # steps of up to this many rows run fused through quantized
 # The C ops the step runs, and its arguments for them: each norm's weight offset, GeGLU or not.
 NORM_OFFSETS = {cpu_ops.rms_norm: 0.0, cpu_ops.gemma_rms_norm: 1.0}
 HEAD_NORM_OFFSETS = {cpu_ops.head_norm: 0.0, cpu_ops.gemma_head_norm: 1.0}
-GELU = {cpu_ops.silu_and_mul: False, cpu_ops.gelu_tanh_and_mul: True}
 
 
 class FusedDecode:
@@ -68,7 +67,7 @@ class FusedDecode:
             self.block_weights = torch.tensor(words, dtype=torch.int64)
         first = model.layers[0]
         self.norm_offset = NORM_OFFSETS[first.input_layernorm.norm]
-        self.gelu = GELU[first.mlp.act_and_mul]
+        self.gelu = cpu_ops.GELU[first.mlp.act_and_mul]
         attn = first.self_attn
         self.q_scale, self.softcap = attn.q_scale, attn.softcap or 0.0
         # floats a row of the fused step's quantized activations takes (a byte a level of the
@@ -164,9 +163,9 @@ class FusedDecode:
     @classmethod
     def build(cls, model: nn.Module) -> FusedDecode | None:
         """For a model whose elementwise ops are the C ones the step knows (`NORM_OFFSETS`,
-        `HEAD_NORM_OFFSETS`, `GELU`) and whose layer linears all run in C: an fp32 model's on
-        the C fp32 linear or on GGUF blocks, a bf16 one's on C GEMM copies (AVX512-BF16) or
-        GGUF blocks, biases or not; else None."""
+        `HEAD_NORM_OFFSETS`, `cpu_ops.GELU`) and whose layer linears all run in C: an fp32
+        model's on the C fp32 linear or on GGUF blocks, a bf16 one's on C GEMM copies
+        (AVX512-BF16) or GGUF blocks, biases or not; else None."""
         f32 = model.norm.weight.dtype == torch.float32
         for layer in model.layers:
             norms = [layer.input_layernorm, *filter(None, layer.sublayer_norms())]
@@ -177,7 +176,7 @@ class FusedDecode:
             if (
                 None in offsets
                 or len(set(offsets)) != 1
-                or layer.mlp.act_and_mul not in GELU
+                or layer.mlp.act_and_mul not in cpu_ops.GELU
                 or not all(cls._fits(linear, f32) for linear in cls._linears(layer))
             ):
                 return None

@@ -175,6 +175,11 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _act_and_mul(x, gelu=True)
 
 
+# The C gated activations, each to whether it is GeGLU: what kernels that apply one themselves
+# (the one-call decode step, `QuantLinear.act_and_mul`) take as their `gelu` flag.
+GELU = {silu_and_mul: False, gelu_tanh_and_mul: True}
+
+
 HADAMARD_MAX_BLOCK = 4096  # csrc/cpu_ops.c's, and for columns:
 HADAMARD_COLUMN_BLOCK = 256
 

@@ -367,6 +367,52 @@ def quant_gemm_bf16(
     return _product(x, weights, out_dtype, run_part)
 
 
+def glu_serves(x: torch.Tensor, gate: QuantWeight, up: QuantWeight) -> bool:
+    """Whether `quant_glu_bf16` takes these rows and weights: AMX tiles built, rows of bf16,
+    weights `can_dequantize_to_bf16` in rows of blocks, as many rows each, a multiple of 32."""
+    return (
+        load_library().has("quant_glu_amx")
+        and x.dtype == torch.bfloat16
+        and x.stride(-1) == 1
+        and up.out_features == gate.out_features
+        and gate.out_features % 32 == 0
+        and "Q8_256_VNNI" not in (gate.format, up.format)
+        and can_dequantize_to_bf16([gate, up])
+    )
+
+
+def quant_glu_bf16(
+    x: torch.Tensor, gate: QuantWeight, up: QuantWeight, gelu: bool
+) -> torch.Tensor | None:
+    """`act(x @ gate.T) * (x @ up.T)` (SiLU, or GeGLU where `gelu`) for many rows of bf16 x, in
+    bf16, where `glu_serves`: `quant_gemm_bf16` of both and `cpu_ops.silu_and_mul`
+    (`gelu_tanh_and_mul`) of the result, with their bits, in one kernel that never writes the
+    2 x dim products (`csrc/amx_gemm.c`'s `quant_glu_amx`). None where the kernel could not get
+    the tiles or its buffer."""
+    threads = torch.get_num_threads()
+    (rows, k), n = x.shape, gate.out_features
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    done = load_library().quant_glu_amx(
+        gate_type=gate.type_id,
+        gate=gate.data.data_ptr(),
+        gate_row_bytes=gate.data.stride(0),
+        up_type=up.type_id,
+        up=up.data.data_ptr(),
+        up_row_bytes=up.data.stride(0),
+        n=n,
+        k=k,
+        x=x.data_ptr(),
+        rows=rows,
+        x_stride=x.stride(0),
+        out=out.data_ptr(),
+        out_stride=out.stride(0),
+        gelu=int(gelu),
+        work=dequantize_work(threads, k).data_ptr(),
+        threads=threads,
+    )
+    return out if done else None
+
+
 # Block formats whose values are exact products (a scale times a level of at most 8 bits) plus
 # one offset: `linear_blocks_f32` reproduces `dequantize`'s values bit for bit.
 EXACT_F32_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
@@ -479,6 +525,34 @@ class QuantLinear(nn.Module):
         if most is not None and rows.shape[0] > most and rows.dtype == torch.bfloat16:
             return quant_gemm_bf16
         return quant_matmul
+
+    def fuses_act_and_mul(self, x: torch.Tensor) -> bool:
+        """Whether `act_and_mul(x)` runs as one kernel (`quant_glu_bf16`): for a gate/up
+        projection without bias, on steps `quant_gemm_bf16` serves, where `glu_serves`."""
+        return self._gate_and_up(x.reshape(-1, self.in_features)) is not None
+
+    def act_and_mul(self, x: torch.Tensor, gelu: bool) -> torch.Tensor:
+        """`act(gate) * up` of this gate/up projection's outputs `self(x)` (gate the first half),
+        as `cpu_ops.silu_and_mul` (`gelu_tanh_and_mul` where `gelu`) gives it: in one kernel
+        where `fuses_act_and_mul`, the two passes otherwise."""
+        rows = x.reshape(-1, self.in_features)
+        halves = self._gate_and_up(rows)
+        out = None if halves is None else quant_glu_bf16(rows, *halves, gelu)
+        if out is None:
+            out = (cpu_ops.gelu_tanh_and_mul if gelu else cpu_ops.silu_and_mul)(self(rows))
+        return out.view(*x.shape[:-1], -1)
+
+    def _gate_and_up(self, rows: torch.Tensor) -> tuple[QuantWeight, QuantWeight] | None:
+        """The gate and up weights `quant_glu_bf16` runs this step on, or None."""
+        if self.bias is not None or self._product(rows) is not quant_gemm_bf16:
+            return None
+        parts = self.weights
+        if len(parts) == 1 and parts[0].out_features % 2 == 0:
+            w, half = parts[0], parts[0].out_features // 2
+            parts = [dataclasses.replace(w, data=d) for d in (w.data[:half], w.data[half:])]
+        if len(parts) != 2 or not glu_serves(rows, *parts):
+            return None
+        return parts[0], parts[1]
 
     def argmax(self, x: torch.Tensor, columns: int) -> torch.Tensor:
         """`forward(x, torch.float32)[:, :columns].argmax(-1)` (`cpu_ops.argmax_of_slices`'

@@ -269,6 +269,64 @@ static void store_sums(int nb, int m0, int m1, void *out, int64_t n, int64_t r0,
         }
 }
 
+/* The weights whose rows `quant_gemm_amx`'s strips dequantize: one weight's (glu 0), or a gated
+ * MLP's gate and up projections (part 0 and 1; glu 1: SiLU, 2: GeGLU), whose strips take 16 rows
+ * of the gate, then the same 16 of the up projection, and so on, so that each pair of blocks of
+ * 16 holds the sums of 16 act(gate) * up outputs: strip row v is row 16 (v / 32) + v % 16 of part
+ * (v / 16) % 2. */
+typedef struct {
+    int type[2];
+    const uint8_t *w[2];
+    int64_t row_bytes[2];
+    int glu;
+} weight_rows;
+
+/* Strip rows [v, v + count), within one block of 16, dequantized as `dequantize_rows_bf16`. */
+static inline void strip_rows_bf16(const weight_rows *s, int64_t v, int count, int64_t first,
+                                   int64_t last, int64_t ks, bf16 *dst) {
+    int p = s->glu ? (int)(v / 16 % 2) : 0;
+    int64_t j = s->glu ? v / 32 * 16 + v % 16 : v;
+    dequantize_rows_bf16(s->type[p], s->w[p], s->row_bytes[p], j, count, first, last, ks, dst);
+}
+
+/* A pair of blocks' sums (tiles 0-1 the gate's, 2-3 the up projection's, row tiles m0 and m1) as
+ * bf16(act(gate) * up) into out (rows r0 + 16t + r, `n` apart; columns col + [0, 16)): each sum
+ * rounded to bf16 first, as `store_sums` rounds it, then `act_and_mul16`, so the bits of the two
+ * passes it replaces, without their writing and reading back twice the outputs. */
+static inline __m512 widened_bf16(__m256bh v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)v), 16));
+}
+
+static void store_glu(int gelu, int m0, int m1, bf16 *out, int64_t n, int64_t r0, int64_t col) {
+    float c[2][16][16] __attribute__((aligned(64)));
+    for (int t = 0; t < (m1 ? 2 : 1); t++) {
+        store_accumulator(t, c[0]);
+        store_accumulator(2 + t, c[1]);
+        __m512i g[16], u[16];
+        for (int o = 0; o < 16; o++) {
+            g[o] = _mm512_load_si512(c[0][o]);
+            u[o] = _mm512_load_si512(c[1][o]);
+        }
+        transpose16x16(g); /* g[r]: row r's 16 gate sums */
+        transpose16x16(u);
+        for (int r = 0; r < (t ? m1 : m0); r++) {
+            __m512 y = act_and_mul16(widened_bf16(_mm512_cvtneps_pbh((__m512)g[r])),
+                                     widened_bf16(_mm512_cvtneps_pbh((__m512)u[r])), gelu);
+            _mm256_storeu_si256((__m256i *)(out + (r0 + 16 * t + r) * n + col),
+                                _mm512_cvtepi32_epi16(bf16_bits16(y)));
+        }
+    }
+}
+
+/* `weight_strip_on_tiles`' outputs of nb blocks from strip row j0 (whole pairs where s->glu). */
+static void store_strip(const weight_rows *s, int nb, int m0, int m1, void *out, int64_t n,
+                        int64_t r0, int64_t j0, int out_bf16) {
+    if (s->glu)
+        store_glu(s->glu == 2, m0, m1, (bf16 *)out, n, r0, j0 / 2);
+    else
+        store_sums(nb, m0, m1, out, n, r0, j0, out_bf16);
+}
+
 /* The row tiles' sizes at r0 of `rows`, configured where they changed (*m0, *m1: the last). */
 static void row_tiles_at(int64_t r0, int64_t rows, int *m0, int *m1) {
     int a = rows - r0 < 16 ? (int)(rows - r0) : 16;
@@ -288,12 +346,28 @@ static void row_tiles_at(int64_t r0, int64_t rows, int *m0, int *m1) {
  * each 4 rows two parts ahead and for the next strip's during their last row tiles (asked for
  * while dequantizing, they were gone from the L2 when needed: x's rows stream through it; a
  * 512-row step of a 3B model's weights ran ~3% faster). */
-static inline void ask_for_rows(const uint8_t *w, int64_t row_bytes, int64_t j1, int64_t count,
-                                int part, int parts) {
+static inline __attribute__((always_inline)) void ask_for_run(const uint8_t *w, int64_t row_bytes,
+                                                             int64_t j1, int64_t count, int part,
+                                                             int parts) {
     const char *next = (const char *)(w + j1 * row_bytes);
     int64_t lines = count * row_bytes / 64;
     for (int64_t i = lines * part / parts; i < lines * (part + 1) / parts; i++)
         _mm_prefetch(next + 64 * i, _MM_HINT_T1);
+}
+
+/* `ask_for_run` of strip rows [j1, j1 + count): within one block of 16, or whole pairs of
+ * blocks (two runs where s->glu). Inlined without fail: GCC takes a function whose only effect
+ * is a prefetch for a pure one and drops the calls it has not inlined (it had dropped these). */
+static inline __attribute__((always_inline)) void ask_for_rows(const weight_rows *s, int64_t j1,
+                                                              int64_t count, int part, int parts) {
+    if (!s->glu)
+        ask_for_run(s->w[0], s->row_bytes[0], j1, count, part, parts);
+    else if (count <= 16)
+        ask_for_run(s->w[j1 / 16 % 2], s->row_bytes[j1 / 16 % 2], j1 / 32 * 16 + j1 % 16, count,
+                    part, parts);
+    else
+        for (int p = 0; p < 2; p++)
+            ask_for_run(s->w[p], s->row_bytes[p], j1 / 2, count / 2, part, parts);
 }
 
 /* A weight strip's part of `quant_gemm_amx`: weight rows j0 .. j0 + 16 nb, each dequantized
@@ -303,8 +377,7 @@ static inline void ask_for_rows(const uint8_t *w, int64_t row_bytes, int64_t j1,
  * and run each 32 rows of x through its 32-output parts in turn, so that those rows' B tiles are
  * read from memory once a strip (a piece); their sums wait in `held` ([row tile][block] of the
  * tiles' layout) from one piece to the next. */
-static void weight_strip_on_tiles(int type, const uint8_t *w, int64_t row_bytes, int64_t j0,
-                                  int nb, int64_t k, const bf16 *xt, int64_t rows, bf16 *strip,
+static void weight_strip_on_tiles(const weight_rows *src, int64_t j0, int nb, int64_t k, const bf16 *xt, int64_t rows, bf16 *strip,
                                   int64_t ks, int64_t kc, float (*held)[16][16], void *out,
                                   int64_t n, int out_bf16, int *m0, int *m1) {
     int64_t steps = k / 32, j1 = j0 + 16 * nb;
@@ -318,23 +391,21 @@ static void weight_strip_on_tiles(int type, const uint8_t *w, int64_t row_bytes,
         for (int c = 0; c < chunks; c++) {
             int64_t first = 256 * c, last = k - first < 256 ? k : first + 256;
             for (int g = 0; g < 2 * nb; g++) { /* 8 rows at a time */
-                ask_for_rows(w, row_bytes, j1, 16 * nb, (2 * nb + 1) * c + g, parts);
-                dequantize_rows_bf16(type, w, row_bytes, j0 + 8 * g, 8, first, last, CS,
-                                     chunk + 8 * g * CS);
+                ask_for_rows(src, j1, 16 * nb, (2 * nb + 1) * c + g, parts);
+                strip_rows_bf16(src, j0 + 8 * g, 8, first, last, CS, chunk + 8 * g * CS);
             }
-            ask_for_rows(w, row_bytes, j1, 16 * nb, (2 * nb + 1) * c + 2 * nb, parts);
+            ask_for_rows(src, j1, 16 * nb, (2 * nb + 1) * c + 2 * nb, parts);
             tile_steps(chunk, chunk + 16 * CS, CS * 2, xt + first * 16,
                        xt + (steps + first / 32) * 512, (last - first) / 32, nb, *m1 > 0);
         }
-        store_sums(nb, *m0, *m1, out, n, 0, j0, out_bf16);
+        store_strip(src, nb, *m0, *m1, out, n, 0, j0, out_bf16);
         return;
     }
     for (int64_t k0 = 0; k0 < k; k0 += kc) { /* pieces of k (one, but for the longest rows) */
         int64_t k1 = k - k0 < kc ? k : k0 + kc;
         for (int part = 0; part < 4 * nb; part++) { /* 4 rows at a time */
-            if (part + 2 < 4 * nb) ask_for_rows(w, row_bytes, j0 + 4 * (part + 2), 4, 0, 1);
-            dequantize_rows_bf16(type, w, row_bytes, j0 + 4 * part, 4, k0, k1, ks,
-                                 strip + 4 * part * ks);
+            if (part + 2 < 4 * nb) ask_for_rows(src, j0 + 4 * (part + 2), 4, 0, 1);
+            strip_rows_bf16(src, j0 + 4 * part, 4, k0, k1, ks, strip + 4 * part * ks);
         }
         int64_t tiles = (rows + 31) / 32, asking = k1 < k ? 0 : tiles < 4 ? tiles : 4;
         for (int64_t r0 = 0; r0 < rows; r0 += 32) {
@@ -342,7 +413,7 @@ static void weight_strip_on_tiles(int type, const uint8_t *w, int64_t row_bytes,
             const bf16 *x0 = xt + (r0 / 16 * steps + k0 / 32) * 512;
             int64_t before_end = tiles - r0 / 32; /* this row tile's place from the last, 1 for it */
             if (before_end <= asking)
-                ask_for_rows(w, row_bytes, j1, 16 * nb, (int)(asking - before_end), (int)asking);
+                ask_for_rows(src, j1, 16 * nb, (int)(asking - before_end), (int)asking);
             for (int b = 0; b < nb; b += 2) {
                 int pair = nb - b < 2 ? 1 : 2, two = *m1 > 0;
                 const bf16 *a = strip + 16 * b * ks;
@@ -354,7 +425,7 @@ static void weight_strip_on_tiles(int type, const uint8_t *w, int64_t row_bytes,
                         if (two || c % 2 == 0) load_accumulator(c, sums[c]);
                 tile_steps(a, a + 16 * ks, ks * 2, x0, x0 + steps * 512, (k1 - k0) / 32, pair, two);
                 if (k1 == k)
-                    store_sums(pair, *m0, *m1, out, n, r0, j0 + 16 * b, out_bf16);
+                    store_strip(src, pair, *m0, *m1, out, n, r0, j0 + 16 * b, out_bf16);
                 else
                     for (int c = 0; c < 2 * pair; c++)
                         if (two || c % 2 == 0) store_accumulator(c, sums[c]);
@@ -371,13 +442,13 @@ static __thread float (*held_sums)[16][16];
 static __thread int64_t held_sums_bytes;
 
 
-/* `quant_gemm_bf16` on the tiles for weights in rows of GGUF blocks (k a multiple of 32, n of
- * 16): x laid out as B tiles once, then each thread dequantizes 32-128 weight rows at a time
- * (`dequantize_rows_bf16`) into its part of `work` and runs every row of x through them.
- * Returns 0 where it could not get its buffer (nothing written). */
-int quant_gemm_amx(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
-                   const bf16 *x, int64_t rows, int64_t x_stride, void *out, int out_bf16,
-                   int64_t out_stride, bf16 *work, int threads) {
+/* x times the n strip rows of `src` (k a multiple of 32, n of 16, of 32 where src->glu) on the
+ * tiles: x laid out as B tiles once, then each thread dequantizes 32-128 strip rows at a time
+ * (`strip_rows_bf16`) into its part of `work` and runs every row of x through them. Returns 0
+ * where it could not get its buffer (nothing written). */
+static int strips_on_tiles(const weight_rows *src, int64_t n, int64_t k, const bf16 *x,
+                           int64_t rows, int64_t x_stride, void *out, int out_bf16,
+                           int64_t out_stride, bf16 *work, int threads) {
     int64_t need = (rows + 15) / 16 * 16 * k * (int64_t)sizeof(bf16), blocks = n / 16;
     if (!grown((void **)&b_tiles, &b_tiles_bytes, need)) return 0;
     bf16 *xt = b_tiles;
@@ -404,19 +475,46 @@ int quant_gemm_amx(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row
     {
         x_as_b_tiles(x, rows, x_stride, k, xt);
         int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();
-        int64_t nb0 = blocks * t / parts, nb1 = blocks * (t + 1) / parts;
+        int unit = src->glu ? 2 : 1; /* a thread's blocks: whole pairs where glu */
+        int64_t nb0 = blocks / unit * t / parts * unit, nb1 = blocks / unit * (t + 1) / parts * unit;
         int64_t held_bytes = kc < k ? (rows + 31) / 32 * 2 * span * 1024 : 0;
         ok = grown((void **)&held_sums, &held_sums_bytes, held_bytes);
         tile_config before = saved_tiles();
         int m0 = -1, m1 = -1; /* the row tiles configured */
         for (int64_t nb = nb0; ok && nb < nb1; nb += span)
-            weight_strip_on_tiles(type, w, row_bytes, 16 * nb,
+            weight_strip_on_tiles(src, 16 * nb,
                                   nb1 - nb < span ? (int)(nb1 - nb) : (int)span, k, xt, rows,
                                   work + t * DEQUANTIZED_ROWS * ks, ks, kc, held_sums, out,
                                   out_stride, out_bf16, &m0, &m1);
         restore_tiles(before);
     }
     return ok;
+}
+
+/* `quant_gemm_bf16` on the tiles for weights in rows of GGUF blocks (k a multiple of 32, n of
+ * 16), with its arguments. */
+int quant_gemm_amx(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
+                   const bf16 *x, int64_t rows, int64_t x_stride, void *out, int out_bf16,
+                   int64_t out_stride, bf16 *work, int threads) {
+    weight_rows src = {{type, type}, {w, w}, {row_bytes, row_bytes}, 0};
+    return strips_on_tiles(&src, n, k, x, rows, x_stride, out, out_bf16, out_stride, work, threads);
+}
+
+/* out [rows][n] (bf16, rows `out_stride` apart) = act(x gate^T) * (x up^T) for a gated MLP's
+ * gate and up projections (n rows each, n a multiple of 16; SiLU, or GeGLU where `gelu`), as
+ * `quant_gemm_amx` and `act_and_mul_bf16` would give them (the same bits) in one pass: each strip
+ * dequantizes the gate's and the up projection's rows of the same 16 outputs in turn
+ * (`weight_rows`), and a pair's sums leave the tiles as their outputs (`store_glu`), so the 2n
+ * products a row are never written to memory and read back (Qwen2.5-0.5B's 512-token prefill
+ * wrote and read 10 MB of them a layer). Returns 0 where the tiles or the buffer were not to be
+ * had (nothing written). */
+int quant_glu_amx(int gate_type, const uint8_t *gate, int64_t gate_row_bytes, int up_type,
+                  const uint8_t *up, int64_t up_row_bytes, int64_t n, int64_t k, const bf16 *x,
+                  int64_t rows, int64_t x_stride, bf16 *out, int64_t out_stride, int gelu,
+                  bf16 *work, int threads) {
+    weight_rows src = {{gate_type, up_type}, {gate, up}, {gate_row_bytes, up_row_bytes}, gelu ? 2 : 1};
+    return amx_ready() &&
+           strips_on_tiles(&src, 2 * n, k, x, rows, x_stride, out, 1, out_stride, work, threads);
 }
 
 /* Tiles 0-3 += inputs [64q, 64q + 64) of a super-block: rows x (and x1, 16 rows on, where m1)

@@ -290,6 +290,8 @@ void dequantize_rows_bf16(int, const uint8_t *, int64_t, int64_t, int64_t, int64
                           int64_t, bf16 *);
 int quant_gemm_amx(int, const uint8_t *, int64_t, int64_t, int64_t, const bf16 *, int64_t, int64_t,
                    void *, int, int64_t, bf16 *, int);
+int quant_glu_amx(int, const uint8_t *, int64_t, int, const uint8_t *, int64_t, int64_t, int64_t,
+                  const bf16 *, int64_t, int64_t, bf16 *, int64_t, int, bf16 *, int);
 void attention_scores_amx(const bf16 *, int, int64_t, const bf16 *, int64_t, float *, int64_t);
 void attention_values_amx(const bf16 *, int, int64_t, const bf16 *, int64_t, int64_t, const float *,
                           float *);
@@ -315,6 +317,43 @@ static inline void store_outputs16(void *out, int out_bf16, int64_t at, __m512 v
 #define GELU_SCALE 1.5957691216057308f
 #define GELU_CUBIC 0.044715f
 static inline float gelu_arg(float g) { return GELU_SCALE * fmaf(GELU_CUBIC * g * g, g, g); }
+
+#ifdef __AVX512BF16__
+EXP_CLAMPED(exp_clamped16, 512) /* exp_nonpositive on 16 lanes, the same bits */
+
+static inline __m512 load_bf16x16(const bf16 *p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* to_bf16 on 16 lanes, each result in the low half of its 32-bit lane: round to nearest even
+ * with denormals kept and NaN made 0x7fc0, as c10::BFloat16 (vcvtneps2bf16 flushes denormals). */
+static inline __m512i bf16_bits16(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+
+static inline __m512 round_bf16x16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(x), 16));
+}
+
+/* bf16(act(g)) * up on 16 lanes, g and up bf16 values (`act_and_mul_bf16`: act(g) = g *
+ * sigmoid(z), z = g or `gelu_arg(g)`), before the last rounding: the arithmetic of that kernel's
+ * vector loop, whose bits the GEMM that applies it as it stores (`quant_glu_amx`) keeps. */
+static inline __m512 act_and_mul16(__m512 g, __m512 up, int gelu) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    __m512 z = g;
+    if (gelu)
+        z = _mm512_mul_ps(_mm512_set1_ps(GELU_SCALE),
+                          _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(GELU_CUBIC), g), g), g, g));
+    __m512 e = exp_clamped16(_mm512_or_ps(z, _mm512_set1_ps(-0.0f))); /* exp(-|z|) */
+    __mmask16 positive = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_GE_OQ);
+    __m512 sigmoid = _mm512_div_ps(_mm512_mask_blend_ps(positive, e, one), _mm512_add_ps(one, e));
+    return _mm512_mul_ps(round_bf16x16(_mm512_mul_ps(g, sigmoid)), up);
+}
+#endif
 
 #ifdef __AVX2__
 /* 8 lanes of fp32 values, from fp32 or (converted exactly) from fp16. */

@@ -140,28 +140,6 @@ void store_kv(const char *k, const char *v, int64_t k_stride, int64_t v_stride,
         }
 }
 
-#ifdef __AVX512BF16__
-EXP_CLAMPED(exp_clamped16, 512) /* exp_nonpositive on 16 lanes, the same bits */
-
-static inline __m512 load_bf16x16(const bf16 *p) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-/* to_bf16 on 16 lanes, each result in the low half of its 32-bit lane: round to nearest even
- * with denormals kept and NaN made 0x7fc0, as c10::BFloat16 (vcvtneps2bf16 flushes denormals). */
-static inline __m512i bf16_bits16(__m512 x) {
-    __m512i u = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-}
-
-static inline __m512 round_bf16x16(__m512 x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(x), 16));
-}
-#endif
-
 /* out = bf16(bf16(act(gate)) * up) for rows [gate | up] of 2 * dim (as F.silu or F.gelu, then *),
  * act(g) = g * sigmoid(z) with z = g (SiLU) or, with `gelu`, `gelu_arg(g)` (GeGLU); 16 lanes at
  * a time where AVX-512 is there (the same arithmetic in the same order: the same bits). */
@@ -171,16 +149,8 @@ void act_and_mul_bf16(const bf16 *x, bf16 *out, int64_t rows, int64_t dim, int g
         const bf16 *gate = x + r * 2 * dim, *up = gate + dim;
         int64_t i = 0;
 #ifdef __AVX512BF16__
-        const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
         for (; i + 16 <= dim; i += 16) {
-            __m512 g = load_bf16x16(gate + i), z = g;
-            if (gelu)
-                z = _mm512_mul_ps(_mm512_set1_ps(GELU_SCALE),
-                                  _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(GELU_CUBIC), g), g), g, g));
-            __m512 e = exp_clamped16(_mm512_or_ps(z, sign)); /* exp(-|z|) */
-            __mmask16 positive = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_GE_OQ);
-            __m512 sigmoid = _mm512_div_ps(_mm512_mask_blend_ps(positive, e, one), _mm512_add_ps(one, e));
-            __m512 y = _mm512_mul_ps(round_bf16x16(_mm512_mul_ps(g, sigmoid)), load_bf16x16(up + i));
+            __m512 y = act_and_mul16(load_bf16x16(gate + i), load_bf16x16(up + i), gelu);
             _mm256_storeu_si256((__m256i *)(out + r * dim + i), _mm512_cvtepi32_epi16(bf16_bits16(y)));
         }
 #endif

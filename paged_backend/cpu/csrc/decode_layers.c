@@ -72,6 +72,30 @@ static void fused_linear(const int64_t *d, const void *x, int bf16_io, int64_t r
             }
 }
 
+/* mlp [rows][intermediate] = act(gate) * up of the gate/up projection d (`fused_linear`'s
+ * descriptor) on h: in one pass (`quant_glu_amx`, the same bits) where its two GGUF parts run the
+ * dequantized bf16 product, else its outputs into gate_up, then `act_and_mul_*`. */
+static void gated_mlp(const int64_t *d, const void *h, int bf16_io, int64_t rows, int64_t hidden,
+                      void *gate_up, void *mlp, int64_t intermediate, int gelu, float *act,
+                      int64_t max_k, void *dequantized, int threads) {
+#ifdef AMX_GEMM
+    const int64_t *g = d + 3, *u = d + 7; /* the parts' (type, address, outputs, row bytes) */
+    if (bf16_io && rows > d[2] && d[0] == 2 && !d[1] && g[0] > 0 && u[0] > 0 &&
+        !((g[0] | u[0]) & ROW_SCALES) && g[0] != Q8_256_VNNI && u[0] != Q8_256_VNNI &&
+        g[2] == intermediate && u[2] == intermediate && intermediate % 32 == 0 &&
+        quant_glu_amx((int)g[0], (const uint8_t *)g[1], g[3], (int)u[0], (const uint8_t *)u[1],
+                      u[3], intermediate, hidden, (const bf16 *)h, rows, hidden, (bf16 *)mlp,
+                      intermediate, gelu, (bf16 *)dequantized, threads))
+        return;
+#endif
+    fused_linear(d, h, bf16_io, rows, hidden, gate_up, 2 * intermediate, act, max_k, dequantized,
+                 threads);
+    if (bf16_io)
+        act_and_mul_bf16((bf16 *)gate_up, (bf16 *)mlp, rows, intermediate, gelu, threads);
+    else
+        act_and_mul_f32((float *)gate_up, (float *)mlp, rows, intermediate, gelu, threads);
+}
+
 /* A layer's words in `decode_layers`' weights: its input norm's address, q_norm's and k_norm's
  * (0: none), the qkv and o projections' descriptors (`fused_linear`), the norm of attention's
  * output (0: none), the MLP's input norm, the gate_up and down projections' descriptors, the
@@ -241,12 +265,8 @@ void decode_layers(void *x, void *residual, int bf16_io, int64_t rows, int64_t h
                       norm_offset, threads);
         norm_rows(bf16_io, x, residual, mlp_in_norm, h, residual, rows, hidden, hidden, eps,
                   norm_offset, threads);
-        fused_linear(gate_up_proj, h, bf16_io, rows, hidden, gate_up, 2 * intermediate, act,
-                     max_k, dequantized, threads);
-        if (bf16_io)
-            act_and_mul_bf16((bf16 *)gate_up, (bf16 *)mlp, rows, intermediate, gelu, threads);
-        else
-            act_and_mul_f32((float *)gate_up, (float *)mlp, rows, intermediate, gelu, threads);
+        gated_mlp(gate_up_proj, h, bf16_io, rows, hidden, gate_up, mlp, intermediate, gelu, act,
+                  max_k, dequantized, threads);
         if (down_hadamard)
             hadamard_rows(mlp, bf16_io, rows, intermediate, down_hadamard, NULL, threads);
         fused_linear(down_proj, mlp, bf16_io, rows, intermediate, x, hidden, act, max_k,
