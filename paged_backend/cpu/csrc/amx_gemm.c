@@ -238,27 +238,34 @@ static void glu_finish(glu_pending *p) {
     while (p->unit < p->units) glu_unit(p);
 }
 
-/* Tiles 0-3 += `steps` 32-input steps of nb (1 or 2) blocks of 16 weight rows (A tiles from
- * a0 and a1, rows `stride` bytes apart) times one or `two` row tiles of x (B tiles from x0 and
- * x1, 512 bf16 a step): tile 2b + t holds block b's sums of row tile t. A unit of `beside`'s
- * work (if any) after each step. */
+/* Tiles 0-3 += 32-input step s of nb (1 or 2) blocks of 16 weight rows (A tiles from a0 and
+ * a1, rows `stride` bytes apart) times one or `two` row tiles of x (B tiles from x0 and x1, 512
+ * bf16 a step): tile 2b + t holds block b's sums of row tile t. */
+static inline __attribute__((always_inline)) void tile_step(const bf16 *a0, const bf16 *a1,
+                                                            int64_t stride, const bf16 *x0,
+                                                            const bf16 *x1, int64_t s, int nb,
+                                                            int two) {
+    _tile_loadd(4, a0 + 32 * s, stride);
+    _tile_loadd(6, x0 + 512 * s, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (nb > 1) {
+        _tile_loadd(5, a1 + 32 * s, stride);
+        _tile_dpbf16ps(2, 5, 6);
+    }
+    if (two) {
+        _tile_loadd(7, x1 + 512 * s, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        if (nb > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
+/* `steps` of `tile_step`, a unit of `beside`'s work (if any) after each. */
 static inline __attribute__((always_inline)) void tile_steps(const bf16 *a0, const bf16 *a1,
                                                              int64_t stride, const bf16 *x0,
                                                              const bf16 *x1, int64_t steps,
                                                              int nb, int two, glu_pending *beside) {
     for (int64_t s = 0; s < steps; s++) {
-        _tile_loadd(4, a0 + 32 * s, stride);
-        _tile_loadd(6, x0 + 512 * s, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        if (nb > 1) {
-            _tile_loadd(5, a1 + 32 * s, stride);
-            _tile_dpbf16ps(2, 5, 6);
-        }
-        if (two) {
-            _tile_loadd(7, x1 + 512 * s, 64);
-            _tile_dpbf16ps(1, 4, 7);
-            if (nb > 1) _tile_dpbf16ps(3, 5, 7);
-        }
+        tile_step(a0, a1, stride, x0, x1, s, nb, two);
         if (beside && beside->unit < beside->units) glu_unit(beside);
     }
 }
@@ -403,6 +410,21 @@ static inline __attribute__((always_inline)) void ask_for_rows(const weight_rows
             ask_for_run(s->w[p], s->row_bytes[p], j1 / 2, count / 2, part, parts);
 }
 
+enum { CHUNK_STRIDE = 256 + 32 }; /* a chunk's row stride: a line more, off the rows' L1 set */
+
+/* Unit u (of 2 nb + 1) of readying chunk c (256 inputs) of a strip of nb blocks from strip row
+ * j0 in buf (rows CHUNK_STRIDE apart): a share of the next strip's rows (from j1) asked for,
+ * then 8 rows dequantized (u < 2 nb). */
+static inline __attribute__((always_inline)) void chunk_unit(const weight_rows *src, int64_t j0,
+                                                             int64_t j1, int nb, int64_t k, int c,
+                                                             int u, int parts, bf16 *buf) {
+    ask_for_rows(src, j1, 16 * nb, (2 * nb + 1) * c + u, parts);
+    if (u < 2 * nb) {
+        int64_t first = 256 * (int64_t)c, last = k - first < 256 ? k : first + 256;
+        strip_rows_bf16(src, j0 + 8 * u, 8, first, last, CHUNK_STRIDE, buf + 8 * u * CHUNK_STRIDE);
+    }
+}
+
 /* A weight strip's part of `quant_gemm_amx`: weight rows j0 .. j0 + 16 nb, each dequantized
  * once. Steps of up to 32 rows (nb <= 2) take the strip a chunk (256 inputs) at a time through
  * an L1 buffer, the sums staying in the tiles; larger ones dequantize it into `strip` (rows ks
@@ -415,21 +437,22 @@ static void weight_strip_on_tiles(const weight_rows *src, int64_t j0, int nb, in
                                   int64_t n, int out_bf16, int *m0, int *m1) {
     int64_t steps = k / 32, j1 = j0 + 16 * nb;
     if (rows <= 32) {
-        enum { CS = 256 + 32 }; /* the chunk's row stride: a line more, off the rows' L1 set */
-        bf16 chunk[32 * CS] __attribute__((aligned(64)));
-        int chunks = (int)((k + 255) / 256);
+        enum { CS = CHUNK_STRIDE };
+        bf16 chunk[2][32 * CS] __attribute__((aligned(64))); /* chunk c in chunk[c % 2] */
+        int chunks = (int)((k + 255) / 256), units = 2 * nb + 1, two = rows > 16;
+        int parts = units * chunks; /* of the next strip's bytes: see `ask_for_rows` */
         row_tiles_at(0, rows, m0, m1);
-        zero_sums(nb, *m1 > 0);
-        int parts = (2 * nb + 1) * chunks; /* of the next strip's bytes: see `ask_for_rows` */
-        for (int c = 0; c < chunks; c++) {
+        zero_sums(nb, two);
+        for (int u = 0; u < units; u++) chunk_unit(src, j0, j1, nb, k, 0, u, parts, chunk[0]);
+        for (int c = 0; c < chunks; c++) { /* the next chunk readied between this one's steps */
             int64_t first = 256 * c, last = k - first < 256 ? k : first + 256;
-            for (int g = 0; g < 2 * nb; g++) { /* 8 rows at a time */
-                ask_for_rows(src, j1, 16 * nb, (2 * nb + 1) * c + g, parts);
-                strip_rows_bf16(src, j0 + 8 * g, 8, first, last, CS, chunk + 8 * g * CS);
+            const bf16 *a = chunk[c % 2], *x0 = xt + first * 16;
+            int u = c + 1 < chunks ? 0 : units;
+            for (int64_t s = 0; s < (last - first) / 32; s++) {
+                tile_step(a, a + 16 * CS, CS * 2, x0, xt + (steps + first / 32) * 512, s, nb, two);
+                if (u < units) chunk_unit(src, j0, j1, nb, k, c + 1, u++, parts, chunk[(c + 1) % 2]);
             }
-            ask_for_rows(src, j1, 16 * nb, (2 * nb + 1) * c + 2 * nb, parts);
-            tile_steps(chunk, chunk + 16 * CS, CS * 2, xt + first * 16,
-                       xt + (steps + first / 32) * 512, (last - first) / 32, nb, *m1 > 0, NULL);
+            while (u < units) chunk_unit(src, j0, j1, nb, k, c + 1, u++, parts, chunk[(c + 1) % 2]);
         }
         store_strip(src, nb, *m0, *m1, out, n, 0, j0, out_bf16);
         return;
