@@ -425,34 +425,39 @@ static inline __attribute__((always_inline)) void chunk_unit(const weight_rows *
     }
 }
 
-/* A weight strip's part of `quant_gemm_amx`: weight rows j0 .. j0 + 16 nb, each dequantized
+/* A weight strip's part of `strips_on_tiles`: strip rows j0 .. j0 + 16 nb, each dequantized
  * once. Steps of up to 32 rows (nb <= 2) take the strip a chunk (256 inputs) at a time through
- * an L1 buffer, the sums staying in the tiles; larger ones dequantize it into `strip` (rows ks
+ * two L1 buffers, the next chunk readied (`chunk_unit`) between the current one's tile steps,
+ * the sums staying in the tiles; larger ones dequantize it into `strip` (rows ks
  * apart, in L2) kc inputs at a time (all of k but for the longest rows, see `quant_gemm_amx`)
  * and run each 32 rows of x through its 32-output parts in turn, so that those rows' B tiles are
  * read from memory once a strip (a piece); their sums wait in `held` ([row tile][block] of the
  * tiles' layout) from one piece to the next. */
-static void weight_strip_on_tiles(const weight_rows *src, int64_t j0, int nb, int64_t k, const bf16 *xt, int64_t rows, bf16 *strip,
-                                  int64_t ks, int64_t kc, float (*held)[16][16], void *out,
-                                  int64_t n, int out_bf16, int *m0, int *m1) {
+static void weight_strip_on_tiles(const weight_rows *src, int64_t j0, int nb, int64_t k,
+                                  const bf16 *xt, int64_t rows, bf16 *strip, int64_t ks,
+                                  int64_t kc, float (*held)[16][16], void *out, int64_t n,
+                                  int out_bf16, int *m0, int *m1) {
     int64_t steps = k / 32, j1 = j0 + 16 * nb;
     if (rows <= 32) {
         enum { CS = CHUNK_STRIDE };
         bf16 chunk[2][32 * CS] __attribute__((aligned(64))); /* chunk c in chunk[c % 2] */
-        int chunks = (int)((k + 255) / 256), units = 2 * nb + 1, two = rows > 16;
+        int chunks = (int)((k + 255) / 256), units = 2 * nb + 1;
         int parts = units * chunks; /* of the next strip's bytes: see `ask_for_rows` */
         row_tiles_at(0, rows, m0, m1);
+        int two = *m1 > 0;
         zero_sums(nb, two);
         for (int u = 0; u < units; u++) chunk_unit(src, j0, j1, nb, k, 0, u, parts, chunk[0]);
         for (int c = 0; c < chunks; c++) { /* the next chunk readied between this one's steps */
             int64_t first = 256 * c, last = k - first < 256 ? k : first + 256;
             const bf16 *a = chunk[c % 2], *x0 = xt + first * 16;
+            const bf16 *x1 = xt + (steps + first / 32) * 512;
+            bf16 *next = chunk[(c + 1) % 2];
             int u = c + 1 < chunks ? 0 : units;
             for (int64_t s = 0; s < (last - first) / 32; s++) {
-                tile_step(a, a + 16 * CS, CS * 2, x0, xt + (steps + first / 32) * 512, s, nb, two);
-                if (u < units) chunk_unit(src, j0, j1, nb, k, c + 1, u++, parts, chunk[(c + 1) % 2]);
+                tile_step(a, a + 16 * CS, CS * 2, x0, x1, s, nb, two);
+                if (u < units) chunk_unit(src, j0, j1, nb, k, c + 1, u++, parts, next);
             }
-            while (u < units) chunk_unit(src, j0, j1, nb, k, c + 1, u++, parts, chunk[(c + 1) % 2]);
+            while (u < units) chunk_unit(src, j0, j1, nb, k, c + 1, u++, parts, next);
         }
         store_strip(src, nb, *m0, *m1, out, n, 0, j0, out_bf16);
         return;
@@ -540,8 +545,8 @@ static int strips_on_tiles(const weight_rows *src, int64_t n, int64_t k, const b
     {
         x_as_b_tiles(x, rows, x_stride, k, xt);
         int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();
-        int unit = src->glu ? 2 : 1; /* a thread's blocks: whole pairs where glu */
-        int64_t nb0 = blocks / unit * t / parts * unit, nb1 = blocks / unit * (t + 1) / parts * unit;
+        int64_t per = src->glu ? 2 : 1; /* a thread's blocks: whole pairs where glu */
+        int64_t nb0 = blocks / per * t / parts * per, nb1 = blocks / per * (t + 1) / parts * per;
         int64_t held_bytes = kc < k ? (rows + 31) / 32 * 2 * span * 1024 : 0;
         ok = grown((void **)&held_sums, &held_sums_bytes, held_bytes);
         tile_config before = saved_tiles();
@@ -569,7 +574,7 @@ int quant_gemm_amx(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row
  * gate and up projections (n rows each, n a multiple of 16; SiLU, or GeGLU where `gelu`), as
  * `quant_gemm_amx` and `act_and_mul_bf16` would give them (the same bits) in one pass: each strip
  * dequantizes the gate's and the up projection's rows of the same 16 outputs in turn
- * (`weight_rows`), and a pair's sums leave the tiles as their outputs (`store_glu`), so the 2n
+ * (`weight_rows`), and a pair's sums leave the tiles as their outputs (`glu_pending`), so the 2n
  * products a row are never written to memory and read back (Qwen2.5-0.5B's 512-token prefill
  * wrote and read 10 MB of them a layer). Returns 0 where the tiles or the buffer were not to be
  * had (nothing written). */
@@ -577,7 +582,8 @@ int quant_glu_amx(int gate_type, const uint8_t *gate, int64_t gate_row_bytes, in
                   const uint8_t *up, int64_t up_row_bytes, int64_t n, int64_t k, const bf16 *x,
                   int64_t rows, int64_t x_stride, bf16 *out, int64_t out_stride, int gelu,
                   bf16 *work, int threads) {
-    weight_rows src = {{gate_type, up_type}, {gate, up}, {gate_row_bytes, up_row_bytes}, gelu ? 2 : 1};
+    weight_rows src = {{gate_type, up_type}, {gate, up}, {gate_row_bytes, up_row_bytes},
+                       gelu ? 2 : 1};
     return amx_ready() &&
            strips_on_tiles(&src, 2 * n, k, x, rows, x_stride, out, 1, out_stride, work, threads);
 }
