@@ -29,6 +29,7 @@ from paged_backend.cpu.quant import (
     dequantize,
     glu_serves,
     interleave_rows_,
+    quant_argmax_bf16,
     quant_gemm_bf16,
     quant_glu_bf16,
     quant_matmul,
@@ -382,6 +383,86 @@ def test_gated_product_serves_bf16_rows_of_equal_halves_in_pairs_of_blocks():
     assert not glu_serves(x, gate, random_weight("Q4_K", 32, 256))  # halves of unequal size
     assert not glu_serves(x, *(random_weight("Q4_K", 48, 256, seed=s) for s in (1, 2)))
     assert not glu_serves(x, gate, vnni_strips(random_weight("Q8_256", 64, 256)))
+
+
+needs_argmax_tiles = pytest.mark.skipif(
+    not cpu.available() or not cpu.load_library().has("quant_argmax_amx"), reason="no AMX tiles"
+)
+
+
+def scale_row_(w: QuantWeight, row: int, factor: float) -> None:
+    """Weight row `row`'s blocks' first fp16 scale times `factor` (NaN: a row of NaN values)."""
+    at, size = FP16_FIELDS[w.format][0], BLOCK_FORMATS[w.format][2]
+    blocks = w.data[row].view(-1, size)
+    scales = blocks[:, at : at + 2].contiguous().view(torch.float16)
+    blocks[:, at : at + 2] = (scales * factor).view(torch.uint8)
+
+
+@needs_argmax_tiles
+@pytest.mark.parametrize(("fmt", "k"), [("Q8_0", 640), ("Q4_K", 512), ("Q6_K", 8448)])
+@pytest.mark.parametrize("case", ["random", "tie", "nan"])
+def test_argmax_on_the_tiles_is_the_dequantized_gemms_argmax(fmt, k, case):
+    """`quant_argmax_bf16` (AMX, no outputs written) gives each row's largest of its first
+    `columns` outputs of `quant_gemm_bf16` (the same bits) and the column torch.argmax gives: the
+    first of equal values (weight rows 20 and 90 the same, and the largest), the first NaN (NaN
+    scales in rows 30 and 70), where two threads split the blocks between those columns,
+    whatever the rows (a chunk at a time up to 32, a strip past them, k in pieces at 300 x 8,448)
+    and where `columns` cuts."""
+    n = 96
+    w = random_weight(fmt, n, k, seed=k)
+    if case == "tie":
+        scale_row_(w, 20, 1000.0)
+        w.data[90] = w.data[20]
+    if case == "nan":
+        scale_row_(w, 30, float("nan"))
+        scale_row_(w, 70, float("nan"))
+    before = torch.get_num_threads()
+    try:
+        for rows, threads in [(1, 1), (17, 2), (32, 2), (33, 1), (300, 2)]:
+            torch.set_num_threads(threads)
+            x = torch.randn(rows, k)
+            if case == "tie":  # x near weight row 20 (1000x the others'): its output the largest
+                x = dequantize(w)[20] * (1 + 0.1 * x)
+            x = x.to(torch.bfloat16)
+            outputs = quant_gemm_bf16(x, [w])
+            for columns in (n, n - 5, 80):
+                top, column = quant_argmax_bf16(x, w, columns)
+                expected = outputs[:, :columns].argmax(dim=-1)
+                assert torch.equal(column, expected)
+                largest = outputs.gather(1, expected[:, None]).squeeze(1)
+                torch.testing.assert_close(top, largest, rtol=0, atol=0, equal_nan=True)
+            if case != "random":
+                assert set(expected.tolist()) == {20 if case == "tie" else 30}
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_argmax_tiles
+def test_argmax_on_the_tiles_serves_bf16_rows_of_weights_it_dequantizes():
+    x = torch.randn(8, 256).to(torch.bfloat16)
+    w = random_weight("Q4_K", 64, 256)
+    assert quant_argmax_bf16(x, w, 64) is not None
+    assert quant_argmax_bf16(x.float(), w, 64) is None
+    assert quant_argmax_bf16(x, vnni_strips(random_weight("Q8_256", 64, 256)), 64) is None
+
+
+@pytest.mark.parametrize("rows", [3, 40])
+def test_a_linears_argmax_past_the_int8_rows_writes_no_outputs_where_the_tiles_serve(
+    rows, monkeypatch
+):
+    """`QuantLinear.argmax` on steps the dequantized GEMM serves takes each part's argmax from
+    the tiles (`quant_argmax_bf16`; no slices of outputs) where AMX serves, slices otherwise:
+    the argmax of its outputs' first `columns` either way, parts side by side."""
+    a, b = random_weight("Q4_K", 64, 512, seed=1), random_weight("Q6_K", 32, 512, seed=2)
+    linear = QuantLinear([a, b])
+    linear.int8_max_rows = 2
+    tiles = cpu.load_library().has("quant_argmax_amx")
+    if tiles:
+        monkeypatch.setattr(cpu_ops, "argmax_of_slices", None)  # called: a TypeError
+    x = torch.randn(rows, 512).to(torch.bfloat16)
+    outputs = linear(x, torch.float32)
+    for columns in (96, 90, 64, 30):
+        assert torch.equal(linear.argmax(x, columns), outputs[:, :columns].argmax(dim=-1))
 
 
 @pytest.mark.parametrize("one_weight", [False, True])

@@ -263,14 +263,27 @@ def argmax_of_slices(slices: Iterable[tuple[int, torch.Tensor]], rows: int) -> t
     """Each row's argmax (int64) over outputs that come a slice at a time, (first column, fp32
     [rows, width]) in column order: the first of equal maxima, the first NaN where a row has one,
     as torch's and `argmax`. Only the slice in hand is held."""
+
+    def candidates():
+        for start, out in slices:
+            top = argmax(out)
+            yield out.gather(1, top[:, None]).squeeze(1), top + start
+
+    return argmax_of_candidates(candidates(), rows)
+
+
+def argmax_of_candidates(
+    candidates: Iterable[tuple[torch.Tensor, torch.Tensor]], rows: int
+) -> torch.Tensor:
+    """Each row's argmax (int64) from the argmaxes of runs of its outputs, (each row's value
+    (fp32), its column (int64)) a run, the runs in column order: `argmax_of_slices`' ties and
+    NaNs."""
     best = torch.full((rows,), float("-inf"))
     index = torch.zeros(rows, dtype=torch.int64)
-    for start, out in slices:
-        top = argmax(out)
-        value = out.gather(1, top[:, None]).squeeze(1)
+    for value, column in candidates:
         take = ~best.isnan() & ((value > best) | value.isnan())
         best = torch.where(take, value, best)
-        index = torch.where(take, top + start, index)
+        index = torch.where(take, column, index)
     return index
 
 

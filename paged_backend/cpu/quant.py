@@ -342,29 +342,33 @@ def quant_gemm_bf16(
     row count on a Zen 4; on a Xeon with AMX the tiles, the weights their A operand, run a Q4_K
     8192 x 2048 weight from memory at 32 rows in ~1.2 ms against the VNNI GEMM's ~2.1, and win
     from 4-16 rows)."""
-    rows, k = x.shape
-    threads = torch.get_num_threads()
-    work = dequantize_work(threads, k)
     lib = load_library()
 
     def run_part(w: QuantWeight, out: int, out_stride: int, out_bf16: bool) -> None:
         lib.quant_gemm_bf16(
-            type=w.type_id,
-            w=w.data.data_ptr(),
-            n=w.out_features,
-            k=k,
-            row_bytes=w.data.stride(0),
-            x=x.data_ptr(),
-            rows=rows,
-            x_stride=x.stride(0),
-            out=out,
-            out_bf16=out_bf16,
-            out_stride=out_stride,
-            work=work.data_ptr(),
-            threads=threads,
+            **_dequantized_operands(x, w), out=out, out_bf16=out_bf16, out_stride=out_stride
         )
 
     return _product(x, weights, out_dtype, run_part)
+
+
+def _dequantized_operands(x: torch.Tensor, w: QuantWeight) -> dict:
+    """The arguments the dequantizing kernels (`quant_gemm_bf16`, `quant_argmax_amx`) take for
+    rows x and weight w, with a work buffer for torch's threads."""
+    threads = torch.get_num_threads()
+    rows, k = x.shape
+    return dict(
+        type=w.type_id,
+        w=w.data.data_ptr(),
+        n=w.out_features,
+        k=k,
+        row_bytes=w.data.stride(0),
+        x=x.data_ptr(),
+        rows=rows,
+        x_stride=x.stride(0),
+        work=dequantize_work(threads, k).data_ptr(),
+        threads=threads,
+    )
 
 
 def glu_serves(x: torch.Tensor, gate: QuantWeight, up: QuantWeight) -> bool:
@@ -411,6 +415,32 @@ def quant_glu_bf16(
         threads=threads,
     )
     return out if done else None
+
+
+def quant_argmax_bf16(
+    x: torch.Tensor, w: QuantWeight, columns: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's largest of its first `columns` outputs of `quant_gemm_bf16(x, [w])` (fp32,
+    the same bits) and its column (int64), the first of equal values, the first NaN where one
+    is, without writing the outputs (`csrc/amx_gemm.c`'s `quant_argmax_amx`): a greedy step's
+    head on AMX. None where that kernel does not serve (no AMX tiles, rows not bf16, a weight
+    it does not dequantize, or no buffer to be had)."""
+    lib = load_library()
+    if not (
+        lib.has("quant_argmax_amx")
+        and x.dtype == torch.bfloat16
+        and x.stride(-1) == 1
+        and w.out_features % 16 == 0
+        and w.format != "Q8_256_VNNI"
+        and can_dequantize_to_bf16([w])
+    ):
+        return None
+    top = torch.empty(x.shape[0])
+    column = torch.empty(x.shape[0], dtype=torch.int64)
+    done = lib.quant_argmax_amx(
+        **_dequantized_operands(x, w), columns=columns, top=top.data_ptr(), at=column.data_ptr()
+    )
+    return (top, column) if done else None
 
 
 # Block formats whose values are exact products (a scale times a level of at most 8 bits) plus
@@ -556,17 +586,36 @@ class QuantLinear(nn.Module):
 
     def argmax(self, x: torch.Tensor, columns: int) -> torch.Tensor:
         """`forward(x, torch.float32)[:, :columns].argmax(-1)` (`cpu_ops.argmax_of_slices`'
-        ties and NaNs), from outputs computed `ARGMAX_SLICE_BYTES` at a time: a greedy step at a
-        262,144-token vocabulary never holds its 1 MB a row of logits. A slice's outputs have
-        the whole product's bits: the kernels compute each output on its own, and slices start
-        at multiples of 32 outputs (the VNNI GEMM's strips)."""
+        ties and NaNs), with no outputs written where `quant_argmax_bf16` serves, else from
+        outputs computed `ARGMAX_SLICE_BYTES` at a time: a greedy step at a 262,144-token
+        vocabulary never holds its 1 MB a row of logits. A slice's outputs have the whole
+        product's bits: the kernels compute each output on its own, and slices start at
+        multiples of 32 outputs (the VNNI GEMM's strips)."""
         if not 0 < columns <= self.out_features:
             raise ValueError(f"columns must lie in [1, {self.out_features}], got {columns}")
         rows = x.reshape(-1, self.in_features)
+        runs = self._argmax_runs(rows, columns)
+        if runs is not None:
+            return cpu_ops.argmax_of_candidates(runs, rows.shape[0])
         width = cpu_ops.argmax_slice_width(rows.shape[0], 32)
         if any(w.out_features % 32 for w in self.weights):  # kernels chosen by n's shape
             width = self.out_features
         return cpu_ops.argmax_of_slices(self._slices(rows, columns, width), rows.shape[0])
+
+    def _argmax_runs(self, rows: torch.Tensor, columns: int) -> list | None:
+        """Each part's (largest output, its column) of each row from `quant_argmax_bf16`, where
+        it serves a step `quant_gemm_bf16` runs (no outputs written); else None."""
+        if self.bias is not None or self._product(rows) is not quant_gemm_bf16:
+            return None
+        runs, column = [], 0
+        for w in self.weights:
+            if column < columns:
+                run = quant_argmax_bf16(rows, w, min(w.out_features, columns - column))
+                if run is None:
+                    return None
+                runs.append((run[0], run[1] + column))
+            column += w.out_features
+        return runs
 
     def _slices(self, rows: torch.Tensor, columns: int, width: int):
         """(first column, fp32 outputs) of `width` outputs at a time, up to `columns`."""

@@ -13,6 +13,7 @@
  * threads: oneDNN's at each call, llama.cpp's once a thread. So every call loads ours and, when
  * done, puts back the configuration it found (or releases the tiles if there was none).
  */
+#include <math.h>
 #include <stdlib.h>
 
 #include "common.h"
@@ -298,10 +299,53 @@ static inline void load_accumulator(int t, float c[16][16]) {
     }
 }
 
+/* `out_bf16` of the strips' kernels: fp32 outputs (0), bf16 (1), or no outputs but each row's
+ * running argmax (`quant_argmax_amx`: out a thread's `running_argmax`). */
+enum { OUT_ARGMAX = 2 };
+
+/* A thread's argmax so far over the outputs it computed, in column order (its strips are a run
+ * of them): row r's largest output in top[r / 16][r % 16] and its column in at[..], the first
+ * of equal values, the first NaN where one came (torch.argmax's). Columns past `columns` are
+ * left out. */
+typedef struct {
+    float (*top)[16];
+    int32_t (*at)[16];
+    int64_t columns;
+} running_argmax;
+
+/* `tile_steps`' sums of nb blocks into the running argmax s (rows r0 + 16t + lane, columns col +
+ * 16b + [0, 16)). A tile's row o holds output o for 16 rows, one a lane: no transposes. */
+static void argmax_sums(int nb, int m1, running_argmax *s, int64_t r0, int64_t col) {
+    float c[16][16] __attribute__((aligned(64)));
+    for (int b = 0; b < nb; b++)
+        for (int t = 0; t < (m1 ? 2 : 1); t++) {
+            store_accumulator(2 * b + t, c);
+            float *top = s->top[r0 / 16 + t];
+            int32_t *at = s->at[r0 / 16 + t];
+            __m512 best = _mm512_load_ps(top);
+            __m512i where = _mm512_load_si512(at);
+            int64_t first = col + 16 * b, count = s->columns - first < 16 ? s->columns - first : 16;
+            for (int o = 0; o < count; o++) {
+                __m512 v = _mm512_load_ps(c[o]);
+                __mmask16 take = (_mm512_cmp_ps_mask(v, best, _CMP_GT_OQ) |
+                                  _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) &
+                                 _mm512_cmp_ps_mask(best, best, _CMP_ORD_Q);
+                best = _mm512_mask_mov_ps(best, take, v);
+                where = _mm512_mask_mov_epi32(where, take, _mm512_set1_epi32((int)(first + o)));
+            }
+            _mm512_store_ps(top, best);
+            _mm512_store_si512(at, where);
+        }
+}
+
 /* `tile_steps`' sums (16 outputs x m rows a tile) transposed into out: rows r0 + 16t + r (m0 of
- * row tile 0, m1 of 1; `n` apart), columns col + 16b + [0, 16). */
+ * row tile 0, m1 of 1; `n` apart), columns col + 16b + [0, 16); or into a running argmax. */
 static void store_sums(int nb, int m0, int m1, void *out, int64_t n, int64_t r0, int64_t col,
                        int out_bf16) {
+    if (out_bf16 == OUT_ARGMAX) {
+        argmax_sums(nb, m1, (running_argmax *)out, r0, col);
+        return;
+    }
     float c[16][16] __attribute__((aligned(64)));
     for (int b = 0; b < nb; b++)
         for (int t = 0; t < (m1 ? 2 : 1); t++) {
@@ -551,10 +595,11 @@ static int strips_on_tiles(const weight_rows *src, int64_t n, int64_t k, const b
         ok = grown((void **)&held_sums, &held_sums_bytes, held_bytes);
         tile_config before = saved_tiles();
         int m0 = -1, m1 = -1; /* the row tiles configured */
+        void *dest = out_bf16 == OUT_ARGMAX ? (void *)((running_argmax *)out + t) : out;
         for (int64_t nb = nb0; ok && nb < nb1; nb += span)
             weight_strip_on_tiles(src, 16 * nb,
                                   nb1 - nb < span ? (int)(nb1 - nb) : (int)span, k, xt, rows,
-                                  work + t * DEQUANTIZED_ROWS * ks, ks, kc, held_sums, out,
+                                  work + t * DEQUANTIZED_ROWS * ks, ks, kc, held_sums, dest,
                                   out_stride, out_bf16, &m0, &m1);
         restore_tiles(before);
     }
@@ -568,6 +613,48 @@ int quant_gemm_amx(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row
                    int64_t out_stride, bf16 *work, int threads) {
     weight_rows src = {{type, type}, {w, w}, {row_bytes, row_bytes}, 0};
     return strips_on_tiles(&src, n, k, x, rows, x_stride, out, out_bf16, out_stride, work, threads);
+}
+
+/* top[r], at[r]: the largest of row r's first `columns` outputs of `quant_gemm_amx` (fp32, the
+ * same bits) and its column, the first of equal values, the first NaN where there is one, as
+ * torch.argmax of those outputs gives them, without writing them: each thread keeps its strips'
+ * running argmax (`argmax_sums`), then the threads' are merged in column order. A greedy step's
+ * head writes no logits (32 rows of a 262,144-token vocabulary: 32 MB, written and read back).
+ * Returns 0 where the tiles or a buffer were not to be had (nothing written). */
+int quant_argmax_amx(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes,
+                     const bf16 *x, int64_t rows, int64_t x_stride, int64_t columns, float *top,
+                     int64_t *at, bf16 *work, int threads) {
+    int64_t tiles = (rows + 15) / 16, lanes = threads * tiles * 16;
+    if (!amx_ready() || type == Q8_256_VNNI) return 0;
+    running_argmax *runs = calloc(threads, sizeof *runs);
+    float (*tops)[16] = aligned_alloc(64, lanes * sizeof(float));
+    int32_t (*ats)[16] = aligned_alloc(64, lanes * sizeof(int32_t));
+    int ok = runs && tops && ats;
+    for (int64_t i = 0; ok && i < lanes; i++) {
+        tops[i / 16][i % 16] = -INFINITY;
+        ats[i / 16][i % 16] = 0;
+    }
+    for (int p = 0; ok && p < threads; p++)
+        runs[p] = (running_argmax){tops + p * tiles, ats + p * tiles, columns};
+    weight_rows src = {{type, type}, {w, w}, {row_bytes, row_bytes}, 0};
+    ok = ok && strips_on_tiles(&src, n, k, x, rows, x_stride, runs, OUT_ARGMAX, 0, work, threads);
+    for (int64_t r = 0; ok && r < rows; r++) { /* in column order: a thread without strips never wins */
+        float best = -INFINITY;
+        int64_t where = 0;
+        for (int p = 0; p < threads; p++) {
+            float v = runs[p].top[r / 16][r % 16];
+            if (best == best && (v > best || v != v)) {
+                best = v;
+                where = runs[p].at[r / 16][r % 16];
+            }
+        }
+        top[r] = best;
+        at[r] = where;
+    }
+    free(runs);
+    free(tops);
+    free(ats);
+    return ok;
 }
 
 /* out [rows][n] (bf16, rows `out_stride` apart) = act(x gate^T) * (x up^T) for a gated MLP's
