@@ -610,6 +610,20 @@ static inline __attribute__((always_inline)) void legacy_to_bf16(int type, const
     }
 }
 
+/* `blocks` consecutive Q8_0 blocks in bf16, `group_values16`'s values (level times scale, plus
+ * an offset of 0) straight from the row's bytes, without `unpack_chunk`'s copy of the levels
+ * and scales. */
+static inline __attribute__((always_inline)) void q8_0_to_bf16(const uint8_t *blk, int blocks,
+                                                               bf16 *dst) {
+    for (int g = 0; g < blocks; g++, blk += 34) {
+        __m512 d = _mm512_set1_ps(f16_to_f32(blk)), zero = _mm512_setzero_ps();
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
+        _mm512_storeu_si512(dst + 32 * g, (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, d, zero),
+                                                                        _mm512_fmadd_ps(lo, d, zero)));
+    }
+}
+
 /* A row's weights [first, first + count) (`unpack_chunk`'s) in bf16, rounded to nearest even,
  * at dst. */
 static inline __attribute__((always_inline)) void chunk_to_bf16(int type, const uint8_t *row,
@@ -617,6 +631,10 @@ static inline __attribute__((always_inline)) void chunk_to_bf16(int type, const 
                                                                 bf16 *dst) {
     if (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1) {
         legacy_to_bf16(type, row + (first >> 5) * block_bytes(type), (int)(count / 32), dst);
+        return;
+    }
+    if (type == Q8_0) {
+        q8_0_to_bf16(row + (first >> 5) * block_bytes(type), (int)(count / 32), dst);
         return;
     }
     chunk c;
