@@ -16,6 +16,7 @@ from gguf import GGUFReader
 
 from paged_backend import LLM, SamplingParams, cpu
 from paged_backend import engine as engine_module
+from paged_backend.cpu import quant as quant_module
 from paged_backend.cpu.quant import QuantEmbedding, QuantLinear, rows8_built
 from paged_backend.default_model import default_model_file
 from paged_backend.gguf import weights as weights_module
@@ -185,6 +186,34 @@ def test_greedy_rows_take_their_tokens_from_the_head_without_their_logits(quanti
         o.outputs[0].token_ids for o in quantized.generate(PROMPTS, GREEDY, use_tqdm=False)
     ]
     assert_all_blocks_free(quantized.engine)
+
+
+@pytest.mark.skipif(
+    not cpu.available() or not cpu.load_library().has("quant_argmax_amx"), reason="no AMX tiles"
+)
+def test_greedy_bf16_rows_past_the_int8_rows_take_the_argmax_from_the_tiles(monkeypatch):
+    """On AMX, a bf16 step's quantized head past its int8 rows gives greedy rows their argmax
+    from the tiles (`quant_argmax_bf16`, no logits written): the tokens of the whole logits
+    (each run's prompts computed afresh: a cached prefix's rows may differ in their last bits)."""
+    llm = LLM(
+        model=str(default_model_file()),
+        dtype="bfloat16",
+        num_kv_blocks=256,
+        enable_prefix_caching=False,
+    )
+    head = llm.engine.runner.model.cpu_head
+    assert isinstance(head, QuantLinear)
+    monkeypatch.setattr(head, "int8_max_rows", 0)
+    real, rows = quant_module.quant_argmax_bf16, []
+    monkeypatch.setattr(
+        quant_module, "quant_argmax_bf16", lambda x, *a: rows.append(len(x)) or real(x, *a)
+    )
+    tiles = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert rows and max(rows) == len(PROMPTS)
+    monkeypatch.setattr(llm.engine.runner, "logits_argmax", lambda h, columns: None)
+    whole = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in tiles] == [o.outputs[0].token_ids for o in whole]
+    assert_all_blocks_free(llm.engine)
 
 
 def test_greedy_drafting_steps_verify_against_the_heads_argmax(monkeypatch):
