@@ -371,17 +371,26 @@ def _dequantized_operands(x: torch.Tensor, w: QuantWeight) -> dict:
     )
 
 
+def _tiles_dequantize(x: torch.Tensor, weights: list[QuantWeight]) -> bool:
+    """Whether rows x and `weights` are what the AMX kernels that dequantize weight rows into
+    the tiles (`quant_glu_amx`, `quant_argmax_amx`) take: bf16 rows of unit stride, weights
+    `can_dequantize_to_bf16` in rows of blocks (not Q8_256_VNNI's strips)."""
+    return (
+        x.dtype == torch.bfloat16
+        and x.stride(-1) == 1
+        and all(w.format != "Q8_256_VNNI" for w in weights)
+        and can_dequantize_to_bf16(weights)
+    )
+
+
 def glu_serves(x: torch.Tensor, gate: QuantWeight, up: QuantWeight) -> bool:
-    """Whether `quant_glu_bf16` takes these rows and weights: AMX tiles built, rows of bf16,
-    weights `can_dequantize_to_bf16` in rows of blocks, as many rows each, a multiple of 32."""
+    """Whether `quant_glu_bf16` takes these rows and weights: AMX tiles built, rows and weights
+    `_tiles_dequantize` takes, as many rows each, a multiple of 32."""
     return (
         load_library().has("quant_glu_amx")
-        and x.dtype == torch.bfloat16
-        and x.stride(-1) == 1
         and up.out_features == gate.out_features
         and gate.out_features % 32 == 0
-        and "Q8_256_VNNI" not in (gate.format, up.format)
-        and can_dequantize_to_bf16([gate, up])
+        and _tiles_dequantize(x, [gate, up])
     )
 
 
@@ -426,14 +435,7 @@ def quant_argmax_bf16(
     head on AMX. None where that kernel does not serve (no AMX tiles, rows not bf16, a weight
     it does not dequantize, or no buffer to be had)."""
     lib = load_library()
-    if not (
-        lib.has("quant_argmax_amx")
-        and x.dtype == torch.bfloat16
-        and x.stride(-1) == 1
-        and w.out_features % 16 == 0
-        and w.format != "Q8_256_VNNI"
-        and can_dequantize_to_bf16([w])
-    ):
+    if not (lib.has("quant_argmax_amx") and w.out_features % 16 == 0 and _tiles_dequantize(x, [w])):
         return None
     top = torch.empty(x.shape[0])
     column = torch.empty(x.shape[0], dtype=torch.int64)

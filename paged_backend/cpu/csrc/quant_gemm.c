@@ -615,12 +615,13 @@ static inline __attribute__((always_inline)) void legacy_to_bf16(int type, const
  * and scales. */
 static inline __attribute__((always_inline)) void q8_0_to_bf16(const uint8_t *blk, int blocks,
                                                                bf16 *dst) {
-    for (int g = 0; g < blocks; g++, blk += 34) {
-        __m512 d = _mm512_set1_ps(f16_to_f32(blk)), zero = _mm512_setzero_ps();
-        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
-        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
-        _mm512_storeu_si512(dst + 32 * g, (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, d, zero),
-                                                                        _mm512_fmadd_ps(lo, d, zero)));
+    for (int g = 0; g < blocks; g++, blk += block_bytes(Q8_0)) {
+        __m512 d = _mm512_set1_ps(f16_to_f32(blk)), zero = _mm512_setzero_ps(), v[2];
+        for (int h = 0; h < 2; h++) { /* levels 16h .. 16h + 15 */
+            __m128i levels = _mm_loadu_si128((const __m128i *)(blk + 2 + 16 * h));
+            v[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(levels)), d, zero);
+        }
+        _mm512_storeu_si512(dst + 32 * g, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
     }
 }
 
