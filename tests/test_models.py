@@ -509,11 +509,30 @@ def test_a_step_is_cut_into_forwards_of_at_most_forward_tokens_decodes_first():
     ]
 
 
+def test_forward_tokens_keep_a_forwards_mlp_activations_within_their_budget():
+    """A CPU forward takes as many tokens, in whole 256s, as keep its MLP's activations (4 x
+    intermediate bytes a token) within FORWARD_MLP_BYTES, from 512 (llama.cpp's physical batch)
+    to the default step budget: the default model's narrow MLP runs a whole step at once, an 8B's
+    512 tokens."""
+    from paged_backend.config import EngineConfig
+    from paged_backend.model_runner import FORWARD_MLP_BYTES, FORWARD_TOKENS, forward_tokens
+
+    low, high = FORWARD_TOKENS
+    assert (low, high) == (512, EngineConfig.max_num_batched_tokens)
+    assert forward_tokens(1536) == high  # SmolLM2-135M
+    assert forward_tokens(14336) == low  # Llama-3.1-8B
+    for width in (576, 1536, 2048, 3000, 4864, 5120, 8192, 14336, 53248):
+        tokens = forward_tokens(width)
+        assert tokens % 256 == 0 and low <= tokens <= high
+        assert tokens == low or tokens * 4 * width <= FORWARD_MLP_BYTES
+        assert tokens == high or (tokens + 256) * 4 * width > FORWARD_MLP_BYTES
+
+
 @pytest.mark.parametrize("speculative", [False, True])
 def test_forwards_of_a_cut_step_give_the_whole_steps_outputs(
     quoting_model, monkeypatch, speculative
 ):
-    """On CPU a step of more tokens than FORWARD_TOKENS (a forward's activations are a peak of
+    """On CPU a step of more tokens than `forward_tokens` (a forward's activations are a peak of
     resident memory) runs as forwards of at most that many: a prompt's later pieces read the
     earlier's K/V from the cache, and the step's tokens and logprobs are those of one forward,
     with prefix hits, decodes beside prefills and drafts being verified. The head runs once a
@@ -525,8 +544,9 @@ def test_forwards_of_a_cut_step_give_the_whole_steps_outputs(
     spec = {"method": "ngram", "num_speculative_tokens": 3} if speculative else None
     results, sizes = [], {}
     for limit in (None, 5):
-        monkeypatch.setattr(model_runner, "FORWARD_TOKENS", limit)
+        monkeypatch.setattr(model_runner, "forward_tokens", lambda _width, limit=limit: limit)
         llm = LLM(model=str(quoting_model), dtype="float32", speculative_config=spec)
+        assert llm.engine.runner.forward_tokens == limit
         model = llm.engine.runner.model
         rows = sizes.setdefault(limit, [])
         model.register_forward_pre_hook(lambda _m, args, rows=rows: rows.append(len(args[0])))
