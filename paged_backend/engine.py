@@ -650,6 +650,12 @@ class LLMEngine:
             "cpu_gemm_max_rows": {
                 f"{n}x{k}": rows for (n, k), rows in sorted((self.runner.gemm_rows or {}).items())
             },
+            # The prefill step sizes (`cpu.linear.PREFILL_ROW_COUNTS`) at which a step of more
+            # rows than those runs each layer linear in the C GEMM rather than oneDNN, likewise.
+            "cpu_gemm_prefill_rows": {
+                f"{n}x{k}": list(counts)
+                for (n, k), counts in sorted((self.runner.gemm_prefill or {}).items())
+            },
             # A bf16 model's quantized linears, by their parts' (format, shape): up to how many
             # rows a step runs the int8 product, past them the weights dequantized for the
             # bf16 GEMM.

@@ -14,7 +14,15 @@ from paged_backend.attention import AttentionMetadata, check_block_tables, get_b
 from paged_backend.block_pool import FREED_BLOCK
 from paged_backend.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from paged_backend.cpu import kernel_choice
-from paged_backend.cpu.linear import EVERY_STEP, GemmRows, can_pack, quantize_linears_int4
+from paged_backend.cpu.linear import (
+    EVERY_STEP,
+    PREFILL_ROW_COUNTS,
+    GemmPrefill,
+    GemmRows,
+    can_pack,
+    linear_shapes,
+    quantize_linears_int4,
+)
 from paged_backend.cpu.memory import (
     advise_huge_pages,
     huge_page_tokens,
@@ -38,6 +46,7 @@ from paged_backend.model_loader import (
 )
 from paged_backend.models import LlamaForCausalLM, native_model_class
 from paged_backend.models.config import ModelConfig
+from paged_backend.models.llama import MLP_SLICE_BYTES
 from paged_backend.models.transformers_impl import TransformersForCausalLM
 from paged_backend.request import Request
 
@@ -47,21 +56,20 @@ _DEFAULT_KV_FRACTION = 0.1
 _DEFAULT_KV_CAP = 2 << 30
 HUGE_PAGES_A_REGION = 4  # the KV cache's 2 MiB pages wait for this much use (see `__init__`)
 # On CPU a step runs as forwards of at most `forward_tokens` tokens: a forward's activations are
-# a peak of resident memory, widest in its MLP (4 x intermediate bytes a token: the gate/up
+# a peak of resident memory, widest in its MLP (4 x intermediate bytes a token: the bf16 gate/up
 # product, or on AMX the gated output and the down projection's input as B tiles). As many as
-# keep those within FORWARD_MLP_BYTES, from llama.cpp's physical batch (its n_ubatch, 512) to the
-# default step budget (a whole step in one forward). Each forward runs its Python, and
-# dequantizes every quantized weight, once: on an AMX Xeon 2,048-token forwards prefilled 32
-# distinct prompts 1.27x faster than 512 for the default model (+5 MB of peak RSS) and 1.1x for
-# Gemma 3 270M's shape (+40 MB); Qwen2.5-0.5B's, Llama-3.2 1B's and 3B's 1.02-1.05x for +47 to
-# +109 MB (they keep 512-768).
+# keep those within one MLP slice (`MLP_SLICE_BYTES`), from llama.cpp's physical batch (its
+# n_ubatch, 512) to the default step budget (a whole step in one forward). Each forward runs its
+# Python, and dequantizes every quantized weight, once: on an AMX Xeon 2,048-token forwards
+# prefilled 32 distinct prompts 1.27x faster than 512 for the default model (+5 MB of peak RSS)
+# and 1.1x for Gemma 3 270M's shape (+40 MB); Qwen2.5-0.5B's, Llama-3.2 1B's and 3B's 1.02-1.05x
+# for +47 to +109 MB (they keep 512-768).
 FORWARD_TOKENS = (512, 2048)
-FORWARD_MLP_BYTES = 16 << 20
 
 
 def forward_tokens(intermediate_size: int) -> int:
     """The most tokens of a CPU forward for a model of this MLP width (see FORWARD_TOKENS)."""
-    fit = FORWARD_MLP_BYTES // (4 * intermediate_size) // 256 * 256
+    fit = MLP_SLICE_BYTES // (4 * intermediate_size) // 256 * 256
     return min(max(fit, FORWARD_TOKENS[0]), FORWARD_TOKENS[1])
 
 
@@ -116,6 +124,7 @@ class ModelRunner:
         )
         self.model_config = model_config
         self.gemm_rows = None
+        self.gemm_prefill = None
         self.int8_rows: dict[tuple, int] | None = None  # `_dequantize_large_steps`
         if model_config.impl == "transformers" and config.quantization in ("int4", "int8"):
             raise ValueError(
@@ -279,7 +288,9 @@ class ModelRunner:
                 self.gemm_rows = dict.fromkeys(model.linear_shapes(), EVERY_STEP)
             elif bf16_kernels and fp16_copy:
                 self.gemm_rows = self._gemm_rows(config, model, kernel_choice.gemm_max_rows)
-            model.use_cpu_linears_(pack, fp16_copy, int4, self.gemm_rows)
+                if pack and not int4:
+                    self.gemm_prefill = self._gemm_prefill(config, model)
+            model.use_cpu_linears_(pack, fp16_copy, int4, self.gemm_rows, self.gemm_prefill)
         elif self._c_f32_linears(config, ops):
             self.gemm_rows = self._gemm_rows(config, model, kernel_choice.f32_max_rows)
             model.use_f32_linears_(self.gemm_rows)
@@ -352,6 +363,17 @@ class ModelRunner:
         if config.cpu_gemm_max_rows is not None:
             return dict.fromkeys(shapes, config.cpu_gemm_max_rows)
         return timed(shapes)
+
+    @staticmethod
+    def _gemm_prefill(config: EngineConfig, model) -> GemmPrefill:
+        """The prefill step sizes at which each layer weight shape runs the C GEMM rather than
+        oneDNN: those up to `config.cpu_gemm_max_rows` where given, else timed on this machine
+        (`kernel_choice.gemm_prefill_counts`)."""
+        shapes = linear_shapes(model.layers)
+        forced = config.cpu_gemm_max_rows
+        if forced is not None:
+            return dict.fromkeys(shapes, tuple(c for c in PREFILL_ROW_COUNTS if c <= forced))
+        return kernel_choice.gemm_prefill_counts(shapes)
 
     def _cpu_linears(
         self, config: EngineConfig, model: torch.nn.Module, bf16_kernels: bool

@@ -22,6 +22,7 @@ from paged_backend.cpu.linear import (
     CpuLinear,
     can_pack,
     can_quantize_int4,
+    prefill_count,
     quantize_int4,
     replace_linears_,
 )
@@ -210,6 +211,33 @@ def test_steps_beyond_the_chosen_rows_run_onednn(gemm_rows):
                 assert torch.equal(got, cpu_ops.gemm(x, layer.gemm, torch.bfloat16))
             else:
                 assert torch.equal(got, F.linear(x, linear.weight))
+
+
+@pytest.mark.skipif(not cpu.has_bf16_kernels(), reason="no AVX512-BF16 C kernels")
+@needs_packing
+def test_a_prefill_step_runs_the_kernel_that_won_its_timed_count(monkeypatch):
+    """Past `gemm_rows` and the decode sizes timed for it, a step runs the C GEMM where it won
+    the first timed prefill count its rows do not exceed (the last for more), else oneDNN; a
+    shape that won only prefill counts still gets the C GEMM's copy."""
+    linear = _linear(bias=False)
+    layer = CpuLinear(
+        linear.weight, None, pack=True, fp16_copy=True, gemm_rows=0, gemm_prefill=(128, 256, 2048)
+    )
+    assert layer.gemm is not None and layer.gemm_rows == 0
+    ran = []
+    gemm = cpu_ops.gemm
+    monkeypatch.setattr(cpu_ops, "gemm", lambda *a: ran.append(a[0].shape[0]) or gemm(*a))
+    with torch.inference_mode():
+        for rows in (1, 64, 65, 256, 257, 1536, 1537, 2048, 2100):
+            x = torch.randn(rows, 96, dtype=torch.bfloat16)
+            got = layer(x)
+            if rows in (65, 256, 1537, 2048, 2100):
+                assert ran[-1] == rows
+                assert torch.equal(got, gemm(x, layer.gemm, torch.bfloat16))
+            else:
+                assert torch.equal(got, F.linear(x, linear.weight))
+    assert ran == [65, 256, 1537, 2048, 2100]
+    assert [prefill_count(r) for r in (1, 128, 129, 2048, 5000)] == [128, 128, 256, 2048, 2048]
 
 
 @needs_packing

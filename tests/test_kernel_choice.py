@@ -10,6 +10,7 @@ import torch
 
 from paged_backend import LLM, EngineConfig, cpu, file_cache
 from paged_backend.cpu import kernel_choice
+from paged_backend.cpu.linear import PREFILL_ROW_COUNTS
 from paged_backend.cpu.quant import QuantWeight
 
 needs_gemm = pytest.mark.skipif(
@@ -71,6 +72,31 @@ def test_the_c_gemm_keeps_the_row_counts_up_to_a_clear_onednn_win(monkeypatch):
     assert kernel_choice._time_shape(64, 96) == 16  # 0.89 at 32 rows is a clear win
     onednn_share[32] = 0.92
     assert kernel_choice._time_shape(64, 96) == 32
+
+
+@needs_gemm
+def test_each_prefill_count_goes_to_the_c_gemm_unless_onednn_wins_it_clearly(monkeypatch):
+    """At prefill sizes each timed count is decided on its own (oneDNN's rate moves by 2x
+    from one count to the next): a clear oneDNN win at one count leaves the others to C."""
+    onednn_share = dict.fromkeys(PREFILL_ROW_COUNTS, 1.0) | {256: 0.5, 1024: 0.89, 1536: 0.92}
+
+    def best_times(*calls, before=None):
+        return [1.0, onednn_share[calls[0][1].shape[0]]]
+
+    monkeypatch.setattr(kernel_choice, "_best_times", best_times)
+    got = kernel_choice._time_prefill_shape(64, 96)
+    assert got == tuple(c for c in PREFILL_ROW_COUNTS if c not in (256, 1024))
+
+
+@needs_gemm
+def test_prefill_counts_are_timed_once_per_machine_then_read(private_cache, monkeypatch):
+    timed = []
+    monkeypatch.setattr(
+        kernel_choice, "_time_prefill_shape", lambda n, k: timed.append(n) or (256, 2048)
+    )
+    for _ in range(2):
+        assert kernel_choice.gemm_prefill_counts({(64, 96)}) == {(64, 96): (256, 2048)}
+    assert timed == [64]  # read back from the cache file (as a tuple) the second time
 
 
 def test_a_win_for_torch_must_hold_when_timed_again(monkeypatch):
@@ -195,6 +221,9 @@ def test_a_forced_choice_is_what_the_engine_runs_and_reports(tiny_model, one_thr
     assert chosen and set(chosen.values()) == {4}
     down = llm.engine.runner.model.layers[0].mlp.down_proj  # [64, 128] in the tiny model
     assert chosen["64x128"] == down.gemm_rows == 4 and down.gemm is not None
+    # no prefill count is as small as 4 rows: oneDNN serves every prefill step
+    assert set(map(tuple, llm.stats()["cpu_gemm_prefill_rows"].values())) == {()}
+    assert not down.gemm_prefill
 
 
 @pytest.mark.parametrize(

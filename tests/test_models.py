@@ -509,13 +509,14 @@ def test_a_step_is_cut_into_forwards_of_at_most_forward_tokens_decodes_first():
     ]
 
 
-def test_forward_tokens_keep_a_forwards_mlp_activations_within_their_budget():
-    """A CPU forward takes as many tokens, in whole 256s, as keep its MLP's activations (4 x
-    intermediate bytes a token) within FORWARD_MLP_BYTES, from 512 (llama.cpp's physical batch)
-    to the default step budget: the default model's narrow MLP runs a whole step at once, an 8B's
-    512 tokens."""
+def test_forward_tokens_keep_a_forwards_mlp_activations_within_one_slice():
+    """A CPU forward takes as many tokens, in whole 256s, as keep its MLP's bf16 gate/up
+    product (4 x intermediate bytes a token) within one MLP slice, from 512 (llama.cpp's
+    physical batch) to the default step budget: the default model's narrow MLP runs a whole
+    step at once, an 8B's 512 tokens."""
     from paged_backend.config import EngineConfig
-    from paged_backend.model_runner import FORWARD_MLP_BYTES, FORWARD_TOKENS, forward_tokens
+    from paged_backend.model_runner import FORWARD_TOKENS, forward_tokens
+    from paged_backend.models.llama import MLP_SLICE_BYTES
 
     low, high = FORWARD_TOKENS
     assert (low, high) == (512, EngineConfig.max_num_batched_tokens)
@@ -524,8 +525,8 @@ def test_forward_tokens_keep_a_forwards_mlp_activations_within_their_budget():
     for width in (576, 1536, 2048, 3000, 4864, 5120, 8192, 14336, 53248):
         tokens = forward_tokens(width)
         assert tokens % 256 == 0 and low <= tokens <= high
-        assert tokens == low or tokens * 4 * width <= FORWARD_MLP_BYTES
-        assert tokens == high or (tokens + 256) * 4 * width > FORWARD_MLP_BYTES
+        assert tokens == low or tokens * 4 * width <= MLP_SLICE_BYTES
+        assert tokens == high or (tokens + 256) * 4 * width > MLP_SLICE_BYTES
 
 
 @pytest.mark.parametrize("speculative", [False, True])

@@ -51,6 +51,7 @@ import torch
 from paged_backend.cpu import library
 from paged_backend.cpu import ops as cpu_ops
 from paged_backend.cpu.features import cpu_description
+from paged_backend.cpu.linear import PREFILL_ROW_COUNTS
 from paged_backend.cpu.quant import (
     QuantWeight,
     dequantize,
@@ -89,6 +90,15 @@ def gemm_max_rows(shapes: set[tuple[int, int]]) -> dict[tuple[int, int], int]:
     """For each bf16 weight shape (out, in), the most rows of a step the C GEMM serves (0: none):
     from the cache when this machine timed the shape before, else timed now and cached."""
     return _max_rows(shapes, "", _time_shape)
+
+
+def gemm_prefill_counts(shapes: set[tuple[int, int]]) -> dict[tuple[int, int], tuple[int, ...]]:
+    """For each bf16 layer weight shape (out, in), the prefill step sizes of
+    `linear.PREFILL_ROW_COUNTS` at which oneDNN does not beat the C GEMM clearly (each count
+    decided on its own: oneDNN's rate there moves by 2x from one count to the next, by shape),
+    from the cache or timed now. The output head is not asked: a step's head takes only the
+    rows that sample."""
+    return _max_rows(shapes, "prefill ", _time_prefill_shape)
 
 
 def f32_max_rows(shapes: set[tuple[int, int]]) -> dict[tuple[int, int], int]:
@@ -146,9 +156,7 @@ def _max_rows(shapes, kind: str, time_shape) -> dict[tuple[int, int], int]:
             before = _cpu_seconds()
             for shape in sorted(s for s in shapes if kind + _name(s) not in timed):
                 timed[kind + _name(shape)] = rows = time_shape(*shape)
-                logger.info(
-                    "%slinear %s: the C kernel serves steps of up to %d rows", kind, shape, rows
-                )
+                logger.info("%slinear %s: the C kernel serves steps of %s rows", kind, shape, rows)
             others = _others_share(before, _cpu_seconds())
             if others > _BUSY_SHARE:
                 notice(
@@ -161,7 +169,12 @@ def _max_rows(shapes, kind: str, time_shape) -> dict[tuple[int, int], int]:
                 entries[key] = timed
                 _write(path, entries)
             known = timed
-    return {s: known[kind + _name(s)] for s in shapes}
+    # (a tuple of counts comes back from JSON as a list)
+    return {s: _tuple_if_list(known[kind + _name(s)]) for s in shapes}
+
+
+def _tuple_if_list(value):
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _cpu_seconds() -> tuple[float, float, float] | None:
@@ -199,6 +212,25 @@ def _time_shape(n: int, k: int) -> int:
         torch.bfloat16,
         lambda x: (cpu_ops.gemm, x, gemm_weight, torch.bfloat16),
         lambda x: (torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], ""),
+    )
+
+
+def _time_prefill_shape(n: int, k: int) -> tuple[int, ...]:
+    """`gemm_prefill_counts` for one shape."""
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    gemm_weight = cpu_ops.pack_gemm_weight(weight)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    return tuple(
+        rows
+        for rows in PREFILL_ROW_COUNTS
+        if _rows_c_serves(
+            k,
+            torch.bfloat16,
+            lambda x: (cpu_ops.gemm, x, gemm_weight, torch.bfloat16),
+            lambda x: (torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], ""),
+            counts=(rows,),
+            fused=False,  # prefill steps run the modules
+        )
     )
 
 

@@ -53,6 +53,18 @@ INT4_GROUP = 32
 Int4Weight = tuple[torch.Tensor, torch.Tensor]  # (packed 4-bit weight, scales and zeros)
 GemmRows = dict[tuple[int, int], int]  # weight shape -> most rows a step runs in the C GEMM
 EVERY_STEP = 1 << 62  # as `GemmRows`: the C GEMM runs steps of any size
+# The prefill step sizes `kernel_choice` times the C GEMM against oneDNN at: a step of more rows
+# than its `GemmRows` runs the kernel that won at the first of these it does not exceed (the last
+# for more), since oneDNN's rate moves by 2x between such counts, by shape, and the C GEMM's
+# does not (on an AMX Xeon: Qwen2.5-0.5B's down projection 0.84 against 1.79 TFLOP/s at 768 rows,
+# 1.61 against 1.86 at 512).
+PREFILL_ROW_COUNTS = (128, 256, 512, 768, 1024, 1536, 2048)
+GemmPrefill = dict[tuple[int, int], tuple[int, ...]]  # weight shape -> the counts the C GEMM won
+
+
+def prefill_count(rows: int) -> int:
+    """The timed prefill count that stands for a step of `rows` rows."""
+    return next((c for c in PREFILL_ROW_COUNTS if rows <= c), PREFILL_ROW_COUNTS[-1])
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -98,6 +110,7 @@ class CpuLinear(nn.Module):
         fp16_copy: bool,
         int4: Int4Weight | None = None,
         gemm_rows: int | None = None,
+        gemm_prefill: tuple[int, ...] = (),
     ) -> None:
         super().__init__()
         self.bias = bias
@@ -105,9 +118,12 @@ class CpuLinear(nn.Module):
         n, k = weight.shape
         small_copy = fp16_copy and int4 is None
         gemm = small_copy and gemm_rows is not None and n % 16 == 0 and k % 2 == 0
-        # Steps of up to this many rows run the C GEMM (`kernel_choice` times it against oneDNN).
+        # Steps of up to this many rows run the C GEMM (`kernel_choice` times it against oneDNN),
+        # and larger ones where it won at their `prefill_count`.
         self.gemm_rows = gemm_rows if gemm else 0
-        self.gemm = cpu_ops.pack_gemm_weight(weight) if self.gemm_rows else None
+        self.gemm_prefill = frozenset(gemm_prefill) if gemm else frozenset()
+        serves = self.gemm_rows or self.gemm_prefill
+        self.gemm = cpu_ops.pack_gemm_weight(weight) if serves else None
         self.fp16 = weight.detach().to(torch.float16) if small_copy and not gemm else None
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if pack else None
         # the weight itself goes where a copy serves every step (`ModelRunner._cpu_linears`)
@@ -158,7 +174,10 @@ class CpuLinear(nn.Module):
         if self.int4 is not None and rows <= INT4_MAX_ROWS:
             packed, scales = self.int4
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales)
-        if self.gemm is not None and rows <= self.gemm_rows:
+        if self.gemm is not None and (
+            rows <= self.gemm_rows
+            or (rows > cpu_ops.GEMM_MAX_ROWS and prefill_count(rows) in self.gemm_prefill)
+        ):
             return cpu_ops.gemm(x if x.stride(1) == 1 else x.contiguous(), self.gemm, out_dtype)
         if self.fp16 is not None and rows <= FP16_MAX_ROWS:
             return F.linear(x.to(torch.float16), self.fp16)
@@ -180,15 +199,18 @@ def replace_linears_(
     fp16_copy: bool,
     int4: dict[str, Int4Weight] | None = None,
     gemm_rows: GemmRows | None = None,
+    gemm_prefill: GemmPrefill | None = None,
 ) -> None:
     """Replace, in place, every `nn.Linear` below `module` with a `CpuLinear` (with the int4
     copy `int4` holds under its name from `quantize_linears_int4(module)`, and the C GEMM for
-    the steps `gemm_rows` gives its weight's shape)."""
+    the steps `gemm_rows` and `gemm_prefill` give its weight's shape)."""
     int4 = int4 or {}
 
     def cpu_linear(name: str, child: nn.Linear) -> CpuLinear:
-        rows = None if gemm_rows is None else gemm_rows[tuple(child.weight.shape)]
-        return CpuLinear(child.weight, child.bias, pack, fp16_copy, int4.get(name), rows)
+        shape = tuple(child.weight.shape)
+        rows = None if gemm_rows is None else gemm_rows[shape]
+        prefill = () if gemm_prefill is None else gemm_prefill.get(shape, ())
+        return CpuLinear(child.weight, child.bias, pack, fp16_copy, int4.get(name), rows, prefill)
 
     swap_linears_(module, cpu_linear)
 

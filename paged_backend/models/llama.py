@@ -22,6 +22,7 @@ from paged_backend.attention import AttentionBackend, FusedDecode
 from paged_backend.cpu import ops as cpu_ops
 from paged_backend.cpu.linear import (
     CpuLinear,
+    GemmPrefill,
     GemmRows,
     Int4Weight,
     linear_shapes,
@@ -269,10 +270,13 @@ class Attention(nn.Module):
 
 # On CPU a step's MLP runs in slices of rows whose gate/up activations take at most this many
 # bytes: a 2,048-token prefill of a 1B model held 134 MB of them (fp32) at once, a peak of the
-# process's resident memory above its weights and KV cache. Each row's result is the same. 8 MB
-# rather than 32: Gemma 3 270M Q4_K_M, 32 x ~250 tokens, peak -87 MB; 2,000-token prefills of
-# the default model (fp32) and a 1B Q4_K_M took as long (within this host's noise, AVX2).
-MLP_SLICE_BYTES = 8 << 20
+# process's resident memory above its weights and KV cache. Each row's result is the same. 16 MiB
+# rather than 32: Gemma 3 270M Q4_K_M, 32 x ~250 tokens, peak -87 MB at 8 (AVX2). 16 rather than
+# 8: on an AMX Xeon the default model's 2,048-row forwards ran their MLP in one slice instead of
+# two of 1,024 rows, a row count oneDNN runs its down projection at half the rate of 2,048, and
+# prefilled 32 distinct prompts 1.07x faster, Qwen2.5-0.5B's bf16 checkpoint 1.06x (with the C
+# GEMM taking the row counts where oneDNN is slow: `kernel_choice.gemm_prefill_counts`).
+MLP_SLICE_BYTES = 16 << 20
 
 
 class MLP(nn.Module):
@@ -384,13 +388,15 @@ class LlamaForCausalLM(nn.Module):
         fp16_copy: bool,
         int4: dict[str, Int4Weight] | None = None,
         gemm_rows: GemmRows | None = None,
+        gemm_prefill: GemmPrefill | None = None,
     ) -> None:
         """Run every projection and the output head through `CpuLinear` (packed bf16 weights,
         a copy for small steps: fp16, or with `gemm_rows` bf16 for `cpu_ops.gemm` up to that
-        many rows per weight shape; int4 copies of the layers from
-        `quantize_linears_int4(self.layers)`); call after the weights are loaded and cast. A
-        tied head gets its own copy: the embedding table stays as it is for lookups."""
-        replace_linears_(self.layers, pack, fp16_copy, int4, gemm_rows)
+        many rows per weight shape, and for the layers' prefill steps `gemm_prefill` gives;
+        int4 copies of the layers from `quantize_linears_int4(self.layers)`); call after the
+        weights are loaded and cast. A tied head gets its own copy: the embedding table stays as
+        it is for lookups."""
+        replace_linears_(self.layers, pack, fp16_copy, int4, gemm_rows, gemm_prefill)
         weight = self._head_weight()
         rows = None if gemm_rows is None else gemm_rows[tuple(weight.shape)]
         self.cpu_head = CpuLinear(weight, None, pack, fp16_copy, gemm_rows=rows)
