@@ -17,7 +17,9 @@ Zen 4 without AMX the C GEMM wins at every step up to 64 rows; on a Xeon with AM
 vector loop was several times slower than oneDNN from 16 rows, its tiles as fast or faster. So
 nothing is assumed: at engine start each of the model's weight shapes is timed
 under both kernels at 1-64 rows, and the C GEMM serves a shape up to the largest row count at
-which oneDNN does not beat it clearly (and every smaller one).
+which oneDNN does not beat it clearly (and every smaller one). A model that keeps both copies
+times its layer shapes at prefill sizes as well (`gemm_prefill_counts`), each count on its own:
+there oneDNN's rate moves by 2x from one count to the next, by shape.
 
 A near tie, or a small win, goes to the C kernel. A step of decodes whose layer linears all
 run it goes through every layer in one C call (`fused_decode`), which saves ~0.3 ms a layer on

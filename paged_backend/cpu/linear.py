@@ -16,7 +16,8 @@
   against 11.5 at 8, 22.2 against 25.9 at 32). On a Xeon with AMX the C kernel runs every step
   on the tiles too (`csrc/amx_gemm.c`; its vector loop ran ~200 GFLOP/s there from 16 rows, the
   tiles 1.6-2.4 TFLOP/s from 64 rows, as fast as oneDNN's or faster at 1-512 rows, 2 threads).
-  It takes the fp16 copy's place (and memory).
+  It takes the fp16 copy's place (and memory). Prefill steps run it too at the row counts where
+  it was timed as fast as oneDNN (`PREFILL_ROW_COUNTS`).
 - **fp16 copy for steps of 1-2 rows** (where the bf16 copy cannot run). Such a step streams
   every weight from memory once and does little arithmetic with it, so its speed is the rate
   the kernel reads weights: torch's fp16 GEMV reads 1.5x faster than the packed bf16 one (9.8
