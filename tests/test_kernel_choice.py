@@ -99,6 +99,18 @@ def test_prefill_counts_are_timed_once_per_machine_then_read(private_cache, monk
     assert timed == [64]  # read back from the cache file (as a tuple) the second time
 
 
+@pytest.mark.parametrize("budget, repeats", [(0.0, 3), (60.0, 7)])
+def test_long_calls_stop_repeating_past_the_timing_budget(monkeypatch, budget, repeats):
+    """Each kernel runs once to warm up, then in turns: `_REPEATS` times, or `_MIN_REPEATS`
+    once the turns took `_TIMING_BUDGET_S` (prefill-sized calls take milliseconds each)."""
+    monkeypatch.setattr(kernel_choice, "_TIMING_BUDGET_S", budget)
+    ran = {"c": 0, "torch": 0}
+    calls = [(lambda name=name: ran.__setitem__(name, ran[name] + 1),) for name in ran]
+    assert len(kernel_choice._best_times(*calls)) == 2
+    assert ran == {"c": 1 + repeats, "torch": 1 + repeats}
+    assert (kernel_choice._MIN_REPEATS, kernel_choice._REPEATS) == (3, 7)
+
+
 def test_a_win_for_torch_must_hold_when_timed_again(monkeypatch):
     """A burst of load while timing must not cost the C kernel a row count for good: a win
     for torch is timed again and only kept when it holds."""

@@ -68,6 +68,11 @@ logger = logging.getLogger(__name__)
 
 ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # the step sizes timed; GEMM_MAX_ROWS is the largest
 _REPEATS = 7
+# A count's calls stop repeating once they took this long, after at least _MIN_REPEATS: a
+# prefill count's take milliseconds each, where their noise is smaller (Qwen2.5-0.5B's layer
+# shapes at 128-2,048 rows: ~2-3 s of timing at its first start on an AMX Xeon).
+_TIMING_BUDGET_S = 0.2
+_MIN_REPEATS = 3
 _TORCH_WINS = 0.9  # torch (oneDNN, MKL) takes a row count where it needs less than this share of C
 # and, where the C kernel would keep a step in one C call (`fused_decode`), saves at least this
 # much a call: the one-call step is worth more than a small win of one linear. On a 2-core Zen 1
@@ -317,13 +322,16 @@ def _best_times(*calls: tuple, before=None) -> list[float]:
     best = [float("inf")] * len(calls)
     for kernel, *args in calls:
         kernel(*args)  # warm: first calls set kernels up
-    for _ in range(_REPEATS):
+    began = time.perf_counter()
+    for repeat in range(_REPEATS):
         for i, (kernel, *args) in enumerate(calls):
             if before is not None:
                 before()
             start = time.perf_counter()
             kernel(*args)
             best[i] = min(best[i], time.perf_counter() - start)
+        if repeat + 1 >= _MIN_REPEATS and time.perf_counter() - began > _TIMING_BUDGET_S:
+            break
     return best
 
 
