@@ -70,7 +70,7 @@ ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # the step sizes timed; GEMM_MAX_ROWS is 
 _REPEATS = 7
 # A count's calls stop repeating once they took this long, after at least _MIN_REPEATS: a
 # prefill count's take milliseconds each, where their noise is smaller (Qwen2.5-0.5B's layer
-# shapes at 128-2,048 rows: ~2-3 s of timing at its first start on an AMX Xeon).
+# shapes at 128-2,048 rows: 3.7 s of timing at its first start on an AMX Xeon).
 _TIMING_BUDGET_S = 0.2
 _MIN_REPEATS = 3
 _TORCH_WINS = 0.9  # torch (oneDNN, MKL) takes a row count where it needs less than this share of C
@@ -211,33 +211,29 @@ def _others_share(before, after) -> float:
 
 def _time_shape(n: int, k: int) -> int:
     """The largest row count up to which oneDNN beats the C GEMM clearly at no timed count."""
-    weight = torch.randn(n, k).to(torch.bfloat16)
-    gemm_weight = cpu_ops.pack_gemm_weight(weight)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-    return _rows_c_serves(
-        k,
-        torch.bfloat16,
-        lambda x: (cpu_ops.gemm, x, gemm_weight, torch.bfloat16),
-        lambda x: (torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], ""),
-    )
+    return _rows_c_serves(k, torch.bfloat16, *_bf16_calls(n, k))
 
 
 def _time_prefill_shape(n: int, k: int) -> tuple[int, ...]:
     """`gemm_prefill_counts` for one shape."""
-    weight = torch.randn(n, k).to(torch.bfloat16)
-    gemm_weight = cpu_ops.pack_gemm_weight(weight)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    calls = _bf16_calls(n, k)
     return tuple(
         rows
         for rows in PREFILL_ROW_COUNTS
-        if _rows_c_serves(
-            k,
-            torch.bfloat16,
-            lambda x: (cpu_ops.gemm, x, gemm_weight, torch.bfloat16),
-            lambda x: (torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], ""),
-            counts=(rows,),
-            fused=False,  # prefill steps run the modules
-        )
+        # prefill steps run the modules: no one-call step to keep (`fused`)
+        if _rows_c_serves(k, torch.bfloat16, *calls, counts=(rows,), fused=False)
+    )
+
+
+def _bf16_calls(n: int, k: int) -> tuple:
+    """The C GEMM's and oneDNN's calls (built for an input x) on one random bf16 weight [n, k],
+    each in the layout it reads (`_rows_c_serves`' `c_call`, `torch_call`)."""
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    gemm_weight = cpu_ops.pack_gemm_weight(weight)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    return (
+        lambda x: (cpu_ops.gemm, x, gemm_weight, torch.bfloat16),
+        lambda x: (torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], ""),
     )
 
 
