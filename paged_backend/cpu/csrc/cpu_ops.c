@@ -15,11 +15,13 @@
 #endif
 #include "common.h"
 
-/* The keys a decode thread reads next (its next sequence and kv head): `n` K rows from key
- * `first` through `table`, in the cache `k`. Their first lines are fetched while the current
- * pair's P.V computes, so that reading memory and arithmetic overlap. */
+/* The keys a decode thread reads next (its next sequence and kv head): `n` K and V rows from
+ * key `first` through `table`, in the caches `k` and `v`. They are fetched while the current
+ * pair's P.V computes, so that reading memory and arithmetic overlap (the V rows too: on 4 KiB
+ * pages nearly every block read misses the TLB, and a 1B batch of 32 sequences over ~270 tokens
+ * on this Xeon VM ran its 16 layers' attention in 36-38 ms with them against 47-49 without). */
 typedef struct {
-    const bf16 *k;
+    const bf16 *k, *v;
     const int32_t *table;
     int64_t first, n;
 } next_keys;
@@ -341,8 +343,11 @@ static inline void pv_rows(const float *p, int64_t n, const bf16 *vc, const int3
         const bf16 *vr = vc + slot_of(table, key, block_size) * dim + c;
         __m512i lo = _mm512_loadu_si512(vr), hi = _mm512_loadu_si512(vr + 32);
         if (t < ahead) {
-            const bf16 *kn = next->k + slot_of(next->table, next->first + t, block_size) * dim;
-            for (int64_t i = 0; i < dim; i += 32) _mm_prefetch((const char *)(kn + i), _MM_HINT_T1);
+            int64_t at = slot_of(next->table, next->first + t, block_size) * dim;
+            for (int64_t i = 0; i < dim; i += 32) {
+                _mm_prefetch((const char *)(next->k + at + i), _MM_HINT_T1);
+                _mm_prefetch((const char *)(next->v + at + i), _MM_HINT_T1);
+            }
         }
         __m512 v[4] = {_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)),
                        _mm512_castsi512_ps(_mm512_and_si512(lo, high)),
@@ -526,6 +531,7 @@ void decode_attention_bf16(const bf16 *q, const bf16 *k, const bf16 *v, int64_t 
             if (p + 1 < p1) {
                 int64_t ns = (p + 1) / num_kv_heads;
                 next.k = k_cache + (p + 1) % num_kv_heads * cache_head_stride;
+                next.v = v_cache + (p + 1) % num_kv_heads * cache_head_stride;
                 next.table = tables[ns];
                 next.first = first_key(ns, lens, prefix_pos, prefix_len, window);
                 next.n = lens[ns] - next.first;
