@@ -644,14 +644,17 @@ def test_prefix_attention_gives_the_torch_cascade_and_keeps_its_packing(
 
 
 @needs_prefix_attention
-def test_prefix_attention_over_padded_keys_and_rows():
+@pytest.mark.parametrize("kv_heads", [1, 2, 3])
+def test_prefix_attention_over_padded_keys_and_rows(kv_heads):
     """Prefix lengths off the kernel's 32-key tiles, row counts off its 4- and 16-row tiles (AMX),
-    and head sizes off its 64-dim passes."""
+    and head sizes off its 64-dim passes; kv heads that the threads divide evenly (each takes its
+    own) or do not (each takes the next task left)."""
     gen = torch.Generator().manual_seed(1)
     for length, rows, dim in ((4, 1, 64), (36, 7, 64), (100, 13, 64), (300, 37, 96), (68, 20, 256)):
-        k_cache, v_cache = (torch.randn(2, 320, dim, generator=gen).to(BF16) for _ in range(2))
+        shape = (kv_heads, 320, dim)
+        k_cache, v_cache = (torch.randn(shape, generator=gen).to(BF16) for _ in range(2))
         blocks = torch.randperm(80, generator=gen)[: length // 4].int()
-        q = torch.randn(2, rows, dim, generator=gen).to(BF16)
+        q = torch.randn(kv_heads, rows, dim, generator=gen).to(BF16)
         packed = cpu_ops.pack_prefix((k_cache, v_cache), blocks, 4)
         out, lse = cpu_ops.prefix_attention(q, packed, length)
         slots = (blocks.long()[:, None] * 4 + torch.arange(4)).reshape(-1)
@@ -663,23 +666,24 @@ def test_prefix_attention_over_padded_keys_and_rows():
 
 @needs_prefix_attention
 @pytest.mark.parametrize(
-    ("tokens", "context", "group", "window", "softcap"),
+    ("tokens", "context", "group", "window", "softcap", "kv_heads"),
     [
-        (1, 0, 3, None, None),
-        (7, 0, 3, None, None),
-        (13, 22, 2, None, None),
-        (50, 30, 3, 16, None),
-        (9, 5, 4, None, 1.5),
+        (1, 0, 3, None, None, 2),
+        (7, 0, 3, None, None, 1),
+        (13, 22, 2, None, None, 2),
+        (50, 30, 3, 16, None, 3),
+        (9, 5, 4, None, 1.5, 2),
     ],
 )
 def test_prefill_attention_writes_prefix_attentions_values_token_major(
-    tokens, context, group, window, softcap
+    tokens, context, group, window, softcap, kv_heads
 ):
     """The token-major prefill kernel against `prefix_attention` (causal) over the same packed
     keys, its rows regrouped by kv head and its fp32 output cast: the same bf16 values, for
-    chunks with and without cached context, off the 4-row tiles, windowed and soft-capped."""
+    chunks with and without cached context, off the 4-row tiles, windowed and soft-capped, with
+    kv heads the threads divide evenly or not."""
     gen = torch.Generator().manual_seed(tokens)
-    kv_heads, dim, length = 2, 64, context + tokens
+    dim, length = 64, context + tokens
     k_cache, v_cache = (torch.randn(kv_heads, 256, dim, generator=gen).to(BF16) for _ in range(2))
     blocks = torch.randperm(64, generator=gen)[: -(-length // 4)].int()
     packed = cpu_ops.pack_prefix((k_cache, v_cache), blocks, 4, length)
@@ -693,6 +697,33 @@ def test_prefill_attention_writes_prefix_attentions_values_token_major(
     want, _ = cpu_ops.prefix_attention(by_head, packed, length, causal, softcap)
     want = want.view(kv_heads, tokens, group, dim).permute(1, 0, 2, 3).reshape(out.shape)
     assert torch.equal(out, want.to(BF16))
+
+
+@needs_prefix_attention
+@pytest.mark.parametrize("kv_heads", [1, 2, 3])
+def test_prefix_and_prefill_attention_give_the_same_bits_on_any_thread_count(kv_heads):
+    """Threads that divide the kv heads evenly each run their own heads' row tiles, others take
+    the next tile left: every tile is computed once whichever way, so one, two and three threads
+    give the same bits (a tile skipped or run twice would leave or change rows)."""
+    gen = torch.Generator().manual_seed(kv_heads)
+    dim, context, tokens, group = 64, 40, 30, 3
+    k_cache, v_cache = (torch.randn(kv_heads, 320, dim, generator=gen).to(BF16) for _ in range(2))
+    blocks = torch.randperm(80, generator=gen)[:18].int()
+    packed = cpu_ops.pack_prefix((k_cache, v_cache), blocks, 4, context + tokens)
+    q = torch.randn(kv_heads, 41, dim, generator=gen).to(BF16)
+    q_chunk = torch.randn(tokens, kv_heads * group, dim, generator=gen).to(BF16)
+    before, results = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            out = torch.full((tokens, kv_heads * group, dim), float("nan"), dtype=BF16)
+            cpu_ops.prefill_attention(q_chunk, packed, context + tokens, context, out)
+            results.append((*cpu_ops.prefix_attention(q, packed, context), out))
+    finally:
+        torch.set_num_threads(before)
+    for got in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, results[0], strict=True))
+    assert not any(out.isnan().any() for *_, out in results)
 
 
 def _ops_of(engine) -> tuple:

@@ -872,6 +872,37 @@ static int prefix_tile_rows(int64_t dim) {
     return 4;
 }
 
+/* The tasks (row tiles of `prefix_rows`, head-major) a thread of `prefix_attention_bf16` and
+ * `prefill_attention_bf16` runs. Where the threads divide the kv heads evenly, each runs its own
+ * heads' tasks, so that it reads only their packed keys and values: handed out one at a time to
+ * whichever thread was free, every head's went through both threads' caches (a RAG batch's
+ * decode step, 8 kv heads over ~900 shared tokens: 9.6-11.0 -> 8.3-9.5 ms over 16 layers). Else
+ * (one kv head, three on two threads) the next task not yet taken: an even split of a causal
+ * chunk's tasks, whose costs differ, ran up to 1.19x slower. */
+typedef struct {
+    int64_t next, last; /* own tasks: the next and the end; else the end of all */
+    int own;
+} task_run;
+
+static task_run task_run_of(int64_t heads, int64_t tiles) {
+    int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
+    if (heads % parts)
+        return (task_run){0, heads * tiles, 0};
+    return (task_run){heads / parts * me * tiles, heads / parts * (me + 1) * tiles, 1};
+}
+
+/* The thread's next task (`taken`: the count handed out, shared), or -1 when none is left. */
+static inline int64_t take_task(task_run *run, int64_t *taken) {
+    int64_t task;
+    if (run->own) {
+        task = run->next++;
+    } else {
+#pragma omp atomic capture
+        task = (*taken)++;
+    }
+    return task < run->last ? task : -1;
+}
+
 /* Attention of each kv head's `rows` query rows (bf16 [heads][rows][dim], rows a multiple of 4)
  * over its `len` packed keys/values (`pack_prefix_bf16`): out [heads][rows][dim] fp32 and
  * log-sum-exp [heads][rows]. Without mask (`causal_group` 0), or causal: row r is token
@@ -884,9 +915,12 @@ void prefix_attention_bf16(const bf16 *q, int64_t heads, int64_t rows, int64_t d
                            float *lse, float *work, int threads, int64_t causal_group,
                            int64_t causal_offset, int64_t window, float softcap) {
     int64_t padded = (len + 31) / 32 * 32, tile = prefix_tile_rows(dim);
-#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if (threads > 1)
-    for (int64_t h = 0; h < heads; h++)
-        for (int64_t r = 0; r < rows; r += tile) {
+    int64_t tiles = (rows + tile - 1) / tile, taken = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        task_run run = task_run_of(heads, tiles);
+        for (int64_t task; (task = take_task(&run, &taken)) >= 0;) {
+            int64_t h = task / tiles, r = task % tiles * tile;
             int m = rows - r < tile ? (int)(rows - r) : (int)tile;
             int64_t lows[16], limits[16];
             for (int i = 0; i < m; i++) {
@@ -899,6 +933,7 @@ void prefix_attention_bf16(const bf16 *q, int64_t heads, int64_t rows, int64_t d
                         out + (h * rows + r) * dim, lse + h * rows + r,
                         work + omp_get_thread_num() * PREFIX_WORK * padded);
         }
+    }
 }
 /* A prefill chunk's causal attention, token-major on both sides: the queries of `tokens` tokens,
  * each token's `kv_heads * group` heads packed in a row of q (rows `q_stride` apart), over the
@@ -911,9 +946,12 @@ void prefill_attention_bf16(const bf16 *q, int64_t q_stride, int64_t tokens, int
                             int64_t len, float scale, bf16 *out, int64_t out_stride, float *work,
                             int threads, int64_t offset, int64_t window, float softcap) {
     int64_t padded = (len + 31) / 32 * 32, rows = tokens * group, tile = prefix_tile_rows(dim);
-#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if (threads > 1)
-    for (int64_t h = 0; h < kv_heads; h++)
-        for (int64_t r = 0; r < rows; r += tile) {
+    int64_t tiles = (rows + tile - 1) / tile, taken = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        task_run run = task_run_of(kv_heads, tiles);
+        for (int64_t task; (task = take_task(&run, &taken)) >= 0;) {
+            int64_t h = task / tiles, r = task % tiles * tile;
             /* rows r .. r + m - 1 of this kv head (4-row tiles repeat the last past the end) */
             int m = tile == 4 ? 4 : rows - r < tile ? (int)(rows - r) : (int)tile;
             bf16 qb[m * dim];
@@ -935,6 +973,7 @@ void prefill_attention_bf16(const bf16 *q, int64_t q_stride, int64_t tokens, int
                 for (int64_t d = 0; d < dim; d++) o[d] = to_bf16(ob[i * dim + d]);
             }
         }
+    }
 }
 
 #else
