@@ -170,9 +170,15 @@ CHAT_TURNS = [
 class Ours:
     name = "paged-backend"
 
-    def __init__(self, dtype: str, **engine_args) -> None:
+    def __init__(self, dtype: str, scattered_blocks: bool = False, **engine_args) -> None:
         self.engine = LLMEngine(EngineConfig(dtype=dtype, **engine_args))
         self.tokenizer = self.engine.tokenizer
+        if scattered_blocks:  # free blocks in no order, as a long-running server's pool holds them
+            free = self.engine.kv.pool.free_queue
+            blocks = list(free.items())
+            random.Random(0).shuffle(blocks)
+            free.clear()
+            free.update(blocks)
         # Decode-only steps: (batch size, seconds, context tokens attended over, summed).
         self.decode_steps: list[tuple[int, float, int]] = []
         self.kv_usage: list[float] = []
@@ -624,6 +630,7 @@ ENGINES = {
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         cpu_kernels=False if args.no_cpu_kernels else None,
+        scattered_blocks=args.scattered_blocks,
     ),
     "hf_sequential": lambda args, job: TransformersSequential(_hf_model(args, job)),
     "hf_static_batch": lambda args, job: TransformersStaticBatch(
@@ -792,6 +799,12 @@ def main() -> None:
         choices=["auto", "native", "transformers"],
         help="who runs the layers for ours; the engine ours-transformers runs the same model "
         "through transformers' modules beside it, for the ratio",
+    )
+    parser.add_argument(
+        "--scattered-blocks",
+        action="store_true",
+        help="ours' free KV blocks shuffled before the workload: a sequence's blocks then lie all "
+        "over the cache, as in a long-running server's pool after requests came and went",
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()

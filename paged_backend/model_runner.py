@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,13 +167,15 @@ class ModelRunner:
         )
         # The KV cache goes on 2 MiB pages once a step's sequences hold this many blocks: below,
         # 4 KiB pages commit only what is written (`cpu.memory.zeros_on_huge_pages`). Each region
-        # then commits whole 2 MiB pages, so the switch waits until the sequences would fill four
-        # a region: at most 1.25x the bytes 4 KiB pages hold (from one page a region, a 1B batch
-        # of 32 x ~280 tokens committed 1,024 MB of KV cache for 590 MB of tokens; from two,
-        # Gemma 3 270M's 32 x ~280 tokens 198 MB for 163 MB, at the same decode step time).
+        # (a layer's K or V: the cache is block-major, `TorchAttention`) then commits whole 2 MiB
+        # pages, so the switch waits until the sequences would fill four a region: at most 1.25x
+        # the bytes 4 KiB pages hold. A 2 MiB page backs only a range nothing touched before: a
+        # pool whose free blocks lie scattered stays on 4 KiB pages (advised from the start, a 1B
+        # batch of 32 x ~280 tokens over a shuffled pool committed all 2,048 MB of the cache).
         self.huge_pages_from_blocks = self.forward_tokens = None
         if self.device.type == "cpu":
-            tokens = HUGE_PAGES_A_REGION * huge_page_tokens(mc.head_dim, self.kv_dtype)
+            a_page = huge_page_tokens(mc.num_kv_heads, mc.head_dim, self.kv_dtype)
+            tokens = HUGE_PAGES_A_REGION * a_page
             self.huge_pages_from_blocks = -(-tokens // config.block_size)
             self.forward_tokens = forward_tokens(mc.intermediate_size)
 
@@ -465,7 +468,11 @@ class ModelRunner:
         of their rows; then the rows that give prompt logprobs, if any."""
         drafts = drafts or {}
         held = self.huge_pages_from_blocks
-        if held is not None and sum(len(t) for t in block_tables) >= held:
+        if (
+            held is not None
+            and sum(map(len, block_tables)) >= held
+            and _distinct(block_tables) >= held
+        ):
             advise_huge_pages([t for layer in self.kv_caches for t in layer])
             self.huge_pages_from_blocks = None
         # The head runs once for the step's rows of every forward: once a forward, it read its
@@ -593,6 +600,12 @@ class ModelRunner:
             torch.tensor(logit_rows + prompt_rows, dtype=torch.long, device=self.device),
         )
         return hidden, sampling, spans
+
+
+def _distinct(block_tables: list[list[int]]) -> int:
+    """Blocks the tables name, a shared prefix's once (a RAG batch's 32 tables name its ~900
+    tokens 32 times)."""
+    return len(set(itertools.chain.from_iterable(block_tables)))
 
 
 def _parameters_in_(model: torch.nn.Module, dtype: torch.dtype) -> None:

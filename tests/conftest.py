@@ -390,3 +390,18 @@ class OracleProposer:
         right = self.rng.randint(0, num)
         wrong = [self.rng.randint(3, 9) for _ in range(num - right)]
         return (truth[:right] + wrong)[:num]
+
+
+def random_kv_cache(
+    num_blocks: int, kv_heads: int, block_size: int, dim: int, gen, dtype=torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random (K, V) caches of one layer in the torch backend's block-major layout
+    [blocks, kv_heads, block_size, dim] (`TorchAttention.allocate_kv_cache`)."""
+    shape = (num_blocks, kv_heads, block_size, dim)
+    return tuple(torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+
+
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """A block-major cache's rows as [kv_heads, slots, dim] (slot = block * block_size + offset),
+    for references written in plain indexing."""
+    return cache.transpose(0, 1).reshape(cache.shape[1], -1, cache.shape[3])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import head_major, random_kv_cache
 
 from paged_backend import cpu
 from paged_backend.attention import AttentionMetadata
@@ -59,9 +60,9 @@ def run_and_check(
     width = max(map(len, tables))
     seen = tables
     if window is not None:
-        poison = k_cache.shape[1] // bs - 1
+        poison = k_cache.shape[0] - 1
         for c in cache:
-            c[:, poison * bs :] = float("nan")
+            c[poison] = float("nan")
         seen = []
         for (context, _), table in zip(seqs, tables, strict=True):
             dead = max(context - window + 1, 0) // bs
@@ -80,8 +81,8 @@ def run_and_check(
     out = backend.forward(q, k, v, cache, meta, window, softcap)
     for i, ((context, new), table) in enumerate(zip(seqs, tables, strict=True)):
         token_slots = [table[p // bs] * bs + p % bs for p in range(context + new)]
-        keys = k_cache[:, token_slots].transpose(0, 1)
-        values = v_cache[:, token_slots].transpose(0, 1)
+        keys = head_major(k_cache)[:, token_slots].transpose(0, 1)
+        values = head_major(v_cache)[:, token_slots].transpose(0, 1)
         want = dense_reference(q[qsl[i] : qsl[i + 1]], keys, values, context, window, softcap)
         got = out[qsl[i] : qsl[i + 1]].float()
         torch.testing.assert_close(got, want, atol=tol[0], rtol=tol[1])
@@ -110,7 +111,7 @@ def random_step(seed: int, shared_blocks: int, bs: int, num_blocks: int, decodes
 
 
 def random_cache(gen, num_blocks: int, bs: int, dim: int, dtype=torch.float32):
-    return tuple(torch.randn(KVH, num_blocks * bs, dim, generator=gen).to(dtype) for _ in "kv")
+    return random_kv_cache(num_blocks, KVH, bs, dim, gen, dtype)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -219,10 +220,7 @@ def test_shared_prefix_copies_are_reused_until_a_step_writes_into_their_blocks()
     same step (in-batch prefix sharing), the copies go and the cascade reads the new contents."""
     bs, num_blocks = 4, 16
     gen = torch.Generator().manual_seed(0)
-    cache = (
-        torch.randn(KVH, num_blocks * bs, D, generator=gen),
-        torch.randn(KVH, num_blocks * bs, D, generator=gen),
-    )
+    cache = random_cache(gen, num_blocks, bs, D)
     backend = TorchAttention(KVH * GROUP, KVH)
     decodes = [(17, 1), (18, 1)], [[0, 1, 2, 5, 6], [0, 1, 2, 7, 8]]  # sharing blocks 0-2
     run_and_check(backend, cache, *decodes, bs, gen)

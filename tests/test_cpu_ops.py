@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_tiny_model
+from conftest import head_major, make_tiny_model, random_kv_cache
 from torch import nn
 
-from paged_backend import LLM, SamplingParams, cpu
+from paged_backend import LLM, SamplingParams, cpu, model_runner
 from paged_backend.attention import AttentionMetadata
 from paged_backend.attention.planner import CDecodePlan
 from paged_backend.attention.torch_backend import TorchAttention
@@ -181,10 +181,7 @@ def _decode_step(
         tables[i, :w] = [blocks.pop() for _ in range(w)]
     tables[:sharing, :shared_blocks] = tables[0, :shared_blocks]
     slots = [int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)]
-    slots_total = (sum(widths) + 3) * bs
-    cache = tuple(
-        torch.randn(num_kv_heads, slots_total, dim, generator=gen).to(dtype) for _ in range(2)
-    )
+    cache = random_kv_cache(sum(widths) + 3, num_kv_heads, bs, dim, gen, dtype)
     heads, s = num_kv_heads * group, len(lens)
     if packed_qkv:  # views into one fused qkv row per token, as the model passes them
         qkv = torch.randn(s, (heads + 2 * num_kv_heads) * dim, generator=gen).to(dtype)
@@ -354,7 +351,7 @@ def test_rows_verifying_drafts_give_the_bits_of_plain_decodes(window, softcap, g
     gen = torch.Generator().manual_seed(group)
     kv_heads, dim, bs, length, rows = 2, 64, 4, 43, 5
     table = torch.randperm(16, generator=gen)[:12].to(torch.int32)[None]
-    cache = tuple(torch.randn(kv_heads, 16 * bs, dim, generator=gen).to(dtype) for _ in range(2))
+    cache = random_kv_cache(16, kv_heads, bs, dim, gen, dtype)
     q = torch.randn(rows, kv_heads * group, dim, generator=gen).to(dtype)
     k, v = (torch.randn(rows, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
     scratch = torch.empty(2, rows * group * length)
@@ -433,7 +430,7 @@ def test_fp16_caches_give_the_bits_of_fp32_caches_holding_their_values(
         for i, n in enumerate(lens)
         for p in range(n - rows[i], n)
     ]
-    assert torch.equal(half[0][:, slots], k.half().transpose(0, 1))  # the new rows, written
+    assert torch.equal(head_major(half[0])[:, slots], k.half().transpose(0, 1))  # written rows
 
 
 @needs_ops
@@ -528,37 +525,40 @@ def test_argmax_gives_torchs_index(rows, n, kind):
 @needs_ops
 def test_store_kv_writes_what_index_copy_writes():
     """A prefill chunk's k/v (views into qkv rows, as the model passes them) land in the
-    head-major caches at their slots exactly as two `index_copy_` calls put them."""
+    block-major caches at their slots exactly as two `index_copy_` calls put them in the same
+    caches' head-major rows."""
     gen = torch.Generator().manual_seed(0)
     tokens, kv_heads, dim = 37, 3, 64
     qkv = torch.randn(tokens, (9 + 2 * kv_heads) * dim, generator=gen).to(BF16)
     k = qkv[:, 9 * dim : (9 + kv_heads) * dim].view(tokens, kv_heads, dim)
     v = qkv[:, (9 + kv_heads) * dim :].view(tokens, kv_heads, dim)
     slots = torch.randperm(200, generator=gen)[:tokens]
-    got = tuple(torch.randn(kv_heads, 200, dim, generator=gen).to(BF16) for _ in range(2))
-    want = tuple(c.clone() for c in got)
+    got = random_kv_cache(50, kv_heads, 4, dim, gen)
+    want = tuple(head_major(c) for c in got)
     cpu_ops.store_kv(k, v, got, slots)
     want[0].index_copy_(1, slots, k.transpose(0, 1))
     want[1].index_copy_(1, slots, v.transpose(0, 1))
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert all(torch.equal(head_major(a), b) for a, b in zip(got, want, strict=True))
 
 
 @needs_ops
 def test_store_kv_skips_negative_slots():
     """A slot < 0 is padding (`AttentionMetadata.slot_mapping`): nothing is written for it, also
-    not just before the cache, which here is a view into a larger tensor whose head is a guard."""
+    not just before the cache, which here is a view into a larger tensor whose first block is a
+    guard."""
     gen = torch.Generator().manual_seed(0)
     kv_heads, dim, slots_total = 2, 16, 12
     k, v = (torch.randn(3, kv_heads, dim, generator=gen).to(BF16) for _ in range(2))
-    whole = [torch.randn(kv_heads, slots_total + 4, dim, generator=gen).to(BF16) for _ in range(2)]
+    whole = random_kv_cache(slots_total // 4 + 1, kv_heads, 4, dim, gen)
     before = [w.clone() for w in whole]
-    cache = tuple(w[:, 4:] for w in whole)  # slot -1 would land in the guard slots 0-3
+    cache = tuple(w[1:] for w in whole)  # slot -1 would land in the guard block
     cpu_ops.store_kv(k, v, cache, torch.tensor([5, -1, 7]))
     for w, b, new in zip(whole, before, (k, v), strict=True):
-        assert torch.equal(w[:, :4], b[:, :4])  # the guard
-        assert torch.equal(w[:, 4 + 5], new[0]) and torch.equal(w[:, 4 + 7], new[2])
+        assert torch.equal(w[0], b[0])  # the guard
+        rows, old = head_major(w[1:]), head_major(b[1:])
+        assert torch.equal(rows[:, 5], new[0]) and torch.equal(rows[:, 7], new[2])
         untouched = [i for i in range(slots_total) if i not in (5, 7)]
-        assert torch.equal(w[:, 4:][:, untouched], b[:, 4:][:, untouched])
+        assert torch.equal(rows[:, untouched], old[:, untouched])
 
 
 @needs_ops
@@ -581,13 +581,14 @@ def test_the_c_kernels_refuse_tensors_they_would_misread():
         ((q, k, v, tuple(c.double() for c in cache), *good[4:]), "bf16, fp16 or fp32"),
         ((q, k, v, cache, tables.long(), *good[5:]), "block_tables must be torch.int32"),
         ((q, k, v, cache, tables, lens[:1], *good[6:]), "seq_lens must have shape"),
-        ((q, k, v, (cache[0], cache[1][:, :-4]), *good[4:]), "one shape"),
+        ((q, k, v, (cache[0], cache[1][:-1]), *good[4:]), "one shape"),
+        ((q, k, v, cache, tables, lens, 8, scratch), "block_size must be the cache's, 4"),
         ((q, k, v, tuple(c.transpose(0, 1) for c in cache), *good[4:]), "contiguous"),
     ]:
         with pytest.raises(ValueError, match=match):
             cpu_ops.decode_attention(*args)
     with pytest.raises(ValueError, match="slots must be < "):
-        cpu_ops.store_kv(k, v, cache, torch.tensor([0, cache[0].shape[1]]))
+        cpu_ops.store_kv(k, v, cache, torch.tensor([0, cache[0].shape[0] * 4]))
     with pytest.raises(ValueError, match="blocks must be block ids"):
         cpu_ops.pack_prefix(cache, torch.tensor([0, -1]), 4)
     with pytest.raises(ValueError, match="pack_prefix reads bf16"):
@@ -651,14 +652,13 @@ def test_prefix_attention_over_padded_keys_and_rows(kv_heads):
     own) or do not (each takes the next task left)."""
     gen = torch.Generator().manual_seed(1)
     for length, rows, dim in ((4, 1, 64), (36, 7, 64), (100, 13, 64), (300, 37, 96), (68, 20, 256)):
-        shape = (kv_heads, 320, dim)
-        k_cache, v_cache = (torch.randn(shape, generator=gen).to(BF16) for _ in range(2))
+        k_cache, v_cache = random_kv_cache(80, kv_heads, 4, dim, gen)
         blocks = torch.randperm(80, generator=gen)[: length // 4].int()
         q = torch.randn(kv_heads, rows, dim, generator=gen).to(BF16)
         packed = cpu_ops.pack_prefix((k_cache, v_cache), blocks, 4)
         out, lse = cpu_ops.prefix_attention(q, packed, length)
         slots = (blocks.long()[:, None] * 4 + torch.arange(4)).reshape(-1)
-        keys, values = k_cache[:, slots].float(), v_cache[:, slots].float()
+        keys, values = (head_major(c)[:, slots].float() for c in (k_cache, v_cache))
         scores = q.float() @ keys.transpose(1, 2) / dim**0.5
         torch.testing.assert_close(lse, scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out, scores.softmax(-1) @ values, atol=1e-2, rtol=1e-2)
@@ -684,7 +684,7 @@ def test_prefill_attention_writes_prefix_attentions_values_token_major(
     kv heads the threads divide evenly or not."""
     gen = torch.Generator().manual_seed(tokens)
     dim, length = 64, context + tokens
-    k_cache, v_cache = (torch.randn(kv_heads, 256, dim, generator=gen).to(BF16) for _ in range(2))
+    k_cache, v_cache = random_kv_cache(64, kv_heads, 4, dim, gen)
     blocks = torch.randperm(64, generator=gen)[: -(-length // 4)].int()
     packed = cpu_ops.pack_prefix((k_cache, v_cache), blocks, 4, length)
     # q as the model passes it: a view into wider rows (qkv), each token's heads side by side
@@ -707,7 +707,7 @@ def test_prefix_and_prefill_attention_give_the_same_bits_on_any_thread_count(kv_
     give the same bits (a tile skipped or run twice would leave or change rows)."""
     gen = torch.Generator().manual_seed(kv_heads)
     dim, context, tokens, group = 64, 40, 30, 3
-    k_cache, v_cache = (torch.randn(kv_heads, 320, dim, generator=gen).to(BF16) for _ in range(2))
+    k_cache, v_cache = random_kv_cache(80, kv_heads, 4, dim, gen)
     blocks = torch.randperm(80, generator=gen)[:18].int()
     packed = cpu_ops.pack_prefix((k_cache, v_cache), blocks, 4, context + tokens)
     q = torch.randn(kv_heads, 41, dim, generator=gen).to(BF16)
@@ -911,7 +911,7 @@ def test_the_kv_cache_lies_on_huge_pages():
 )
 def test_the_kv_cache_is_advised_onto_huge_pages_only_when_asked():
     """Without the advice a first touch commits a 4 KiB page, not 2 MiB: a cache of many regions
-    (a layer's K or V of one KV head) that holds a few tokens stays small until the runner
+    (a layer's K or V) that holds a few tokens stays small until the runner
     advises huge pages (`ModelRunner.huge_pages_from_blocks`)."""
     cache = zeros_on_huge_pages((8, 1 << 20), torch.float32, advise=False)  # 8 regions, 4 MiB each
     cache[:, 0] = 1.0
@@ -922,7 +922,30 @@ def test_the_kv_cache_is_advised_onto_huge_pages_only_when_asked():
     assert advise_huge_pages([cache[2:5]])
     if "THPeligible" in fields:
         assert _mapping_of(cache[3].data_ptr())["THPeligible"] == "1"
-    assert huge_page_tokens(64, torch.bfloat16) == 16384
+    assert huge_page_tokens(8, 64, torch.bfloat16) == 2048
+
+
+def test_the_runner_advises_huge_pages_once_its_distinct_blocks_reach_the_threshold(
+    tiny_model, monkeypatch
+):
+    """`ModelRunner.huge_pages_from_blocks` counts the blocks the step's tables name, a shared
+    prefix's once: four requests over a cached 10-block prefix name 44 blocks but hold 14, under a
+    threshold of 16; two more distinct prompts take the cache past it, and it is advised once."""
+    advised = []
+    monkeypatch.setattr(model_runner, "advise_huge_pages", lambda t: advised.append(len(t)))
+    llm = LLM(model=str(tiny_model), num_kv_blocks=64, block_size=4)
+    runner = llm.engine.runner
+    runner.huge_pages_from_blocks = 16
+    params = SamplingParams(max_tokens=1, temperature=0)
+    prefix = list(range(100, 140))  # 10 blocks
+    llm.generate([[*prefix, 7]], params, use_tqdm=False)  # cached for the next four
+    llm.generate([[*prefix, i] for i in range(8, 12)], params, use_tqdm=False)
+    assert not advised and runner.huge_pages_from_blocks == 16
+    distinct = [list(range(200 + 40 * i, 240 + 40 * i)) for i in range(2)]
+    llm.generate([[*prefix, 12], *distinct], params, use_tqdm=False)
+    assert advised == [2 * len(runner.kv_caches)] and runner.huge_pages_from_blocks is None
+    llm.generate(distinct, params, use_tqdm=False)
+    assert len(advised) == 1
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="no /proc")

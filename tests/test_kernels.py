@@ -308,20 +308,18 @@ def test_triton_backend_matches_torch_backend(seqs, num_kv_heads, group, dtype):
 
     # TorchAttention multiplies masked-out V rows by 0: unused slots must not hold NaN.
     paged = torch.stack([batch.k_cache, batch.v_cache]).nan_to_num_(0.0)  # [2, NB, bs, kvh, d]
-    num_blocks, block_size = paged.shape[1:3]
-    # The torch backend keeps each layer head-major: [kv_heads, num_blocks * block_size, d].
-    head_major = paged.permute(0, 3, 1, 2, 4).reshape(2, num_kv_heads, -1, head_dim).clone()
+    # The torch backend keeps a block's kv heads side by side: [NB, kvh, bs, d].
+    block_major = paged.transpose(2, 3).contiguous()
     outs = []
     for backend, cache in (
-        (TorchAttention(num_heads, num_kv_heads), head_major),
+        (TorchAttention(num_heads, num_kv_heads), block_major),
         (TritonAttention(), paged),
     ):
         meta = batch.metadata()
         backend.prepare(meta)
         outs.append(backend.forward(q, k, v, (cache[0], cache[1]), meta))
-    written = head_major.view(2, num_kv_heads, num_blocks, block_size, head_dim)
     torch.testing.assert_close(outs[1], outs[0], atol=ATOL[dtype], rtol=1e-2)
-    assert torch.equal(written.permute(0, 2, 3, 1, 4), paged)
+    assert torch.equal(block_major.transpose(2, 3), paged)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)

@@ -12,6 +12,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
+from conftest import random_kv_cache
 
 from paged_backend import cpu
 from paged_backend.attention import AttentionMetadata
@@ -41,9 +42,7 @@ def _decode_step(tables: np.ndarray, lens: list[int], num_blocks: int, seed: int
     gen = torch.Generator().manual_seed(seed)
     s, heads = len(lens), KV_HEADS * GROUP
     slots = [int(tables[i, (n - 1) // BS]) * BS + (n - 1) % BS for i, n in enumerate(lens)]
-    cache = tuple(
-        torch.randn(KV_HEADS, num_blocks * BS, DIM, generator=gen).to(BF16) for _ in range(2)
-    )
+    cache = random_kv_cache(num_blocks, KV_HEADS, BS, DIM, gen)
     qkv = torch.randn(s, (heads + 2 * KV_HEADS) * DIM, generator=gen).to(BF16)
     q, k, v = qkv.split([heads * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=1)
     q, k, v = q.view(s, heads, DIM), k.view(s, -1, DIM), v.view(s, -1, DIM)
@@ -130,8 +129,9 @@ def test_no_cascade_reads_a_block_written_in_the_same_step(c_decode, c_prefix):
         pytest.skip("no AVX512-BF16")
     q, k, v, cache, meta = _cascade_over_a_block_written_now()
     ready = tuple(c.clone() for c in cache)
-    ready[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    ready[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    slots = meta.slot_mapping
+    ready[0][slots // BS, :, slots % BS] = k
+    ready[1][slots // BS, :, slots % BS] = v
     outs = []
     for kv in (ready, cache):
         backend = TorchAttention(KV_HEADS * GROUP, KV_HEADS, c_decode=c_decode, c_prefix=c_prefix)

@@ -225,6 +225,7 @@ class FusedDecode:
             starts = torch.arange(rows + 1, dtype=torch.int32)
         cos, sin, local_cos, local_sin = (t.reshape(rows, -1).contiguous() for t in rope + local)
         cascade, _alive = self._cascade(plan, backend, kv_caches, meta.block_size)
+        tables = cpu_ops.kernel_blocks(plan.block_tables, self.num_kv_heads)
         cpu.load_library().decode_layers(
             x=x.data_ptr(),
             residual=residual.data_ptr(),
@@ -240,10 +241,10 @@ class FusedDecode:
             k_caches=k_ptrs.data_ptr(),
             v_caches=v_ptrs.data_ptr(),
             kv_half=int(kv_caches[0][0].dtype == torch.float16),
-            cache_head_stride=kv_caches[0][0].stride(0),
+            cache_head_stride=kv_caches[0][0].stride(1),
             windows=self.windows.data_ptr(),
-            block_tables=plan.block_tables.data_ptr(),
-            max_blocks=plan.block_tables.shape[1],
+            block_tables=tables.data_ptr(),
+            max_blocks=tables.shape[1],
             seq_lens=plan.seq_lens.data_ptr(),
             query_start=starts.data_ptr(),
             num_seqs=len(plan.seq_lens),

@@ -79,9 +79,14 @@ def _rows_first(q_rows: torch.Tensor) -> torch.Tensor:
 class TorchAttention:
     """Reference backend in plain torch, laid out for CPU matmuls.
 
-    The cache of a layer is `[num_kv_heads, num_blocks * block_size, head_dim]` (head-major), so
-    gathering a sequence's blocks gives contiguous `[kv_heads, tokens, head_dim]` operands with
-    the query heads of one KV head stacked as rows (GQA without repeating K/V). Blocks that many
+    The cache of a layer is `[num_blocks, num_kv_heads, block_size, head_dim]` (block-major: a
+    block's heads side by side). A decode step reads each sequence's blocks wherever the pool
+    put them, a few KiB of each head at a time; block-major, a block is one stretch of memory
+    (16 KiB for 8 kv heads of 64 in bf16) and a 2 MiB page holds 2,048 tokens of every head of
+    a layer, so one page a layer's K or V (not one a kv head) is what huge pages commit at
+    first. The C kernels address it with scaled block ids (`cpu.ops.kernel_blocks`). Gathering
+    a sequence's blocks gives `[kv_heads, tokens, head_dim]` operands with the query heads of one
+    KV head stacked as rows (GQA without repeating K/V). Blocks that many
     sequences share (a RAG system prompt and context) are attended once for all of them
     (cascade attention) and merged with each sequence's own tail by log-sum-exp.
     """
@@ -91,7 +96,7 @@ class TorchAttention:
     def allocate_kv_cache(
         self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device
     ) -> list[KVCache]:
-        shape = (num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim)
+        shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
         if torch.device(device).type == "cpu":
             cache = zeros_on_huge_pages(shape, dtype, advise=False)  # see ModelRunner
         else:
@@ -156,7 +161,7 @@ class TorchAttention:
     ):
         """`cpu_ops.prefix_attention` of the shared rows' bf16 queries over the packed prefix:
         (out [kv_heads, rows * group, dim], lse [kv_heads, rows * group]), rows kv-head-major."""
-        kvh, _, d = kv_cache[0].shape
+        _, kvh, _, d = kv_cache[0].shape
         packed = self.prefix_copy(
             kv_cache[0], lambda: cpu_ops.pack_prefix(kv_cache, shared.blocks, block_size)
         )
@@ -194,8 +199,10 @@ class TorchAttention:
         if self.c_decode or self.c_prefix:  # bf16 caches, the C ops loaded
             cpu_ops.store_kv(k, v, kv_cache, meta.slot_mapping)
         else:
-            kv_cache[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-            kv_cache[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+            bs = meta.block_size
+            blocks, offsets = meta.slot_mapping // bs, meta.slot_mapping % bs
+            kv_cache[0][blocks, :, offsets] = k
+            kv_cache[1][blocks, :, offsets] = v
         layer = _Layer(q, k, v, kv_cache, meta.block_size, softcap)
         # fp32 queries for the torch paths; with `c_prefix` only the decodes take one (the C
         # kernels read bf16), so a prefill's rows are not cast for nothing
@@ -299,7 +306,7 @@ class _Layer:
 
     def __init__(self, q, k, v, kv_cache: KVCache, bs: int, softcap: float | None) -> None:
         self.q, self.kv, self.kv_cache, self.bs, self.softcap = q, (k, v), kv_cache, bs, softcap
-        self.kvh, _, self.d = kv_cache[0].shape
+        _, self.kvh, _, self.d = kv_cache[0].shape
         self.group = q.shape[1] // self.kvh
         self.scale = self.d**-0.5
         self.qf: torch.Tensor | None = None
@@ -307,8 +314,10 @@ class _Layer:
         self.out = torch.empty(q.shape[0], self.kvh, self.group, self.d, dtype=q.dtype)
 
     def gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        picked = cache.view(self.kvh, -1, self.bs, self.d).index_select(1, blocks)
-        return picked.view(self.kvh, -1, self.d).float()
+        """The keys (or values) of `blocks` in fp32, [kv_heads, len(blocks) * block_size, dim]."""
+        picked = cache.index_select(0, blocks)  # (on a transposed view it copied the cache)
+        out = torch.empty(self.kvh, len(blocks), self.bs, self.d, device=cache.device)
+        return out.copy_(picked.transpose(0, 1)).view(self.kvh, -1, self.d)
 
     def by_token(self, o: torch.Tensor, lse: torch.Tensor, n: int):
         """`_attend`'s [1, kvh, n * g, *] results back to token rows [n, kvh, g, *]."""

@@ -153,11 +153,11 @@ def _drop_pages(address: int, size: int) -> None:
         madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), advice)
 
 
-def huge_page_tokens(head_dim: int, dtype: torch.dtype) -> int:
-    """Tokens a KV cache holds when each of its regions (a layer's K or V of one KV head) would
+def huge_page_tokens(kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Tokens a block-major KV cache holds when each of its regions (a layer's K or V) would
     fill a 2 MiB page. Past it, each region committed on huge pages holds less than one page
     more than its tokens need."""
-    return _HUGE_PAGE // (head_dim * dtype.itemsize)
+    return _HUGE_PAGE // (kv_heads * head_dim * dtype.itemsize)
 
 
 def resident_bytes(tensors) -> tuple[int, int]:

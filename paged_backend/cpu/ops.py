@@ -293,17 +293,19 @@ def store_kv(
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     slots: torch.Tensor,
 ) -> None:
-    """`cache.index_copy_(1, slots, x.transpose(0, 1))` for k and v [T, kv_heads, dim] into the
-    head-major bf16 or fp32 caches [kv_heads, slots, dim], in one call (slots: int64, one a
-    token; a slot < 0 is padding and is skipped)."""
+    """Write k and v [T, kv_heads, dim] at `slots` (int64, one a token: block * block_size +
+    offset; a slot < 0 is padding and is skipped) of the block-major bf16 or fp32 caches
+    [blocks, kv_heads, block_size, dim], in one call."""
     k_cache, v_cache = kv_cache
-    kv_heads, num_slots, dim = _check_cache(kv_cache)
+    blocks, kv_heads, block_size, dim = _check_cache(kv_cache)
     tokens = k.shape[0]
     _check_rows("k", k, (tokens, kv_heads, dim), k_cache.dtype)
     _check_rows("v", v, (tokens, kv_heads, dim), k_cache.dtype)
     _check_rows("slots", slots, (tokens,), torch.int64)
+    num_slots = blocks * block_size
     _require(not tokens or int(slots.max()) < num_slots, f"slots must be < {num_slots}")
-    k, v, slots = _heads_packed(k), _heads_packed(v), slots.contiguous()
+    k, v = _heads_packed(k), _heads_packed(v)
+    slots = _kernel_slots(slots, block_size, kv_heads)
     load_library().store_kv(
         k=k.data_ptr(),
         v=v.data_ptr(),
@@ -316,9 +318,24 @@ def store_kv(
         elem_bytes=k_cache.element_size(),
         k_cache=k_cache.data_ptr(),
         v_cache=v_cache.data_ptr(),
-        cache_head_stride=k_cache.stride(0),
+        cache_head_stride=k_cache.stride(1),
         threads=torch.get_num_threads(),
     )
+
+
+def kernel_blocks(blocks: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Block ids (int32, contiguous) as the C kernels read them. A kernel finds row `slot` of kv
+    head h at h * head_stride + slot * dim, slot = block * block_size + offset: over a
+    block-major cache that holds with head_stride = block_size * dim (the stride of its heads)
+    and each block id b read as b * kv_heads. Negative ids (padding) stay negative."""
+    return (blocks * kv_heads).to(torch.int32).contiguous()
+
+
+def _kernel_slots(slots: torch.Tensor, block_size: int, kv_heads: int) -> torch.Tensor:
+    """`slots` (block * block_size + offset) as the C kernels read them (`kernel_blocks`):
+    block * kv_heads * block_size + offset; negative ones stay negative."""
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    return (slots + blocks * ((kv_heads - 1) * block_size)).contiguous()
 
 
 def _heads_packed(x: torch.Tensor) -> torch.Tensor:
@@ -334,22 +351,19 @@ def _require(ok: bool, what: str) -> None:
         raise ValueError(f"paged_backend.cpu.ops: {what}")
 
 
-def _check_cache(kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int, int]:
-    """(kv_heads, slots, dim) of head-major bf16, fp16 or fp32 caches [kv_heads, slots, dim]
-    whose slots are contiguous within a head and whose K and V heads lie the same stride apart."""
+def _check_cache(kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int, int, int]:
+    """(blocks, kv_heads, block_size, dim) of block-major bf16, fp16 or fp32 caches [blocks,
+    kv_heads, block_size, dim] (`TorchAttention.allocate_kv_cache`), each contiguous."""
     k_cache, v_cache = kv_cache
     _require(
         k_cache.dtype == v_cache.dtype
         and k_cache.dtype in (*_SUFFIX, torch.float16)
-        and k_cache.dim() == 3,
-        "the KV caches must be bf16, fp16 or fp32 [kv_heads, slots, dim]",
+        and k_cache.dim() == 4,
+        "the KV caches must be bf16, fp16 or fp32 [blocks, kv_heads, block_size, dim]",
     )
     _require(k_cache.shape == v_cache.shape, "the K and V caches must have one shape")
-    dim = k_cache.shape[2]
     _require(
-        all(c.stride(2) == 1 and c.stride(1) == dim for c in kv_cache)
-        and k_cache.stride(0) == v_cache.stride(0),
-        "each KV cache head must be contiguous, the K and V heads equally far apart",
+        k_cache.is_contiguous() and v_cache.is_contiguous(), "the KV caches must be contiguous"
     )
     return tuple(k_cache.shape)
 
@@ -378,17 +392,17 @@ def decode_attention(
     softcap: float | None = None,
     query_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Write each sequence's new k/v [S, kv_heads, dim] into the head-major caches [kv_heads,
-    slots, dim] and attend its q [S, heads, dim] over its `seq_lens` (int32) tokens through
-    `block_tables` (int32 [S, width], contiguous): out [S, heads, dim] in q's dtype, bf16 or
-    fp32. The caches hold q's dtype, or fp16 for fp32 q (k/v rounded to nearest even as they
-    are written; the scores and sums those of fp32 caches holding the same values). `scratch`:
-    fp32 [threads, at least heads / kv_heads * max(seq_lens)], one row for each thread to use.
-    With `query_start` (int32 [S + 1]) a sequence has several rows, its last tokens (q, k, v,
-    out are then [rows, ...]: a decode and its drafts, or a prompt's chunk), each attending
-    causally. fp32's kernel reads a sequence's keys once for as many of its rows as a `scratch`
-    row holds scores of (a longer one: fewer passes), each row with the bits it has alone;
-    bf16's reads them for each row.
+    """Write each sequence's new k/v [S, kv_heads, dim] into the block-major caches [blocks,
+    kv_heads, block_size, dim] and attend its q [S, heads, dim] over its `seq_lens` (int32) tokens
+    through `block_tables` (int32 [S, width], contiguous): out [S, heads, dim] in q's dtype, bf16 or
+    fp32. The caches hold q's dtype, or fp16 for fp32 q (k/v rounded to nearest even as they are
+    written; the scores and sums those of fp32 caches holding the same values). `scratch`: fp32
+    [threads, at least heads / kv_heads * max(seq_lens)], one row for each thread to use. With
+    `query_start` (int32 [S + 1]) a sequence has several rows, its last tokens (q, k, v, out are
+    then [rows, ...]: a decode and its drafts, or a prompt's chunk), each attending causally. fp32's
+    kernel reads a sequence's keys once for as many of its rows as a `scratch` row holds scores of
+    (a longer one: fewer passes), each row with the bits it has alone; bf16's reads them for each
+    row.
 
     `prefix` = (pos, length, out, lse) merges a shared prefix's attention (`prefix_attention`'s
     out [kv_heads, prefix rows, dim] and lse; bf16 only): row t with pos[t] >= 0 (int32
@@ -397,7 +411,8 @@ def decode_attention(
     positions only. With a `softcap`, a scaled score s becomes tanh(s / softcap) * softcap
     (Gemma 2)."""
     k_cache, v_cache = kv_cache
-    kv_heads, _, dim = _check_cache(kv_cache)
+    _, kv_heads, cache_block_size, dim = _check_cache(kv_cache)
+    _require(block_size == cache_block_size, f"block_size must be the cache's, {cache_block_size}")
     rows, num_heads = q.shape[:2]
     num_seqs = rows if query_start is None else len(query_start) - 1
     _require(num_heads % kv_heads == 0 and dim % 16 == 0, "heads must group over kv heads")
@@ -425,6 +440,7 @@ def decode_attention(
     need = num_heads // kv_heads * int(seq_lens.max())
     _require(scratch.shape[1] >= need, f"scratch rows must hold {need} scores")
     q, k, v = _heads_packed(q), _heads_packed(k), _heads_packed(v)
+    tables = kernel_blocks(block_tables, kv_heads)
     out = torch.empty(rows, num_heads, dim, dtype=q.dtype)
     args = dict(
         q=q.data_ptr(),
@@ -435,8 +451,8 @@ def decode_attention(
         v_stride=v.stride(0),
         k_cache=k_cache.data_ptr(),
         v_cache=v_cache.data_ptr(),
-        cache_head_stride=k_cache.stride(0),
-        block_tables=block_tables.data_ptr(),
+        cache_head_stride=k_cache.stride(1),
+        block_tables=tables.data_ptr(),
         max_blocks=block_tables.shape[1],
         seq_lens=seq_lens.data_ptr(),
         block_size=block_size,
@@ -495,25 +511,26 @@ def pack_prefix(
     block_size: int,
     length: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values of the first `length` tokens (default: all) of `blocks` (int32) of the
-    head-major bf16 caches, packed for `prefix_attention`: [kv_heads, padded * dim] each (padded:
-    tokens rounded up to 32)."""
+    """The keys and values of the first `length` tokens (default: all) of `blocks` of the
+    block-major bf16 caches, packed for `prefix_attention`: [kv_heads, padded * dim] each
+    (padded: tokens rounded up to 32)."""
     k_cache, v_cache = kv_cache
-    num_kv_heads, num_slots, dim = _check_cache(kv_cache)
+    num_blocks, num_kv_heads, cache_block_size, dim = _check_cache(kv_cache)
     _require(k_cache.dtype == torch.bfloat16, "pack_prefix reads bf16 caches")
+    _require(block_size == cache_block_size, f"block_size must be the cache's, {cache_block_size}")
     length = len(blocks) * block_size if length is None else length
     _require(0 <= length <= len(blocks) * block_size, "length must fit in the blocks")
     _require(
-        not len(blocks) or (int(blocks.min()) >= 0 and int(blocks.max()) < num_slots // block_size),
-        f"blocks must be block ids in [0, {num_slots // block_size})",
+        not len(blocks) or (int(blocks.min()) >= 0 and int(blocks.max()) < num_blocks),
+        f"blocks must be block ids in [0, {num_blocks})",
     )
-    blocks = blocks.to(torch.int32).contiguous()
+    blocks = kernel_blocks(blocks, num_kv_heads)
     kp = torch.empty(num_kv_heads, padded_length(length) * dim, dtype=torch.bfloat16)
     vp = torch.empty_like(kp)
     load_library().pack_prefix_bf16(
         k_cache=k_cache.data_ptr(),
         v_cache=v_cache.data_ptr(),
-        cache_head_stride=k_cache.stride(0),
+        cache_head_stride=k_cache.stride(1),
         blocks=blocks.data_ptr(),
         block_size=block_size,
         len=length,

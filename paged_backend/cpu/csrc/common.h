@@ -38,7 +38,10 @@ static inline int grown(void **buffer, int64_t *bytes, int64_t need) {
 static inline int64_t act_stride(int64_t k) { return (k + 255) / 256 * 256 + 256; }
 
 /* The cache slot of token `key` through a block table: block * block_size + offset, without a
- * division where block_size is a power of two (decode attention asks once per key it reads). */
+ * division where block_size is a power of two (decode attention asks once per key it reads).
+ * Every kernel finds kv head h's row at `slot` at h * cache_head_stride + slot * dim elements of
+ * a cache. The torch backend's caches are block-major, [blocks][kv_heads][block_size][dim]: they
+ * pass a head stride of block_size * dim and each block id times kv_heads (`ops.kernel_blocks`). */
 static inline int64_t slot_of(const int32_t *table, int64_t key, int64_t block_size) {
     if ((block_size & (block_size - 1)) == 0) {
         int shift = __builtin_ctzll((unsigned long long)block_size);

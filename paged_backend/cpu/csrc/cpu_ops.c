@@ -126,8 +126,8 @@ void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t stride, in
 }
 
 /* Write `tokens` tokens' keys and values (each token's `kv_heads` heads of `dim` elements of
- * `elem_bytes` side by side, rows `k_stride`/`v_stride` elements apart) into the head-major caches
- * [kv_heads][slots][dim] (heads `cache_head_stride` elements apart) at `slots`: a prefill chunk's
+ * `elem_bytes` side by side, rows `k_stride`/`v_stride` elements apart) into the caches at `slots`
+ * (addressed as at `slot_of`, heads `cache_head_stride` elements apart): a prefill chunk's
  * k/v in one pass, bf16 or fp32. A slot < 0 is padding: nothing is written for it. */
 void store_kv(const char *k, const char *v, int64_t k_stride, int64_t v_stride,
               const int64_t *slots, int64_t tokens, int64_t kv_heads, int64_t dim,
@@ -451,20 +451,20 @@ static inline int64_t pair_work(int64_t t, const int32_t *lens, const int32_t *p
     return lens[t] - first_key(t, lens, prefix_pos, prefix_len, window) + 16;
 }
 
-/* One decode step of paged attention: write each row's new k/v into the head-major caches
- * [kv_heads, slots, dim] (slot = block * block_size + offset), then, after a barrier, attend each
- * row's query heads over its tokens. Sequence s has the rows query_start[s] .. query_start[s + 1]
- * - 1, its last tokens, the last at position seq_lens[s] - 1 (NULL: one row a sequence); a
- * sequence's rows (its token and the drafts being verified) each attend causally, as a one-row
- * sequence ending at its own position would, and each reads its keys itself. All writes come
- * before any read because a row may read a slot that another one writes in this step (a later
- * draft of its sequence, or a request admitted on a prefix-cache hit of the block whose last
- * token another decodes now); writing per pair would let a pair on one thread read that slot
- * before another thread wrote it (fp32 scores and softmax, exact two-pass), out in bf16 [rows,
- * heads, dim]. Query heads h * group .. h * group + group - 1 read kv head h. `dim` is a multiple
- * of 16. Each token's heads are packed in q, k and v, whose rows are `q_stride`, `k_stride`,
- * `v_stride` apart (views into the fused qkv output); `scores` holds group * max len floats,
- * `scores_stride` apart, for each of `threads` threads, which share the (row, kv head) pairs.
+/* One decode step of paged attention: write each row's new k/v into the caches (rows addressed as
+ * at `slot_of`), then, after a barrier, attend each row's query heads over its tokens. Sequence s
+ * has the rows query_start[s] .. query_start[s + 1] - 1, its last tokens, the last at position
+ * seq_lens[s] - 1 (NULL: one row a sequence); a sequence's rows (its token and the drafts being
+ * verified) each attend causally, as a one-row sequence ending at its own position would, and each
+ * reads its keys itself. All writes come before any read because a row may read a slot that
+ * another one writes in this step (a later draft of its sequence, or a request admitted on a
+ * prefix-cache hit of the block whose last token another decodes now); writing per pair would let
+ * a pair on one thread read that slot before another thread wrote it (fp32 scores and softmax,
+ * exact two-pass), out in bf16 [rows, heads, dim]. Query heads h * group .. h * group + group - 1
+ * read kv head h. `dim` is a multiple of 16. Each token's heads are packed in q, k and v, whose
+ * rows are `q_stride`, `k_stride`, `v_stride` apart (views into the fused qkv output); `scores`
+ * holds group * max len floats, `scores_stride` apart, for each of `threads` threads, which share
+ * the (row, kv head) pairs.
  *
  * Cascade: where `prefix_pos` is given and prefix_pos[t] >= 0, row t attends only to its
  * tokens from `prefix_len` on and merges, by log-sum-exp, the result of its query row over the
@@ -723,10 +723,9 @@ void gemm_bf16_strip(const bf16 *x, int64_t rows, int64_t x_stride, const bf16 *
     }
 }
 
-/* Gather `len` tokens of each of `heads` kv heads' cache rows [slots][dim] (heads
- * `cache_head_stride` apart) through `blocks` and pack them for `prefix_attention_bf16`: keys as
- * [padded/16][dim/2][16][2], values as [padded/2][dim][2] per head, zero past `len` (padded: len
- * rounded up to 32). */
+/* Gather `len` tokens of each of `heads` kv heads' cache rows (addressed as at `slot_of`) through
+ * `blocks` and pack them for `prefix_attention_bf16`: keys as [padded/16][dim/2][16][2], values
+ * as [padded/2][dim][2] per head, zero past `len` (padded: len rounded up to 32). */
 void pack_prefix_bf16(const bf16 *k_cache, const bf16 *v_cache, int64_t cache_head_stride,
                       const int32_t *blocks, int64_t block_size, int64_t len, int64_t heads,
                       int64_t dim, bf16 *kp, bf16 *vp, int threads) {

@@ -358,8 +358,8 @@ static inline int64_t window_first(int64_t pos, int64_t window) {
  * Write each row's new k/v (rows `k_stride`/`v_stride` apart, heads side by side) at its
  * position, then attend its q (heads side by side, rows `q_stride` apart) causally over the
  * sequence's tokens up to its own (the last `window` of them, where > 0) through `block_tables`,
- * into `out` [rows][heads][dim]. The caches are head-major [kv_heads][slots][dim], of fp32 rows
- * or, with `kv_half`, of fp16 rows (the new k/v rounded to nearest even as they are written).
+ * into `out` [rows][heads][dim]. The caches (rows addressed as at `slot_of`) hold fp32 rows
+ * or, with `kv_half`, fp16 rows (the new k/v rounded to nearest even as they are written).
  *
  * The work splits over threads by (sequence, kv head, chunk of the sequence's rows): the chunk's
  * query heads of the kv head meet its keys a block at a time (`key_scores`, tiles of 4 keys by
