@@ -703,22 +703,23 @@ def test_prefill_attention_writes_prefix_attentions_values_token_major(
 @pytest.mark.parametrize("kv_heads", [1, 2, 3])
 def test_prefix_and_prefill_attention_give_the_same_bits_on_any_thread_count(kv_heads):
     """Threads that divide the kv heads evenly each run their own heads' row tiles, others take
-    the next tile left: every tile is computed once whichever way, so one, two and three threads
-    give the same bits (a tile skipped or run twice would leave or change rows)."""
+    the next tile left; `pack_prefix`'s threads share its 32-token chunks: every tile and chunk is
+    computed once whichever way, so one, two and three threads give the same bits (a tile or
+    chunk skipped or run twice would leave or change rows)."""
     gen = torch.Generator().manual_seed(kv_heads)
     dim, context, tokens, group = 64, 40, 30, 3
     k_cache, v_cache = random_kv_cache(80, kv_heads, 4, dim, gen)
     blocks = torch.randperm(80, generator=gen)[:18].int()
-    packed = cpu_ops.pack_prefix((k_cache, v_cache), blocks, 4, context + tokens)
     q = torch.randn(kv_heads, 41, dim, generator=gen).to(BF16)
     q_chunk = torch.randn(tokens, kv_heads * group, dim, generator=gen).to(BF16)
     before, results = torch.get_num_threads(), []
     try:
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
+            packed = cpu_ops.pack_prefix((k_cache, v_cache), blocks, 4, context + tokens)
             out = torch.full((tokens, kv_heads * group, dim), float("nan"), dtype=BF16)
             cpu_ops.prefill_attention(q_chunk, packed, context + tokens, context, out)
-            results.append((*cpu_ops.prefix_attention(q, packed, context), out))
+            results.append((*packed, *cpu_ops.prefix_attention(q, packed, context), out))
     finally:
         torch.set_num_threads(before)
     for got in results[1:]:

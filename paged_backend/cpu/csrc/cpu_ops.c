@@ -725,29 +725,35 @@ void gemm_bf16_strip(const bf16 *x, int64_t rows, int64_t x_stride, const bf16 *
 
 /* Gather `len` tokens of each of `heads` kv heads' cache rows (addressed as at `slot_of`) through
  * `blocks` and pack them for `prefix_attention_bf16`: keys as [padded/16][dim/2][16][2], values
- * as [padded/2][dim][2] per head, zero past `len` (padded: len rounded up to 32). */
+ * as [padded/2][dim][2] per head, zero past `len` (padded: len rounded up to 32). The threads
+ * share chunks of 32 tokens, every head of each: a block-major cache holds a chunk's blocks
+ * together, and 3 heads split as evenly as 8. */
 void pack_prefix_bf16(const bf16 *k_cache, const bf16 *v_cache, int64_t cache_head_stride,
                       const int32_t *blocks, int64_t block_size, int64_t len, int64_t heads,
                       int64_t dim, bf16 *kp, bf16 *vp, int threads) {
-    int64_t padded = (len + 31) / 32 * 32, pairs = dim / 2;
-#pragma omp parallel for num_threads(threads) if (threads > 1)
-    for (int64_t h = 0; h < heads; h++) {
-        bf16 *kh = kp + h * padded * dim, *vh = vp + h * padded * dim;
-        memset(kh, 0, padded * dim * sizeof(bf16));
-        memset(vh, 0, padded * dim * sizeof(bf16));
-        for (int64_t t = 0; t < len; t++) {
-            int64_t slot = slot_of(blocks, t, block_size);
-            const bf16 *k = k_cache + h * cache_head_stride + slot * dim;
-            const bf16 *v = v_cache + h * cache_head_stride + slot * dim;
-            bf16 *kd = kh + ((t / 16) * pairs * 16 + t % 16) * 2;
-            for (int64_t p = 0; p < pairs; p++) {
-                kd[p * 32] = k[2 * p];
-                kd[p * 32 + 1] = k[2 * p + 1];
+    int64_t padded = (len + 31) / 32 * 32, pairs = dim / 2, chunks = padded / 32;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && chunks > 1)
+    for (int64_t c = 0; c < chunks; c++)
+        for (int64_t h = 0; h < heads; h++) {
+            bf16 *kh = kp + h * padded * dim, *vh = vp + h * padded * dim;
+            int64_t end = len < 32 * c + 32 ? len : 32 * c + 32;
+            if (end < 32 * c + 32) { /* the tail past `len` */
+                memset(kh + 32 * c * dim, 0, 32 * dim * sizeof(bf16));
+                memset(vh + 32 * c * dim, 0, 32 * dim * sizeof(bf16));
             }
-            bf16 *vd = vh + (t / 2) * dim * 2 + t % 2;
-            for (int64_t d = 0; d < dim; d++) vd[2 * d] = v[d];
+            for (int64_t t = 32 * c; t < end; t++) {
+                int64_t slot = slot_of(blocks, t, block_size);
+                const bf16 *k = k_cache + h * cache_head_stride + slot * dim;
+                const bf16 *v = v_cache + h * cache_head_stride + slot * dim;
+                bf16 *kd = kh + ((t / 16) * pairs * 16 + t % 16) * 2;
+                for (int64_t p = 0; p < pairs; p++) {
+                    kd[p * 32] = k[2 * p];
+                    kd[p * 32 + 1] = k[2 * p + 1];
+                }
+                bf16 *vd = vh + (t / 2) * dim * 2 + t % 2;
+                for (int64_t d = 0; d < dim; d++) vd[2 * d] = v[d];
+            }
         }
-    }
 }
 
 /* Scores s[i][t] = q_i . k_t of 4 query rows (bf16 [4][dim]) over the packed keys [0, padded), on
