@@ -165,7 +165,7 @@ class ModelRunner:
             self.kv_dtype,
             self.device,
         )
-        # The KV cache goes on 2 MiB pages once a step's sequences hold this many blocks: below,
+        # The KV cache goes on 2 MiB pages once a step's tables name this many blocks: below,
         # 4 KiB pages commit only what is written (`cpu.memory.zeros_on_huge_pages`). Each region
         # (a layer's K or V: the cache is block-major, `TorchAttention`) then commits whole 2 MiB
         # pages, so the switch waits until the sequences would fill four a region: at most 1.25x

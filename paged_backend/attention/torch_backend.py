@@ -80,15 +80,15 @@ class TorchAttention:
     """Reference backend in plain torch, laid out for CPU matmuls.
 
     The cache of a layer is `[num_blocks, num_kv_heads, block_size, head_dim]` (block-major: a
-    block's heads side by side). A decode step reads each sequence's blocks wherever the pool
-    put them, a few KiB of each head at a time; block-major, a block is one stretch of memory
-    (16 KiB for 8 kv heads of 64 in bf16) and a 2 MiB page holds 2,048 tokens of every head of
-    a layer, so one page a layer's K or V (not one a kv head) is what huge pages commit at
-    first. The C kernels address it with scaled block ids (`cpu.ops.kernel_blocks`). Gathering
-    a sequence's blocks gives `[kv_heads, tokens, head_dim]` operands with the query heads of one
-    KV head stacked as rows (GQA without repeating K/V). Blocks that many
-    sequences share (a RAG system prompt and context) are attended once for all of them
-    (cascade attention) and merged with each sequence's own tail by log-sum-exp.
+    block's heads side by side). A step reads each sequence's blocks wherever the pool put them;
+    block-major, a block is one stretch of memory (at the CPU's 4-token blocks, 8 kv heads of 64
+    in bf16 fill one 4 KiB page, where head-major gave each head's 512 bytes a page of its own)
+    and a 2 MiB page holds every kv head of a layer's K or V, so huge pages commit one a layer's
+    K or V at first, not one a kv head. The C kernels address it through scaled block ids
+    (`cpu.ops.kernel_blocks`). Gathering a sequence's blocks gives `[kv_heads, tokens, head_dim]`
+    operands with the query heads of one KV head stacked as rows (GQA without repeating K/V).
+    Blocks that many sequences share (a RAG system prompt and context) are attended once for all
+    of them (cascade attention) and merged with each sequence's own tail by log-sum-exp.
     """
 
     name = "torch"
