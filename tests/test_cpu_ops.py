@@ -23,7 +23,7 @@ from torch import nn
 
 from paged_backend import LLM, SamplingParams, cpu, model_runner
 from paged_backend.attention import AttentionMetadata
-from paged_backend.attention.planner import CDecodePlan
+from paged_backend.attention.planner import CDecodePlan, TorchPlan
 from paged_backend.attention.torch_backend import TorchAttention
 from paged_backend.cpu import library
 from paged_backend.cpu import ops as cpu_ops
@@ -520,6 +520,43 @@ def test_argmax_gives_torchs_index(rows, n, kind):
     elif kind == "all -inf":
         x = torch.full((rows, n), float("-inf"))
     assert torch.equal(cpu_ops.argmax(x), x.argmax(dim=-1))
+
+
+@needs_ops
+@pytest.mark.parametrize("c_prefix", [False, True])
+def test_a_steps_decodes_give_the_same_bits_beside_a_prefill(c_prefix):
+    """A step's decodes run the C decode kernel whether or not the step also prefills a prompt
+    (beside a prefill they had run the torch path, gathering their keys in fp32): each decode's
+    output is the same bits as in a step of decodes only."""
+    if c_prefix and not cpu.has_bf16_kernels():
+        pytest.skip("no AVX512-BF16")
+    lens, bs, kv_heads, group, dim, new = [90, 141, 300], 4, 2, 3, 64, 7
+    q, k, v, cache, meta = _decode_step(lens, bs, kv_heads, group, dim, True, 0)
+    tables = meta.block_tables_cpu
+    free = sorted(set(range(cache[0].shape[0])) - set(tables.flatten().tolist()))[:2]
+    width = tables.shape[1]
+    mixed_tables = np.vstack([tables, [free + [0] * (width - 2)]]).astype(np.int32)
+    gen = torch.Generator().manual_seed(1)
+    q_new = torch.randn(new, kv_heads * group, dim, generator=gen).to(BF16)
+    k_new, v_new = (torch.randn(new, kv_heads, dim, generator=gen).to(BF16) for _ in range(2))
+    slots = [free[p // bs] * bs + p % bs for p in range(new)]
+    mixed = AttentionMetadata(
+        num_decodes=len(lens),
+        query_start_loc=[0, 1, 2, 3, 3 + new],
+        seq_lens=[*lens, new],
+        block_tables=torch.from_numpy(mixed_tables),
+        slot_mapping=torch.cat([meta.slot_mapping, torch.tensor(slots)]),
+        block_size=bs,
+        block_tables_cpu=mixed_tables,
+    )
+    together = [torch.cat(t) for t in zip((q, k, v), (q_new, k_new, v_new), strict=True)]
+    outs = []
+    for step, rows in ((meta, (q, k, v)), (mixed, together)):
+        backend = TorchAttention(kv_heads * group, kv_heads, c_decode=True, c_prefix=c_prefix)
+        backend.prepare(step)
+        outs.append(backend.forward(*rows, tuple(c.clone() for c in cache), step))
+    assert torch.equal(outs[1][: len(lens)], outs[0])
+    assert isinstance(mixed.prepared[None], TorchPlan) and mixed.prepared[None].c_decodes
 
 
 @needs_ops

@@ -73,6 +73,9 @@ class TorchPlan:
     decodes: DecodeBatch | None
     prefills: list[PrefillChunk]
     window: int | None
+    # A step's decodes on the C kernel instead of `decodes` (a step with prefills too): its
+    # first sequences, merged with `shared`'s result where they share the prefix.
+    c_decodes: CDecodePlan | None = None
 
 
 def window_start(position: int, window: int | None) -> int:
@@ -124,14 +127,16 @@ def plan_step(
     """The step's plan for the layers with this `window` (None: global). Windowed layers read
     only their window's blocks and take no cascade: a shared prefix soon leaves it. `group`:
     query heads a kv head; `c_decode`/`c_prefix`: the C decode and prefix kernels run, the
-    decode one for steps whose sequences have up to `meta.c_decode_rows` rows each."""
+    decode one for steps whose sequences have up to `meta.c_decode_rows` rows each (its
+    `CDecodePlan`), and for the decodes of any other step (`TorchPlan.c_decodes`)."""
     device = meta.block_tables.device
     qsl = meta.query_start_loc
     tables = meta.block_tables_cpu
     nd = meta.num_decodes
     most_rows = max(b - a for a, b in itertools.pairwise(qsl))
     rows = meta.c_decode_rows
-    c_decode = c_decode and (nd == len(meta.seq_lens) if rows == 1 else most_rows <= rows)
+    kernel, num_seqs = c_decode, len(meta.seq_lens)
+    c_decode = c_decode and (nd == num_seqs if rows == 1 else most_rows <= rows)
     # No cascade where fp32's C kernel runs the step (there is no fp32 C prefix kernel): it
     # gives each row the bits it has alone, and its sequences reread a shared prefix from cache.
     cascade = window is None and (c_prefix or not c_decode)
@@ -147,30 +152,42 @@ def plan_step(
             torch.tensor(rows, device=device),
             torch.from_numpy(tables[members[0], :num_shared]).to(device),
         )
-    if c_decode and (c_prefix or not num_shared):
-        return CDecodePlan(
-            torch.from_numpy(np.ascontiguousarray(tables, dtype=np.int32)),
-            torch.tensor(meta.seq_lens, dtype=torch.int32),
-            torch.empty(
-                torch.get_num_threads(), group * min(most_rows, SCRATCH_ROWS) * max(meta.seq_lens)
-            ),
-            shared,
-            torch.tensor(
-                [p for i, n in enumerate(np.diff(qsl)) for p in row_pos.get(i, [-1] * n)],
-                dtype=torch.int32,
-            )
-            if shared
-            else None,
-            window,
-            None if most_rows == 1 else torch.tensor(qsl, dtype=torch.int32),
-        )
-    skip = [num_shared if i in row_pos else 0 for i in range(len(meta.seq_lens))]
-    decodes = _decode_batch(meta, window, skip, row_pos) if nd else None
+    # (the kernel merges a shared prefix's result from `prefix_attention`: c_prefix)
+    on_kernel = c_prefix or not num_shared
+    if c_decode and on_kernel:
+        return _c_decode_plan(meta, num_seqs, group, shared, row_pos, window)
+    skip = [num_shared if i in row_pos else 0 for i in range(num_seqs)]
+    c_decodes = decodes = None
+    if nd and kernel and on_kernel:
+        c_decodes = _c_decode_plan(meta, nd, group, shared, row_pos, window)
+    elif nd:
+        decodes = _decode_batch(meta, window, skip, row_pos)
     prefills = [
         _prefill_chunk(meta, i, window, group, c_prefix, skip[i], row_pos)
-        for i in range(nd, len(meta.seq_lens))
+        for i in range(nd, num_seqs)
     ]
-    return TorchPlan(shared, decodes, prefills, window)
+    return TorchPlan(shared, decodes, prefills, window, c_decodes)
+
+
+def _c_decode_plan(meta, seqs: int, group: int, shared, row_pos, window) -> CDecodePlan:
+    """The C decode kernel's plan for the step's first `seqs` sequences (all of them, or a
+    step's decodes)."""
+    qsl = meta.query_start_loc[: seqs + 1]
+    counts = np.diff(qsl)
+    most_rows = int(counts.max())
+    lens = meta.seq_lens[:seqs]
+    positions = None
+    if shared is not None:
+        positions = [p for i, n in enumerate(counts) for p in row_pos.get(i, [-1] * n)]
+    return CDecodePlan(
+        torch.from_numpy(np.ascontiguousarray(meta.block_tables_cpu[:seqs], dtype=np.int32)),
+        torch.tensor(lens, dtype=torch.int32),
+        torch.empty(torch.get_num_threads(), group * min(most_rows, SCRATCH_ROWS) * max(lens)),
+        shared,
+        None if positions is None else torch.tensor(positions, dtype=torch.int32),
+        window,
+        None if most_rows == 1 else torch.tensor(qsl, dtype=torch.int32),
+    )
 
 
 def _positions(row_pos: dict[int, list[int]], seqs: list[int], device) -> torch.Tensor:

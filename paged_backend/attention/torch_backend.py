@@ -210,7 +210,20 @@ class TorchAttention:
         layer.qf = layer.qf.view(-1, layer.kvh, layer.group, layer.d)
         if prep.shared is not None:
             layer.shared = self._shared(layer, prep.shared)
-        if prep.decodes is not None:
+        if prep.c_decodes is not None:
+            nd = meta.num_decodes
+            o = self._c_decode(
+                q[:nd],
+                k[:nd],
+                v[:nd],
+                kv_cache,
+                meta.block_size,
+                prep.c_decodes,
+                softcap,
+                layer.shared_raw,
+            )
+            layer.out[:nd] = o.view(nd, layer.kvh, layer.group, layer.d)
+        elif prep.decodes is not None:
             self._decodes(layer, prep.decodes)
         for chunk in prep.prefills:
             if self.c_prefix:
@@ -219,10 +232,14 @@ class TorchAttention:
                 self._prefill(layer, chunk)
         return layer.out.view(q.shape)
 
-    def _c_decode(self, q, k, v, kv_cache, bs: int, plan: CDecodePlan, softcap) -> torch.Tensor:
+    def _c_decode(
+        self, q, k, v, kv_cache, bs: int, plan: CDecodePlan, softcap, prefix_result=None
+    ) -> torch.Tensor:
+        """`cpu_ops.decode_attention` of the plan's rows, merged with its shared prefix's result
+        (`prefix_result`, `_c_prefix`'s; computed here when not given)."""
         prefix = None
         if plan.shared is not None:
-            o, lse = self._c_prefix(q, kv_cache, plan.shared, bs, softcap)
+            o, lse = prefix_result or self._c_prefix(q, kv_cache, plan.shared, bs, softcap)
             prefix = (plan.prefix_pos, len(plan.shared.blocks) * bs, o, lse)
         return cpu_ops.decode_attention(
             *(q, k, v, kv_cache, plan.block_tables, plan.seq_lens, bs),
@@ -233,6 +250,7 @@ class TorchAttention:
         """The shared prefix's attention for its member rows, as token rows [n, kvh, g, *]."""
         if self.c_prefix:
             o, lse = self._c_prefix(layer.q, layer.kv_cache, shared, layer.bs, layer.softcap)
+            layer.shared_raw = (o, lse)
             return layer.by_token(o[None], lse[None], len(shared.rows))
         keys, vals = self.prefix_copy(
             layer.kv_cache[0],
@@ -311,6 +329,7 @@ class _Layer:
         self.scale = self.d**-0.5
         self.qf: torch.Tensor | None = None
         self.shared: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.shared_raw: tuple[torch.Tensor, torch.Tensor] | None = None  # `_c_prefix`'s form
         self.out = torch.empty(q.shape[0], self.kvh, self.group, self.d, dtype=q.dtype)
 
     def gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
