@@ -112,9 +112,9 @@ class TorchAttention:
         windows: tuple[int | None, ...] = (None,),
     ) -> None:
         """For bf16 or fp32 caches, C kernels (`paged_backend.cpu.ops`): with `c_prefix`, a
-        shared prefix is attended by `prefix_attention`; with `c_decode`, steps of decodes only
-        run `decode_attention` (those with a shared prefix only with `c_prefix` too), and steps
-        of up to `meta.c_decode_rows` rows a sequence. `windows`: the layers'
+        shared prefix is attended by `prefix_attention`; with `c_decode`, `decode_attention` runs
+        the decodes of every step, and whole steps of up to `meta.c_decode_rows` rows a sequence
+        (where a shared prefix takes part, only with `c_prefix` too). `windows`: the layers'
         windows (None: global), one step plan each."""
         self.group = num_heads // num_kv_heads
         self.windows = tuple(dict.fromkeys(windows)) or (None,)
