@@ -1,7 +1,7 @@
 """A step's attention plan, made once for all layers of one window (`plan_step`): which
 sequences share a cached prefix (attended once for all of them: cascade attention), which
 blocks and masks the torch path gathers for the decodes and for each prefill chunk, or, for a
-step of decodes only on the C kernel, its `CDecodePlan`."""
+step of decodes only on the C kernel, its `CDecodePlan` (a mixed step's decodes take one too)."""
 
 from __future__ import annotations
 
@@ -135,12 +135,13 @@ def plan_step(
     nd = meta.num_decodes
     most_rows = max(b - a for a, b in itertools.pairwise(qsl))
     rows = meta.c_decode_rows
-    kernel, num_seqs = c_decode, len(meta.seq_lens)
-    c_decode = c_decode and (nd == num_seqs if rows == 1 else most_rows <= rows)
+    num_seqs = len(meta.seq_lens)
+    # the C decode kernel runs the whole step (else, where it runs, the step's decodes)
+    whole_step = c_decode and (nd == num_seqs if rows == 1 else most_rows <= rows)
     # No cascade where fp32's C kernel runs the step (there is no fp32 C prefix kernel): it
     # gives each row the bits it has alone, and its sequences reread a shared prefix from cache.
-    cascade = window is None and (c_prefix or not c_decode)
-    members, num_shared = shared_prefix(meta, c_decode) if cascade else ([], 0)
+    cascade = window is None and (c_prefix or not whole_step)
+    members, num_shared = shared_prefix(meta, whole_step) if cascade else ([], 0)
     shared = None
     row_pos: dict[int, list[int]] = {}  # member -> positions of its rows in `shared.rows`
     if num_shared:
@@ -154,11 +155,11 @@ def plan_step(
         )
     # (the kernel merges a shared prefix's result from `prefix_attention`: c_prefix)
     on_kernel = c_prefix or not num_shared
-    if c_decode and on_kernel:
+    if whole_step and on_kernel:
         return _c_decode_plan(meta, num_seqs, group, shared, row_pos, window)
     skip = [num_shared if i in row_pos else 0 for i in range(num_seqs)]
     c_decodes = decodes = None
-    if nd and kernel and on_kernel:
+    if nd and c_decode and on_kernel:
         c_decodes = _c_decode_plan(meta, nd, group, shared, row_pos, window)
     elif nd:
         decodes = _decode_batch(meta, window, skip, row_pos)

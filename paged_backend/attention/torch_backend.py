@@ -204,13 +204,17 @@ class TorchAttention:
             kv_cache[0][blocks, :, offsets] = k
             kv_cache[1][blocks, :, offsets] = v
         layer = _Layer(q, k, v, kv_cache, meta.block_size, softcap)
-        # fp32 queries for the torch paths; with `c_prefix` only the decodes take one (the C
-        # kernels read bf16), so a prefill's rows are not cast for nothing
-        layer.qf = (q[: meta.num_decodes] if self.c_prefix else q).float()
-        layer.qf = layer.qf.view(-1, layer.kvh, layer.group, layer.d)
+        # fp32 queries for the torch paths; with `c_prefix` only decodes on torch take one (the
+        # C kernels read bf16), so no row is cast for nothing
+        if not self.c_prefix:
+            layer.qf = q.float().view(-1, layer.kvh, layer.group, layer.d)
+        elif prep.decodes is not None:
+            layer.qf = q[: meta.num_decodes].float().view(-1, layer.kvh, layer.group, layer.d)
         if prep.shared is not None:
             layer.shared = self._shared(layer, prep.shared)
         if prep.c_decodes is not None:
+            # (the kernel writes the decodes' k/v again: `store_kv` wrote every row first, as the
+            # shared prefix read above may hold a slot that a decode writes now)
             nd = meta.num_decodes
             o = self._c_decode(
                 q[:nd],
