@@ -249,11 +249,15 @@ needs_bf16_gemm = pytest.mark.skipif(
 
 @needs_bf16_gemm
 @pytest.mark.parametrize("fmt", ROW_FORMATS)
-@pytest.mark.parametrize(("rows", "threads"), [(1, 1), (9, 2), (32, 2), (33, 1), (70, 2)])
+@pytest.mark.parametrize(
+    ("rows", "threads"), [(1, 1), (9, 2), (32, 2), (33, 1), (70, 2), (300, 1), (900, 2)]
+)
 def test_dequantized_gemm_is_the_bf16_product_with_the_dequantized_weight(fmt, rows, threads):
     """Each weight rounded to bf16 (nearest even), exact bf16 products, fp32 sums: the bits of
-    the bf16 GEMM (`gemm_bf16`) on the dequantized weight, whatever the rows (on AMX tiles up to
-    32 a chunk of inputs at a time, more a whole strip at a time; partial row tiles) or threads
+    the bf16 GEMM (`gemm_bf16`) on the dequantized weight, whatever the rows (on AMX tiles a
+    chunk of inputs at a time through every row while x fits in 1 MiB, the sums of each 32 rows
+    held between chunks past 32, as at 33, 70 and 300; a whole strip at a time past that, as at
+    900; partial row tiles and pairs of them) or threads
     (which split the outputs: 160 outputs leave a partial last strip); bf16 out is the fp32
     result rounded once."""
     k = in_features(fmt)
@@ -280,10 +284,11 @@ def test_dequantized_gemm_is_the_bf16_product_with_the_dequantized_weight(fmt, r
 def test_dequantized_gemm_of_rows_ending_on_an_odd_block_keeps_the_bf16_gemms_bits(fmt):
     """The 4-bit formats' values are looked up in a table two blocks share: rows of 19 blocks (2
     chunks and 3 blocks) end on a block of their own. The bits of the bf16 GEMM on the
-    dequantized weight, at one row (a chunk at a time on AMX) and at 70 (a strip at a time)."""
+    dequantized weight, at one row and 70 (a chunk at a time on AMX) and at 1,800 (a strip at a
+    time)."""
     w = random_weight(fmt, 32, 19 * 32, seed=5)
     packed = cpu_ops.pack_gemm_weight(dequantize(w).to(torch.bfloat16))
-    for rows in (1, 70):
+    for rows in (1, 70, 1800):
         x = torch.randn(rows, 19 * 32).to(torch.bfloat16)
         assert torch.equal(quant_gemm_bf16(x, [w]), cpu_ops.gemm(x, packed, torch.float32))
 
@@ -357,14 +362,14 @@ def test_gated_product_has_the_bits_of_the_dequantized_gemm_and_its_activation(
 ):
     """`quant_glu_bf16` (AMX) applies act(gate) * up to each pair of blocks' sums as they leave
     the tiles: the bits of `quant_gemm_bf16` of both weights, then `silu_and_mul` (or
-    `gelu_tanh_and_mul`), whatever the formats of the two, the rows (a chunk at a time up to 32,
-    a strip at a time past them, k in pieces for 300 x 8,448) and the threads (which split the
-    pairs of blocks: 3 pairs unevenly, 1 pair to one thread)."""
+    `gelu_tanh_and_mul`), whatever the formats of the two, the rows (a chunk at a time while x
+    fits in 1 MiB, a strip at a time past it, k in pieces for 300 x 8,448) and the threads
+    (which split the pairs of blocks: 3 pairs unevenly, 1 pair to one thread)."""
     gate, up = random_weight(gate_fmt, n, k, seed=1), random_weight(up_fmt, n, k, seed=2)
     act = cpu_ops.gelu_tanh_and_mul if gelu else cpu_ops.silu_and_mul
     before = torch.get_num_threads()
     try:
-        for rows, threads in [(1, 1), (17, 2), (32, 1), (33, 2), (300, 1), (300, 2)]:
+        for rows, threads in [(1, 1), (17, 2), (32, 1), (33, 2), (300, 1), (300, 2), (1100, 2)]:
             torch.set_num_threads(threads)
             x = torch.randn(rows, k).to(torch.bfloat16)
             assert glu_serves(x, gate, up)
@@ -406,7 +411,8 @@ def test_argmax_on_the_tiles_is_the_dequantized_gemms_argmax(fmt, k, case):
     `columns` outputs of `quant_gemm_bf16` (the same bits) and the column torch.argmax gives: the
     first of equal values (weight rows 20 and 90 the same, and the largest), the first NaN (NaN
     scales in rows 30 and 70), where two threads split the blocks between those columns,
-    whatever the rows (a chunk at a time up to 32, a strip past them, k in pieces at 300 x 8,448)
+    whatever the rows (a chunk at a time while x fits in 1 MiB, a strip past it, k in pieces at
+    300 x 8,448)
     and where `columns` cuts."""
     n = 96
     w = random_weight(fmt, n, k, seed=k)
@@ -418,7 +424,7 @@ def test_argmax_on_the_tiles_is_the_dequantized_gemms_argmax(fmt, k, case):
         scale_row_(w, 70, float("nan"))
     before = torch.get_num_threads()
     try:
-        for rows, threads in [(1, 1), (17, 2), (32, 2), (33, 1), (300, 2)]:
+        for rows, threads in [(1, 1), (17, 2), (32, 2), (33, 1), (300, 2), (1100, 1)]:
             torch.set_num_threads(threads)
             x = torch.randn(rows, k)
             if case == "tie":  # x near weight row 20 (1000x the others'): its output the largest

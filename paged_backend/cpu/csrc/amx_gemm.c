@@ -469,43 +469,85 @@ static inline __attribute__((always_inline)) void chunk_unit(const weight_rows *
     }
 }
 
-/* A weight strip's part of `strips_on_tiles`: strip rows j0 .. j0 + 16 nb, each dequantized
- * once. Steps of up to 32 rows (nb <= 2) take the strip a chunk (256 inputs) at a time through
- * two L1 buffers, the next chunk readied (`chunk_unit`) between the current one's tile steps,
- * the sums staying in the tiles; larger ones dequantize it into `strip` (rows ks
- * apart, in L2) kc inputs at a time (all of k but for the longest rows, see `quant_gemm_amx`)
- * and run each 32 rows of x through its 32-output parts in turn, so that those rows' B tiles are
- * read from memory once a strip (a piece); their sums wait in `held` ([row tile][block] of the
- * tiles' layout) from one piece to the next. */
+/* Whether a step of `rows` rows of k inputs takes `chunked_strip_on_tiles`: those of up to 32
+ * rows, and those whose x (as B tiles) fits in half the L2 (1 MiB; every AMX Xeon so far has 2
+ * MiB a core), which reads it once a 32-output strip. Against `weight_strip_on_tiles` (x read
+ * once a 128-output strip, the strip dequantized into the L2 before its tile steps, the two not
+ * overlapping), alternating in one process (`quant_gemm_bf16`, 2 threads, each shape of the 1B,
+ * Qwen2.5-0.5B and Gemma 3 270M Q4_K_M files): x of up to 1 MiB 1.02-1.54x (33-64 rows
+ * 1.1-1.5x), 1.5 MiB 0.93-1.25x, 2 MiB or more 0.56-1.01x. A step of 33 rows had taken 1.6x the
+ * time of one of 32. */
+static int chunked(int64_t rows, int64_t k) {
+    return rows <= 32 || rows * k * (int64_t)sizeof(bf16) <= (1 << 20);
+}
+
+/* A weight strip's part of `strips_on_tiles` for `chunked` steps: strip rows j0 .. j0 + 16 nb
+ * (nb <= 2), dequantized a chunk (256 inputs) at a time into two L1 buffers, each chunk once:
+ * the next chunk is readied (`chunk_unit`) between the current one's tile steps, so that the
+ * vector units dequantize while the tiles multiply. Each 32 rows of x (a pair of row tiles) go
+ * through every chunk; up to 32 rows the sums stay in the tiles, more rows' wait in `held` from
+ * one chunk to the next (stored and loaded as the tiles hold them: the same bits). */
+static void chunked_strip_on_tiles(const weight_rows *src, int64_t j0, int nb, int64_t k,
+                                   const bf16 *xt, int64_t rows, float (*held)[4][16][16],
+                                   void *out, int64_t n, int out_bf16, int *m0, int *m1) {
+    enum { CS = CHUNK_STRIDE };
+    bf16 chunk[2][32 * CS] __attribute__((aligned(64))); /* chunk c in chunk[c % 2] */
+    int64_t steps = k / 32, j1 = j0 + 16 * nb;
+    int chunks = (int)((k + 255) / 256), units = 2 * nb + 1, pairs = (int)((rows + 31) / 32);
+    int parts = units * chunks; /* of the next strip's bytes: see `ask_for_rows` */
+    if (pairs == 1) {
+        row_tiles_at(0, rows, m0, m1);
+        zero_sums(nb, *m1 > 0);
+    } else if (*m0 != 16 || *m1 != 16) { /* full row tiles: x's B tiles are zero past its rows */
+        configure_weight_tiles(16, 16);
+        *m0 = *m1 = 16;
+    }
+    for (int u = 0; u < units; u++) chunk_unit(src, j0, j1, nb, k, 0, u, parts, chunk[0]);
+    for (int c = 0; c < chunks; c++) { /* the next chunk readied between this one's steps */
+        int64_t first = 256 * c, last = k - first < 256 ? k : first + 256;
+        const bf16 *a = chunk[c % 2];
+        bf16 *next = chunk[(c + 1) % 2];
+        int u = c + 1 < chunks ? 0 : units, done = 0;
+        for (int p = 0; p < pairs; p++) {
+            int64_t r0 = 32 * p, left = rows - r0 - 16;
+            int top = pairs == 1 ? *m0 : (rows - r0 < 16 ? (int)(rows - r0) : 16);
+            int bottom = pairs == 1 ? *m1 : (left <= 0 ? 0 : left < 16 ? (int)left : 16);
+            int two = bottom > 0;
+            if (pairs > 1 && c == 0) {
+                zero_sums(nb, two);
+            } else if (pairs > 1) {
+                for (int t = 0; t < 2 * nb; t++)
+                    if (two || t % 2 == 0) load_accumulator(t, held[p][t]);
+            }
+            const bf16 *x0 = xt + (2 * p * steps + first / 32) * 512, *x1 = x0 + steps * 512;
+            for (int64_t s = 0; s < (last - first) / 32; s++) {
+                tile_step(a, a + 16 * CS, CS * 2, x0, x1, s, nb, two);
+                if (++done % pairs == 0 && u < units) /* spread over the pairs' steps */
+                    chunk_unit(src, j0, j1, nb, k, c + 1, u++, parts, next);
+            }
+            if (pairs > 1 && c + 1 < chunks) {
+                for (int t = 0; t < 2 * nb; t++)
+                    if (two || t % 2 == 0) store_accumulator(t, held[p][t]);
+            } else if (pairs > 1) {
+                store_strip(src, nb, top, bottom, out, n, r0, j0, out_bf16);
+            }
+        }
+        while (u < units) chunk_unit(src, j0, j1, nb, k, c + 1, u++, parts, next);
+    }
+    if (pairs == 1) store_strip(src, nb, *m0, *m1, out, n, 0, j0, out_bf16);
+}
+
+/* A weight strip's part of `strips_on_tiles` for steps not `chunked`: strip rows j0 .. j0 +
+ * 16 nb, each dequantized once into `strip` (rows ks apart, in L2) kc inputs at a time (all of
+ * k but for the longest rows, see `quant_gemm_amx`), then each 32 rows of x run through its
+ * 32-output parts in turn, so that those rows' B tiles are read from memory once a strip (a
+ * piece); their sums wait in `held` ([row tile][block] of the tiles' layout) from one piece to
+ * the next. */
 static void weight_strip_on_tiles(const weight_rows *src, int64_t j0, int nb, int64_t k,
                                   const bf16 *xt, int64_t rows, bf16 *strip, int64_t ks,
                                   int64_t kc, float (*held)[16][16], void *out, int64_t n,
                                   int out_bf16, int *m0, int *m1) {
     int64_t steps = k / 32, j1 = j0 + 16 * nb;
-    if (rows <= 32) {
-        enum { CS = CHUNK_STRIDE };
-        bf16 chunk[2][32 * CS] __attribute__((aligned(64))); /* chunk c in chunk[c % 2] */
-        int chunks = (int)((k + 255) / 256), units = 2 * nb + 1;
-        int parts = units * chunks; /* of the next strip's bytes: see `ask_for_rows` */
-        row_tiles_at(0, rows, m0, m1);
-        int two = *m1 > 0;
-        zero_sums(nb, two);
-        for (int u = 0; u < units; u++) chunk_unit(src, j0, j1, nb, k, 0, u, parts, chunk[0]);
-        for (int c = 0; c < chunks; c++) { /* the next chunk readied between this one's steps */
-            int64_t first = 256 * c, last = k - first < 256 ? k : first + 256;
-            const bf16 *a = chunk[c % 2], *x0 = xt + first * 16;
-            const bf16 *x1 = xt + (steps + first / 32) * 512;
-            bf16 *next = chunk[(c + 1) % 2];
-            int u = c + 1 < chunks ? 0 : units;
-            for (int64_t s = 0; s < (last - first) / 32; s++) {
-                tile_step(a, a + 16 * CS, CS * 2, x0, x1, s, nb, two);
-                if (u < units) chunk_unit(src, j0, j1, nb, k, c + 1, u++, parts, next);
-            }
-            while (u < units) chunk_unit(src, j0, j1, nb, k, c + 1, u++, parts, next);
-        }
-        store_strip(src, nb, *m0, *m1, out, n, 0, j0, out_bf16);
-        return;
-    }
     glu_pending pending; /* a gated MLP's last pair: done during the next one's tile steps */
     pending.unit = pending.units = 0;
     for (int64_t k0 = 0; k0 < k; k0 += kc) { /* pieces of k (one, but for the longest rows) */
@@ -557,9 +599,10 @@ static __thread int64_t held_sums_bytes;
 
 
 /* x times the n strip rows of `src` (k a multiple of 32, n of 16, of 32 where src->glu) on the
- * tiles: x laid out as B tiles once, then each thread dequantizes 32-128 strip rows at a time
- * (`strip_rows_bf16`) into its part of `work` and runs every row of x through them. Returns 0
- * where it could not get its buffer (nothing written). */
+ * tiles: x laid out as B tiles once, then each thread dequantizes its strip rows (`strip_rows_bf16`)
+ * and runs every row of x through them: 32 at a time a chunk of inputs at a time where the step
+ * is `chunked`, else 32-128 at a time into its part of `work`. Returns 0 where it could not get
+ * its buffer (nothing written). */
 static int strips_on_tiles(const weight_rows *src, int64_t n, int64_t k, const bf16 *x,
                            int64_t rows, int64_t x_stride, void *out, int out_bf16,
                            int64_t out_stride, bf16 *work, int threads) {
@@ -577,12 +620,13 @@ static int strips_on_tiles(const weight_rows *src, int64_t n, int64_t k, const b
      * x stays in the L2, pieces were 0.94-0.99x). Each strip's sums wait in `held` between pieces,
      * stored and loaded as the tiles hold them: the same bits. */
     int64_t kc = k, span = 2;
-    for (int64_t pieces = 2; rows > 32 && rows * k * 2 >= (4 << 20) && kc > 256 &&
+    int small = chunked(rows, k);
+    for (int64_t pieces = 2; !small && rows * k * 2 >= (4 << 20) && kc > 256 &&
                              DEQUANTIZED_ROWS * (kc + 32) * 2 > (5 << 18);
          pieces++)
         kc = (k / pieces + 255) / 256 * 256;
     int64_t ks = kc + 32;
-    while (rows > 32 && span < DEQUANTIZED_ROWS / 16 && 16 * (span + 2) * ks * 2 <= (5 << 18))
+    while (!small && span < DEQUANTIZED_ROWS / 16 && 16 * (span + 2) * ks * 2 <= (5 << 18))
         span += 2;
     int ok = 1;
 #pragma omp parallel num_threads(threads) if (threads > 1) reduction(&& : ok)
@@ -591,16 +635,24 @@ static int strips_on_tiles(const weight_rows *src, int64_t n, int64_t k, const b
         int64_t parts = omp_get_num_threads(), t = omp_get_thread_num();
         int64_t per = src->glu ? 2 : 1; /* a thread's blocks: whole pairs where glu */
         int64_t nb0 = blocks / per * t / parts * per, nb1 = blocks / per * (t + 1) / parts * per;
-        int64_t held_bytes = kc < k ? (rows + 31) / 32 * 2 * span * 1024 : 0;
+        int64_t held_bytes = small && rows > 32 ? (rows + 31) / 32 * 4 * 1024
+                             : kc < k          ? (rows + 31) / 32 * 2 * span * 1024
+                                               : 0;
         ok = grown((void **)&held_sums, &held_sums_bytes, held_bytes);
         tile_config before = saved_tiles();
         int m0 = -1, m1 = -1; /* the row tiles configured */
         void *dest = out_bf16 == OUT_ARGMAX ? (void *)((running_argmax *)out + t) : out;
-        for (int64_t nb = nb0; ok && nb < nb1; nb += span)
-            weight_strip_on_tiles(src, 16 * nb,
-                                  nb1 - nb < span ? (int)(nb1 - nb) : (int)span, k, xt, rows,
-                                  work + t * DEQUANTIZED_ROWS * ks, ks, kc, held_sums, dest,
-                                  out_stride, out_bf16, &m0, &m1);
+        for (int64_t nb = nb0; ok && nb < nb1; nb += span) {
+            int count = nb1 - nb < span ? (int)(nb1 - nb) : (int)span;
+            if (small)
+                chunked_strip_on_tiles(src, 16 * nb, count, k, xt, rows,
+                                       (float(*)[4][16][16])held_sums, dest, out_stride, out_bf16,
+                                       &m0, &m1);
+            else
+                weight_strip_on_tiles(src, 16 * nb, count, k, xt, rows,
+                                      work + t * DEQUANTIZED_ROWS * ks, ks, kc, held_sums, dest,
+                                      out_stride, out_bf16, &m0, &m1);
+        }
         restore_tiles(before);
     }
     return ok;
