@@ -238,6 +238,27 @@ def test_bf16_steps_past_the_int8_rows_dequantize_in_one_call_with_the_modules_b
     assert int8 != fused
 
 
+@needs_bf16
+def test_quantized_decode_steps_of_up_to_128_rows_run_fused_with_the_modules_bits(
+    tmp_path, monkeypatch
+):
+    """A batch of more than 64 requests (up to the default max_num_seqs, 128) decodes in the
+    one-call step through quantized linears too (dequantized to bf16, past their int8 rows),
+    with the bits the modules give; 130 requests decode through the modules."""
+    path = write_checkpoint("tiny", tmp_path, ("q4_k_m",))[0]
+    llm = LLM(model=str(path), dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=130)
+    assert llm.engine.runner.model.fused_decode.max_rows == 128
+    for count in (100, 130):
+        prompts = [[1, 5 + i, 17, 923, 4 + i] for i in range(count)]
+        fused, steps = generate_counting(llm, monkeypatch, [3] * count, prompts)
+        assert {rows for rows, _ in steps} == ({100} if count == 100 else set())
+        model = llm.engine.runner.model
+        kept, model.fused_decode = model.fused_decode, None
+        plain, none = generate_counting(llm, monkeypatch, [3] * count, prompts)
+        model.fused_decode = kept
+        assert not none and fused == plain
+
+
 @pytest.mark.parametrize(
     ("architecture", "engine_args", "dtype"),
     [

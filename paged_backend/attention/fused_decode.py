@@ -32,7 +32,10 @@ if TYPE_CHECKING:
 
 
 MAX_PARTS = 3  # weights side by side in one fp32 linear descriptor (q, k, v)
-QUANT_MAX_ROWS = 64  # steps of up to this many rows run fused through quantized linears
+# Steps of up to this many rows (the default max_num_seqs) run fused through quantized linears:
+# the 1B Q4_K_M file's decode step on an AMX Xeon at 96 rows 224-260 -> 197-215 ms, at 128
+# 261-281 -> 227-254 with the cap raised from 64 (docs/benchmark.md, ninth of 12-07).
+QUANT_MAX_ROWS = 128
 # The C ops the step runs, and its arguments for them: each norm's weight offset, GeGLU or not.
 NORM_OFFSETS = {cpu_ops.rms_norm: 0.0, cpu_ops.gemma_rms_norm: 1.0}
 HEAD_NORM_OFFSETS = {cpu_ops.head_norm: 0.0, cpu_ops.gemma_head_norm: 1.0}
