@@ -497,7 +497,6 @@ static void chunked_strip_on_tiles(const weight_rows *src, int64_t j0, int nb, i
     int parts = units * chunks; /* of the next strip's bytes: see `ask_for_rows` */
     if (pairs == 1) {
         row_tiles_at(0, rows, m0, m1);
-        zero_sums(nb, *m1 > 0);
     } else if (*m0 != 16 || *m1 != 16) { /* full row tiles: x's B tiles are zero past its rows */
         configure_weight_tiles(16, 16);
         *m0 = *m1 = 16;
@@ -508,33 +507,29 @@ static void chunked_strip_on_tiles(const weight_rows *src, int64_t j0, int nb, i
         const bf16 *a = chunk[c % 2];
         bf16 *next = chunk[(c + 1) % 2];
         int u = c + 1 < chunks ? 0 : units, done = 0;
-        for (int p = 0; p < pairs; p++) {
+        for (int p = 0; p < pairs; p++) { /* rows r0 .. r0 + 32: top in tile 0, bottom in 1 */
             int64_t r0 = 32 * p, left = rows - r0 - 16;
-            int top = pairs == 1 ? *m0 : (rows - r0 < 16 ? (int)(rows - r0) : 16);
-            int bottom = pairs == 1 ? *m1 : (left <= 0 ? 0 : left < 16 ? (int)left : 16);
-            int two = bottom > 0;
-            if (pairs > 1 && c == 0) {
+            int top = rows - r0 < 16 ? (int)(rows - r0) : 16;
+            int bottom = left <= 0 ? 0 : left < 16 ? (int)left : 16, two = bottom > 0;
+            if (c == 0)
                 zero_sums(nb, two);
-            } else if (pairs > 1) {
+            else if (pairs > 1)
                 for (int t = 0; t < 2 * nb; t++)
                     if (two || t % 2 == 0) load_accumulator(t, held[p][t]);
-            }
             const bf16 *x0 = xt + (2 * p * steps + first / 32) * 512, *x1 = x0 + steps * 512;
             for (int64_t s = 0; s < (last - first) / 32; s++) {
                 tile_step(a, a + 16 * CS, CS * 2, x0, x1, s, nb, two);
                 if (++done % pairs == 0 && u < units) /* spread over the pairs' steps */
                     chunk_unit(src, j0, j1, nb, k, c + 1, u++, parts, next);
             }
-            if (pairs > 1 && c + 1 < chunks) {
+            if (c + 1 == chunks)
+                store_strip(src, nb, top, bottom, out, n, r0, j0, out_bf16);
+            else if (pairs > 1)
                 for (int t = 0; t < 2 * nb; t++)
                     if (two || t % 2 == 0) store_accumulator(t, held[p][t]);
-            } else if (pairs > 1) {
-                store_strip(src, nb, top, bottom, out, n, r0, j0, out_bf16);
-            }
         }
         while (u < units) chunk_unit(src, j0, j1, nb, k, c + 1, u++, parts, next);
     }
-    if (pairs == 1) store_strip(src, nb, *m0, *m1, out, n, 0, j0, out_bf16);
 }
 
 /* A weight strip's part of `strips_on_tiles` for steps not `chunked`: strip rows j0 .. j0 +
@@ -599,10 +594,10 @@ static __thread int64_t held_sums_bytes;
 
 
 /* x times the n strip rows of `src` (k a multiple of 32, n of 16, of 32 where src->glu) on the
- * tiles: x laid out as B tiles once, then each thread dequantizes its strip rows (`strip_rows_bf16`)
- * and runs every row of x through them: 32 at a time a chunk of inputs at a time where the step
- * is `chunked`, else 32-128 at a time into its part of `work`. Returns 0 where it could not get
- * its buffer (nothing written). */
+ * tiles: x laid out as B tiles once, then each thread dequantizes its strip rows
+ * (`strip_rows_bf16`) and runs every row of x through them: 32 at a time, a chunk of inputs at
+ * a time, where the step is `chunked`; else 32-128 at a time into its part of `work`. Returns 0
+ * where it could not get its buffer (nothing written). */
 static int strips_on_tiles(const weight_rows *src, int64_t n, int64_t k, const bf16 *x,
                            int64_t rows, int64_t x_stride, void *out, int out_bf16,
                            int64_t out_stride, bf16 *work, int threads) {
