@@ -14,6 +14,7 @@ from conftest import longrope, make_tiny_model
 from paged_backend import LLM, SamplingParams, cpu
 from paged_backend.attention import FusedDecode
 from paged_backend.attention.fused_decode import QUANT_MAX_ROWS as FUSED_QUANT_MAX_ROWS
+from paged_backend.config import EngineConfig
 from paged_backend.cpu import kernel_choice, quant
 from paged_backend.cpu.quant import QuantLinear
 from paged_backend.default_model import default_model_file
@@ -239,16 +240,18 @@ def test_bf16_steps_past_the_int8_rows_dequantize_in_one_call_with_the_modules_b
 
 
 @needs_bf16
-def test_quantized_decode_steps_of_up_to_128_rows_run_fused_with_the_modules_bits(
+def test_quantized_decode_steps_of_a_default_batch_run_fused_with_the_modules_bits(
     tmp_path, monkeypatch
 ):
-    """A batch of more than 64 requests (up to the default max_num_seqs, 128) decodes in the
-    one-call step through quantized linears too (dequantized to bf16, past their int8 rows),
-    with the bits the modules give; 130 requests decode through the modules."""
+    """A batch of more than 64 requests (up to the default max_num_seqs) decodes in the one-call
+    step through quantized linears too (dequantized to bf16, past their int8 rows), with the
+    bits the modules give; a batch past the step's rows decodes through the modules."""
+    assert EngineConfig.max_num_seqs <= FUSED_QUANT_MAX_ROWS  # the default batch runs fused
     path = write_checkpoint("tiny", tmp_path, ("q4_k_m",))[0]
-    llm = LLM(model=str(path), dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=130)
-    assert llm.engine.runner.model.fused_decode.max_rows == 128
-    for count in (100, 130):
+    most = FUSED_QUANT_MAX_ROWS + 2
+    llm = LLM(model=str(path), dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=most)
+    assert llm.engine.runner.model.fused_decode.max_rows == FUSED_QUANT_MAX_ROWS
+    for count in (100, most):
         prompts = [[1, 5 + i, 17, 923, 4 + i] for i in range(count)]
         fused, steps = generate_counting(llm, monkeypatch, [3] * count, prompts)
         assert {rows for rows, _ in steps} == ({100} if count == 100 else set())
