@@ -299,6 +299,18 @@ static inline void load_accumulator(int t, float c[16][16]) {
     }
 }
 
+/* The sums of nb blocks (tiles 0 .. 2 nb, row tile 1's only where `two`) into sums[t], held
+ * there while the tiles do other work, and back (`load_sums`): the same bits. */
+static inline void hold_sums(int nb, int two, float (*sums)[16][16]) {
+    for (int t = 0; t < 2 * nb; t++)
+        if (two || t % 2 == 0) store_accumulator(t, sums[t]);
+}
+
+static inline void load_sums(int nb, int two, float (*sums)[16][16]) {
+    for (int t = 0; t < 2 * nb; t++)
+        if (two || t % 2 == 0) load_accumulator(t, sums[t]);
+}
+
 /* `out_bf16` of the strips' kernels: fp32 outputs (0), bf16 (1), or no outputs but each row's
  * running argmax (`quant_argmax_amx`: out a thread's `running_argmax`). */
 enum { OUT_ARGMAX = 2 };
@@ -396,8 +408,7 @@ static void glu_hold(glu_pending *p, int gelu, int m0, int m1, bf16 *out, int64_
     p->gelu = gelu;
     p->unit = 0;
     p->units = m1 ? 10 : 5;
-    for (int c = 0; c < 4; c++)
-        if (m1 || c % 2 == 0) store_accumulator(c, p->c[c]);
+    hold_sums(2, m1 > 0, p->c);
 }
 
 /* `weight_strip_on_tiles`' outputs of nb blocks from strip row j0 (whole pairs where s->glu). */
@@ -485,10 +496,10 @@ static int chunked(int64_t rows, int64_t k) {
  * (nb <= 2), dequantized a chunk (256 inputs) at a time into two L1 buffers, each chunk once:
  * the next chunk is readied (`chunk_unit`) between the current one's tile steps, so that the
  * vector units dequantize while the tiles multiply. Each 32 rows of x (a pair of row tiles) go
- * through every chunk; up to 32 rows the sums stay in the tiles, more rows' wait in `held` from
- * one chunk to the next (stored and loaded as the tiles hold them: the same bits). */
+ * through every chunk; up to 32 rows the sums stay in the tiles, more rows' wait in `held` (4
+ * tiles' worth a pair) from one chunk to the next (`hold_sums`, `load_sums`: the same bits). */
 static void chunked_strip_on_tiles(const weight_rows *src, int64_t j0, int nb, int64_t k,
-                                   const bf16 *xt, int64_t rows, float (*held)[4][16][16],
+                                   const bf16 *xt, int64_t rows, float (*held)[16][16],
                                    void *out, int64_t n, int out_bf16, int *m0, int *m1) {
     enum { CS = CHUNK_STRIDE };
     bf16 chunk[2][32 * CS] __attribute__((aligned(64))); /* chunk c in chunk[c % 2] */
@@ -514,8 +525,7 @@ static void chunked_strip_on_tiles(const weight_rows *src, int64_t j0, int nb, i
             if (c == 0)
                 zero_sums(nb, two);
             else if (pairs > 1)
-                for (int t = 0; t < 2 * nb; t++)
-                    if (two || t % 2 == 0) load_accumulator(t, held[p][t]);
+                load_sums(nb, two, held + 4 * p);
             const bf16 *x0 = xt + (2 * p * steps + first / 32) * 512, *x1 = x0 + steps * 512;
             for (int64_t s = 0; s < (last - first) / 32; s++) {
                 tile_step(a, a + 16 * CS, CS * 2, x0, x1, s, nb, two);
@@ -525,8 +535,7 @@ static void chunked_strip_on_tiles(const weight_rows *src, int64_t j0, int nb, i
             if (c + 1 == chunks)
                 store_strip(src, nb, top, bottom, out, n, r0, j0, out_bf16);
             else if (pairs > 1)
-                for (int t = 0; t < 2 * nb; t++)
-                    if (two || t % 2 == 0) store_accumulator(t, held[p][t]);
+                hold_sums(nb, two, held + 4 * p);
         }
         while (u < units) chunk_unit(src, j0, j1, nb, k, c + 1, u++, parts, next);
     }
@@ -565,13 +574,11 @@ static void weight_strip_on_tiles(const weight_rows *src, int64_t j0, int nb, in
                 if (k0 == 0)
                     zero_sums(pair, two);
                 else
-                    for (int c = 0; c < 2 * pair; c++)
-                        if (two || c % 2 == 0) load_accumulator(c, sums[c]);
+                    load_sums(pair, two, sums);
                 tile_steps(a, a + 16 * ks, ks * 2, x0, x0 + steps * 512, (k1 - k0) / 32, pair, two,
                            &pending);
                 if (k1 < k) {
-                    for (int c = 0; c < 2 * pair; c++)
-                        if (two || c % 2 == 0) store_accumulator(c, sums[c]);
+                    hold_sums(pair, two, sums);
                 } else if (src->glu) {
                     glu_finish(&pending);
                     glu_hold(&pending, src->glu == 2, *m0, *m1, (bf16 *)out, n, r0,
@@ -641,8 +648,7 @@ static int strips_on_tiles(const weight_rows *src, int64_t n, int64_t k, const b
             int count = nb1 - nb < span ? (int)(nb1 - nb) : (int)span;
             if (small)
                 chunked_strip_on_tiles(src, 16 * nb, count, k, xt, rows,
-                                       (float(*)[4][16][16])held_sums, dest, out_stride, out_bf16,
-                                       &m0, &m1);
+                                       held_sums, dest, out_stride, out_bf16, &m0, &m1);
             else
                 weight_strip_on_tiles(src, 16 * nb, count, k, xt, rows,
                                       work + t * DEQUANTIZED_ROWS * ks, ks, kc, held_sums, dest,
