@@ -109,11 +109,10 @@ static inline __attribute__((always_inline)) void vnni_scales(int type, __m512i 
     int groups = k_groups(type);
     for (int g = 0; g < groups; g++)
         _mm512_store_si512(s->scale + ((sb * groups + g) * 2 + b) * 16, r[g]);
-    for (int h = 0; h < 8; h++) { /* the int16 pair of 16s 2h, 2h + 1 */
-        /* offsets a 16 inputs: Q2_K's mins, Q3_K's / Q6_K's scales, Q4_K's / Q5_K's mins twice */
-        __m512i *by16 = type == Q2_K ? mins : r;
-        __m512i lo = has_16_groups(type) ? by16[2 * h] : r[8 + h];
-        __m512i hi = has_16_groups(type) ? by16[2 * h + 1] : r[8 + h];
+    for (int h = 0; h < 8 >> !has_16_groups(type); h++) { /* the int16 pair of groups 2h, 2h + 1 */
+        /* offsets of a group: Q2_K's mins, Q3_K's / Q6_K's scales, Q4_K's / Q5_K's mins */
+        __m512i *by_group = type == Q2_K ? mins : has_16_groups(type) ? r : r + 8;
+        __m512i lo = by_group[2 * h], hi = by_group[2 * h + 1];
         __m512i pair = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xffff)),
                                        _mm512_slli_epi32(hi, 16));
         _mm512_store_si512(s->mv + ((8 * sb + h) * 2 + b) * 32, pair);
@@ -172,7 +171,8 @@ static inline __m512 product(__m512 a, __m512 b) {
  * super-block's integer sum is less 128 times the activations' sum, and it has no offsets. */
 static inline __attribute__((always_inline)) void vnni_tile_of(
     const int groups, const int unit, const int R, const vnni_strip *s, int64_t k, const int8_t *xq,
-    const float *xd, const int16_t *bsum, int64_t kp, float out[VNNI_ROWS][32]) {
+    const float *xd, const int16_t *bsum, const int16_t *gsum, int64_t kp,
+    float out[VNNI_ROWS][32]) {
     const int quads = CHUNK / 4 / groups; /* 4-input steps a group */
     __m512 acc[VNNI_ROWS][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -220,12 +220,14 @@ static inline __attribute__((always_inline)) void vnni_tile_of(
             }
         }
         for (int r = 0; r < R; r++) t[r][0] = t[r][1] = _mm512_setzero_si512();
-        for (int h = 0; h < 8 * !unit; h++) {
+        /* the offsets: pairs of groups' sums of activations (`group_sums`) by the strip's */
+        const int16_t *sums = groups == 16 ? bsum : gsum;
+        for (int h = 0; h < groups / 2 * !unit; h++) {
             const int16_t *mv = s->mv + (8 * sb + h) * 64;
             __m512i mv0 = _mm512_load_si512(mv), mv1 = _mm512_load_si512(mv + 32);
             for (int r = 0; r < R; r++) {
                 int32_t pair;
-                memcpy(&pair, bsum + r * (kp / 16) + sb * 16 + 2 * h, 4);
+                memcpy(&pair, sums + r * (kp / 256 * groups) + sb * groups + 2 * h, 4);
                 __m512i bb = _mm512_set1_epi32(pair);
                 t[r][0] = _mm512_dpwssd_epi32(t[r][0], mv0, bb);
                 t[r][1] = _mm512_dpwssd_epi32(t[r][1], mv1, bb);
@@ -253,9 +255,9 @@ static inline __attribute__((always_inline)) void vnni_tile_of(
 /* `vnni_tile_of` compiled for each group size and row count. */
 static __attribute__((noinline)) void vnni_tile(int type, int rows, const vnni_strip *s,
                                                 int64_t k, const int8_t *xq, const float *xd,
-                                                const int16_t *bsum, int64_t kp,
-                                                float out[VNNI_ROWS][32]) {
-#define TILE(G, U, R) vnni_tile_of(G, U, R, s, k, xq, xd, bsum, kp, out)
+                                                const int16_t *bsum, const int16_t *gsum,
+                                                int64_t kp, float out[VNNI_ROWS][32]) {
+#define TILE(G, U, R) vnni_tile_of(G, U, R, s, k, xq, xd, bsum, gsum, kp, out)
 #define TILES(G, U) \
     if (rows == 4) TILE(G, U, 4); else if (rows == 3) TILE(G, U, 3); else if (rows == 2) TILE(G, U, 2); else TILE(G, U, 1)
     if (has_16_groups(type)) {
@@ -430,6 +432,18 @@ static uint8_t *vnni_buffer_for(int64_t k) {
                                                                                 : NULL;
 }
 
+/* Each row's sums of its int8 activations over groups of 32 inputs, [rows][kp / 32] (`bsum`'s
+ * pairs, at most 32 x 127 in magnitude): the 8-group K-quants' offsets then take two groups a
+ * `vpdpwssd` (the same integers; half the multiplies of pairs of 16s). The calling thread's
+ * buffer; NULL where it could not grow. */
+static int16_t *group_sums(const int16_t *bsum, int64_t rows, int64_t kp) {
+    static __thread int16_t *buffer;
+    static __thread int64_t bytes;
+    if (!grown((void **)&buffer, &bytes, rows * (kp / 32) * (int64_t)sizeof *buffer)) return NULL;
+    for (int64_t i = 0; i < rows * (kp / 32); i++) buffer[i] = (int16_t)(bsum[2 * i] + bsum[2 * i + 1]);
+    return buffer;
+}
+
 #ifdef AMX_GEMM
 /* Each row's 128 x (the sum of its int8 activations) a super-block, [rows][k / 256], or for
  * `row_scales` (`q8_256_channels_amx`, whose sums run through all of k) a row, [rows][1]: what
@@ -497,6 +511,9 @@ int vnni_matmul(int type, int row_scales, const uint8_t *w, int64_t n, int64_t k
                 int64_t rows, void *out, int out_bf16, int64_t out_stride, int threads) {
     int64_t kp = act_stride(k), strips = n / 32, kc = (k + CHUNK - 1) / CHUNK * CHUNK;
     int legacy = !is_superblock(type), packed = type == Q8_256_VNNI, tile_rows = legacy ? 2 : VNNI_ROWS, ok = 1;
+    int by_groups = !legacy && !packed && !has_16_groups(type); /* Q4_K, Q5_K: `group_sums` */
+    const int16_t *gsum = by_groups ? group_sums(bsum, rows, kp) : NULL;
+    if (by_groups && !gsum) return 0;
 #ifdef AMX_GEMM
     int amx = packed && amx_ready(); /* Q8_256_VNNI's strips are the tiles' B layout */
     int32_t *offsets = amx ? superblock_offsets(bsum, rows, k, kp, row_scales) : NULL;
@@ -543,7 +560,8 @@ int vnni_matmul(int type, int row_scales, const uint8_t *w, int64_t n, int64_t k
                     if (legacy)
                         vnni_legacy_tile(type, mt, &s, k, x, x_d, x_sum, kp, tile);
                     else
-                        vnni_tile(packed ? Q8_256 : type, mt, &s, k, x, x_d, x_sum, kp, tile);
+                        vnni_tile(packed ? Q8_256 : type, mt, &s, k, x, x_d, x_sum,
+                                  gsum ? gsum + r0 * (kp / 32) : NULL, kp, tile);
                     store_tile(out, out_bf16, out_stride, r0, mt, 32 * st, tile);
                 }
             }
