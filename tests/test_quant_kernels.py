@@ -631,13 +631,16 @@ def test_rows_have_the_bits_of_one_row_in_steps_of_any_size(fmt):
 
 @pytest.mark.parametrize("fmt", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_largest_levels_by_largest_activations_keep_exact_sums(fmt, sign):
+@pytest.mark.parametrize("outputs", [80, 96])
+def test_largest_levels_by_largest_activations_keep_exact_sums(fmt, sign, outputs):
     """Every level at its largest and every activation level at +-127 (constant rows): the
-    sums a GEMM keeps in int16 (AVX2's, over as many 4-input steps as fit) reach their bound and
-    must not wrap. Each row has the one-row kernel's bits in steps of 6-40 rows (80 outputs: 5
-    strips of 16, split unevenly over two threads), and is the dequantized product."""
-    w = random_weight(fmt, 80, 512, seed=11)
-    blocks = w.data.view(80, 2, BLOCK_FORMATS[fmt][2])
+    sums a GEMM keeps in int16 (AVX2's, over as many 4-input steps as fit; the VNNI GEMM's
+    activation sums of a group) reach their bound and must not wrap. Each row has the one-row
+    kernel's bits in steps of 6-40 rows (80 outputs: 5 strips of 16 for AVX2's GEMM; 96: 3
+    strips of 32 for the VNNI GEMM; both split unevenly over two threads), and is the
+    dequantized product."""
+    w = random_weight(fmt, outputs, 512, seed=11)
+    blocks = w.data.view(outputs, 2, BLOCK_FORMATS[fmt][2])
     scales = {at: blocks[..., at : at + 2].clone() for at in FP16_FIELDS[fmt]}
     blocks.fill_(255)  # every level, scale and high bit set
     for at, value in scales.items():
