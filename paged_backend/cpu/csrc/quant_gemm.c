@@ -119,9 +119,30 @@ static inline __attribute__((always_inline)) void vnni_scales(int type, __m512i 
     }
 }
 
+/* Q4_K's levels of 16 rows (blk[j]: row j's super-block sb) into block b of the strip, from
+ * the nibbles as they are: byte 4i + m of a row's 32-byte part c holds inputs 64c + 4i + m (low
+ * nibble) and 64c + 32 + 4i + m (high), so a 16 x 16 transpose of 4-byte units gives two 4-input
+ * steps a unit (half the shuffles of transposing the levels, and no trip through memory). */
+static inline __attribute__((always_inline)) void q4_k_store_levels(const uint8_t *blk[16],
+                                                                    const vnni_strip *s,
+                                                                    int64_t sb, int b) {
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int half = 0; half < 2; half++) { /* parts 2 half, 2 half + 1 */
+        __m512i r[16];
+        for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_si512(blk[j] + 16 + 64 * half);
+        transpose16x16(r); /* r[u]: unit u of the 16 rows */
+        for (int u = 0; u < 16; u++) {
+            int64_t q = sb * 64 + 16 * (2 * half + u / 8) + u % 8; /* the low nibbles' step */
+            uint8_t *at = (uint8_t *)s->levels + (q * 2 + b) * 64;
+            _mm512_store_si512(at, _mm512_and_si512(r[u], low));
+            _mm512_store_si512(at + 8 * 2 * 64, _mm512_and_si512(_mm512_srli_epi16(r[u], 4), low));
+        }
+    }
+}
+
 /* Weight rows [j0, j0 + 32) into the strip: each super-block's levels of 16 rows (8 registers a
- * row, `k_level`) and their headers, then 16 x 16 int32 transposes make each 4 inputs' (and
- * each group's) 16 outputs adjacent. */
+ * row, `k_level`; Q4_K's `q4_k_store_levels`) and their headers, then 16 x 16 int32 transposes
+ * make each 4 inputs' (and each group's) 16 outputs adjacent. */
 static inline __attribute__((always_inline)) void vnni_pack_of(int type, const uint8_t *w,
                                                                int64_t row_bytes, int64_t j0,
                                                                int64_t k, const vnni_strip *s) {
@@ -129,12 +150,13 @@ static inline __attribute__((always_inline)) void vnni_pack_of(int type, const u
     for (int64_t sb = 0; sb < k / CHUNK; sb++)
         for (int b = 0; b < 2; b++) {
             __m512i r[16], mins[16];
+            const uint8_t *rows[16];
             float *dm = s->dm + 64 * sb + 16 * b;
             for (int j = 0; j < 16; j++) {
-                const uint8_t *blk = w + (j0 + 16 * b + j) * row_bytes + sb * block_bytes(type);
+                const uint8_t *blk = rows[j] = w + (j0 + 16 * b + j) * row_bytes + sb * block_bytes(type);
                 for (int64_t i = 0; i < block_bytes(type); i += 64)
                     _mm_prefetch((const char *)blk + VNNI_PREFETCH * block_bytes(type) + i, _MM_HINT_T0);
-                for (int g = 0; g < 8; g++) {
+                for (int g = 0; g < 8 * (type != Q4_K); g++) {
                     __m256i q = k_level(type, blk, g);
                     if (type == Q8_256) q = _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80));
                     _mm256_store_si256((__m256i *)(levels[j] + 32 * g), q);
@@ -143,7 +165,10 @@ static inline __attribute__((always_inline)) void vnni_pack_of(int type, const u
                 if (type == Q2_K) mins[j] = _mm512_cvtepu8_epi32(q2k_mins_m128(blk));
             }
             if (type != Q8_256) vnni_scales(type, r, mins, s, sb, b);
-            vnni_store_levels(levels, s, sb * CHUNK, b);
+            if (type == Q4_K)
+                q4_k_store_levels(rows, s, sb, b);
+            else
+                vnni_store_levels(levels, s, sb * CHUNK, b);
         }
 }
 
