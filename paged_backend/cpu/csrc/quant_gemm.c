@@ -14,8 +14,8 @@
 /* A strip of 32 outputs (blocks b = 0, 1 of 16) of a K-quant weight, k inputs:
  * - levels: inputs 4q..4q+3 of block b at levels + (2q + b) * 64, output-major (16 x 4 bytes);
  * - scale: group g's (of 32 inputs, 16 for Q2_K, Q3_K and Q6_K) int32 scales at scale + (2g + b) * 16;
- * - mv: super-block s's 16s' offset weights, int16 pairs h (16s 2h, 2h + 1) of 16 outputs at
- *   mv + ((8s + h) * 2 + b) * 32;
+ * - mv: super-block s's groups' offset weights, int16 pairs h (groups 2h, 2h + 1) of 16 outputs
+ *   at mv + ((8s + h) * 2 + b) * 32;
  * - dm: super-block s's d at dm + (4s + b) * 16, mfac at dm + (4s + 2 + b) * 16. */
 typedef struct {
     const uint8_t *levels;
@@ -536,7 +536,7 @@ int vnni_matmul(int type, int row_scales, const uint8_t *w, int64_t n, int64_t k
                 int64_t rows, void *out, int out_bf16, int64_t out_stride, int threads) {
     int64_t kp = act_stride(k), strips = n / 32, kc = (k + CHUNK - 1) / CHUNK * CHUNK;
     int legacy = !is_superblock(type), packed = type == Q8_256_VNNI, tile_rows = legacy ? 2 : VNNI_ROWS, ok = 1;
-    int by_groups = !legacy && !packed && !has_16_groups(type); /* Q4_K, Q5_K: `group_sums` */
+    int by_groups = type == Q4_K || type == Q5_K; /* offsets by `group_sums` */
     const int16_t *gsum = by_groups ? group_sums(bsum, rows, kp) : NULL;
     if (by_groups && !gsum) return 0;
 #ifdef AMX_GEMM
